@@ -1,0 +1,535 @@
+"""The subset of ``cuda.bindings.driver`` that hss calls, executed on the CPU.
+
+Every function returns ``(CUresult, *values)`` like the real binding. One emulated device
+(compute capability 9.0, like an H200) with one primary context; ``HSS_EMULATOR_MEMORY`` sets its
+memory in bytes (default 8 GiB). The current context is tracked per thread, and calls that need
+one fail with ``CUDA_ERROR_INVALID_CONTEXT`` on a thread that has none current, as on a GPU.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from .enums import (CUDA_MEMCPY2D, ERROR_STRINGS, CUdevice_attribute, CUmemorytype, CUresult,
+                    CUstreamCaptureMode)
+from .memory import Arena, host_view
+from .streams import Event, Graph, GraphExec, Stream
+
+R = CUresult
+DRIVER_VERSION = 13000
+DEVICE_NAME = b"hss CPU emulator (H200-like, sm_90)"
+ATTRIBUTES = {
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: 1024,
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: 48 * 1024,
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: 1,
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+    CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 227 * 1024,
+}
+LEGACY_STREAMS = (0, 1, 2)   # NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD all map to the legacy stream
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.tls = threading.local()
+        self.initialised = False
+        self.arena = Arena(int(os.environ.get("HSS_EMULATOR_MEMORY", 8 << 30)))
+        self.ids = itertools.count(0x1000)
+        self.ctx_handle = 0xC0_0000
+        self.ctx_refs = 0
+        self.streams: dict[int, Stream] = {}
+        self.events: dict[int, Event] = {}
+        self.graphs: dict[int, Graph] = {}
+        self.execs: dict[int, GraphExec] = {}
+        self.legacy = Stream(0, self.ctx_handle, blocking=True)
+
+    def current(self) -> int:
+        return getattr(self.tls, "ctx", 0)
+
+
+S = _State()
+
+
+def _needs_ctx() -> R | None:
+    if not S.initialised:
+        return R.CUDA_ERROR_NOT_INITIALIZED
+    if S.current() != S.ctx_handle or S.ctx_refs == 0:
+        return R.CUDA_ERROR_INVALID_CONTEXT
+    return None
+
+
+def stream_of(handle: Any) -> Stream | None:
+    h = int(handle)
+    if h in LEGACY_STREAMS:
+        return S.legacy
+    return S.streams.get(h)
+
+
+def enqueue(stream: Stream, op: Any) -> None:
+    """Queue ``op`` on ``stream`` (or its capture), with the legacy-stream ordering of blocking streams."""
+    if stream.capture is not None:
+        stream.capture.append(op)
+        return
+    if stream is S.legacy:
+        for other in list(S.streams.values()):
+            if other.blocking and other.submitted > other.done:
+                pos = other.submitted
+                stream.push(lambda o=other, p=pos: o.run_to(p))
+    elif stream.blocking and S.legacy.submitted > S.legacy.done:
+        pos = S.legacy.submitted
+        stream.push(lambda p=pos: S.legacy.run_to(p))
+    stream.push(op)
+
+
+def drain_all() -> None:
+    for st in [S.legacy, *S.streams.values()]:
+        st.drain()
+
+
+# -- init, device, context --------------------------------------------------------------------
+def cuInit(flags: int) -> tuple:
+    S.initialised = True
+    return (R.CUDA_SUCCESS,)
+
+
+def cuDriverGetVersion() -> tuple:
+    return (R.CUDA_SUCCESS, DRIVER_VERSION)
+
+
+def cuDeviceGetCount() -> tuple:
+    return (R.CUDA_SUCCESS, 1) if S.initialised else (R.CUDA_ERROR_NOT_INITIALIZED, 0)
+
+
+def cuDeviceGet(ordinal: int) -> tuple:
+    if not S.initialised:
+        return (R.CUDA_ERROR_NOT_INITIALIZED, None)
+    return (R.CUDA_SUCCESS, 0) if int(ordinal) == 0 else (R.CUDA_ERROR_INVALID_DEVICE, None)
+
+
+def cuDeviceGetName(length: int, dev: int) -> tuple:
+    if int(dev) != 0:
+        return (R.CUDA_ERROR_INVALID_DEVICE, None)
+    return (R.CUDA_SUCCESS, DEVICE_NAME[: length - 1].ljust(length, b"\0"))
+
+
+def cuDeviceTotalMem(dev: int) -> tuple:
+    return (R.CUDA_SUCCESS, S.arena.total) if int(dev) == 0 else (R.CUDA_ERROR_INVALID_DEVICE, None)
+
+
+def cuDeviceGetAttribute(attrib: Any, dev: int) -> tuple:
+    if int(dev) != 0:
+        return (R.CUDA_ERROR_INVALID_DEVICE, None)
+    value = ATTRIBUTES.get(int(attrib))
+    return (R.CUDA_SUCCESS, value) if value is not None else (R.CUDA_ERROR_INVALID_VALUE, None)
+
+
+def cuDevicePrimaryCtxRetain(dev: int) -> tuple:
+    if not S.initialised:
+        return (R.CUDA_ERROR_NOT_INITIALIZED, None)
+    if int(dev) != 0:
+        return (R.CUDA_ERROR_INVALID_DEVICE, None)
+    with S.lock:
+        S.ctx_refs += 1
+    return (R.CUDA_SUCCESS, S.ctx_handle)
+
+
+def cuDevicePrimaryCtxRelease(dev: int) -> tuple:
+    if int(dev) != 0:
+        return (R.CUDA_ERROR_INVALID_DEVICE,)
+    with S.lock:
+        if S.ctx_refs == 0:
+            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        S.ctx_refs -= 1
+        if S.ctx_refs == 0:      # the primary context is destroyed: everything in it goes
+            drain_all()
+            for a in S.arena.live():
+                S.arena.free(a.base, a.kind)
+            S.streams.clear()
+            S.events.clear()
+            from . import launch
+            launch.MODULES.clear()
+    return (R.CUDA_SUCCESS,)
+
+
+def cuCtxSetCurrent(ctx: Any) -> tuple:
+    h = int(ctx) if ctx is not None else 0
+    if h not in (0, S.ctx_handle):
+        return (R.CUDA_ERROR_INVALID_CONTEXT,)
+    S.tls.ctx = h
+    return (R.CUDA_SUCCESS,)
+
+
+def cuCtxGetCurrent() -> tuple:
+    return (R.CUDA_SUCCESS, S.current())
+
+
+def cuCtxGetDevice() -> tuple:
+    err = _needs_ctx()
+    return (err, None) if err else (R.CUDA_SUCCESS, 0)
+
+
+def cuCtxSynchronize() -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err,)
+    with S.lock:
+        drain_all()
+    return (R.CUDA_SUCCESS,)
+
+
+def cuGetErrorName(err: Any) -> tuple:
+    try:
+        return (R.CUDA_SUCCESS, R(int(err)).name.encode())
+    except ValueError:
+        return (R.CUDA_ERROR_INVALID_VALUE, None)
+
+
+def cuGetErrorString(err: Any) -> tuple:
+    try:
+        return (R.CUDA_SUCCESS, ERROR_STRINGS[R(int(err))].encode())
+    except (ValueError, KeyError):
+        return (R.CUDA_ERROR_INVALID_VALUE, None)
+
+
+# -- memory -----------------------------------------------------------------------------------
+def cuMemGetInfo() -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err, None, None)
+    return (R.CUDA_SUCCESS, S.arena.total - S.arena.used, S.arena.total)
+
+
+def cuMemAlloc(nbytes: int) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err, None)
+    if int(nbytes) == 0:
+        return (R.CUDA_ERROR_INVALID_VALUE, None)
+    with S.lock:
+        base = S.arena.alloc_device(int(nbytes))
+    return (R.CUDA_SUCCESS, base) if base is not None else (R.CUDA_ERROR_OUT_OF_MEMORY, None)
+
+
+def cuMemFree(ptr: Any) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err,)
+    with S.lock:
+        drain_all()   # cuMemFree waits for work in flight, as the real driver does
+        ok = S.arena.free(int(ptr), "device")
+    return (R.CUDA_SUCCESS,) if ok else (R.CUDA_ERROR_INVALID_VALUE,)
+
+
+def cuMemAllocHost(nbytes: int) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err, None)
+    with S.lock:
+        return (R.CUDA_SUCCESS, S.arena.alloc_pinned(int(nbytes)))
+
+
+def cuMemFreeHost(ptr: Any) -> tuple:
+    with S.lock:
+        drain_all()
+        ok = S.arena.free(int(ptr), "pinned")
+    return (R.CUDA_SUCCESS,) if ok else (R.CUDA_ERROR_INVALID_VALUE,)
+
+
+def cuMemHostGetDevicePointer(ptr: Any, flags: int) -> tuple:
+    return (R.CUDA_SUCCESS, int(ptr)) if S.arena.is_pinned(int(ptr)) else (R.CUDA_ERROR_INVALID_VALUE, None)
+
+
+def _host_addr(obj: Any) -> int:
+    if isinstance(obj, int):
+        return obj
+    return np.frombuffer(obj, dtype=np.uint8).ctypes.data
+
+
+def _copy_op(dst: np.ndarray, src: np.ndarray) -> Any:
+    def op() -> None:
+        dst[:] = src
+    return op
+
+
+def _stream_or_err(hstream: Any) -> tuple[Stream | None, R | None]:
+    err = _needs_ctx()
+    if err:
+        return None, err
+    st = stream_of(hstream)
+    return (st, None) if st is not None else (None, R.CUDA_ERROR_INVALID_HANDLE)
+
+
+def cuMemcpyHtoDAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    n, saddr = int(nbytes), _host_addr(src)
+    with S.lock:
+        dview = S.arena.view(int(dst), n, "cuMemcpyHtoDAsync destination")
+        if S.arena.is_pinned(saddr):
+            sview = S.arena.view(saddr, n, "cuMemcpyHtoDAsync pinned source")   # read when the copy runs
+        else:
+            if st.capture is not None:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+            sview = host_view(saddr, n).copy()   # pageable: the driver stages it before returning
+        enqueue(st, _copy_op(dview, sview))
+    return (R.CUDA_SUCCESS,)
+
+
+def cuMemcpyDtoHAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    n, daddr = int(nbytes), _host_addr(dst)
+    with S.lock:
+        sview = S.arena.view(int(src), n, "cuMemcpyDtoHAsync source")
+        if S.arena.is_pinned(daddr):
+            enqueue(st, _copy_op(S.arena.view(daddr, n, "cuMemcpyDtoHAsync pinned destination"), sview))
+        else:
+            if st.capture is not None:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+            st.drain()        # pageable destination: the real driver completes the copy before returning
+            host_view(daddr, n)[:] = sview
+    return (R.CUDA_SUCCESS,)
+
+
+def cuMemcpyDtoDAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    n = int(nbytes)
+    with S.lock:
+        dview = S.arena.view(int(dst), n, "cuMemcpyDtoDAsync destination")
+        sview = S.arena.view(int(src), n, "cuMemcpyDtoDAsync source")
+        enqueue(st, lambda: dview.__setitem__(slice(None), sview.copy()))
+    return (R.CUDA_SUCCESS,)
+
+
+def cuMemcpy2DAsync(p: Any, hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    dev = int(CUmemorytype.CU_MEMORYTYPE_DEVICE)
+    if int(p.srcMemoryType) != dev or int(p.dstMemoryType) != dev:
+        return (R.CUDA_ERROR_NOT_SUPPORTED,)   # hss only issues device-to-device 2-D copies
+    w, h = int(p.WidthInBytes), int(p.Height)
+    sp, dp = int(p.srcPitch), int(p.dstPitch)
+    if h and (w > sp or w > dp):
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    if w == 0 or h == 0:
+        return (R.CUDA_SUCCESS,)
+    src0 = int(p.srcDevice) + int(p.srcXInBytes) + int(p.srcY) * sp
+    dst0 = int(p.dstDevice) + int(p.dstXInBytes) + int(p.dstY) * dp
+    with S.lock:
+        sview = S.arena.view(src0, (h - 1) * sp + w, "cuMemcpy2DAsync source")
+        dview = S.arena.view(dst0, (h - 1) * dp + w, "cuMemcpy2DAsync destination")
+
+        def op() -> None:
+            rows = np.lib.stride_tricks.as_strided(sview, (h, w), (sp, 1)).copy()
+            np.lib.stride_tricks.as_strided(dview, (h, w), (dp, 1))[:] = rows
+        enqueue(st, op)
+    return (R.CUDA_SUCCESS,)
+
+
+def _memset(dst: Any, value: int, count: int, hstream: Any, dtype: type, call: str) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    n = int(count)
+    item = np.dtype(dtype).itemsize
+    if int(dst) % item:
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    with S.lock:
+        view = S.arena.view(int(dst), n * item, f"{call} destination").view(dtype)
+        enqueue(st, lambda: view.fill(dtype(int(value))))
+    return (R.CUDA_SUCCESS,)
+
+
+def cuMemsetD8Async(dst: Any, value: int, count: int, hstream: Any) -> tuple:
+    return _memset(dst, int(value) & 0xFF, count, hstream, np.uint8, "cuMemsetD8Async")
+
+
+def cuMemsetD32Async(dst: Any, value: int, count: int, hstream: Any) -> tuple:
+    return _memset(dst, int(value) & 0xFFFFFFFF, count, hstream, np.uint32, "cuMemsetD32Async")
+
+
+# -- streams, events, graphs ------------------------------------------------------------------
+def cuStreamCreate(flags: int) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err, None)
+    with S.lock:
+        h = next(S.ids)
+        S.streams[h] = Stream(h, S.ctx_handle, blocking=not (int(flags) & 1))
+    return (R.CUDA_SUCCESS, h)
+
+
+def cuStreamDestroy(hstream: Any) -> tuple:
+    with S.lock:
+        st = S.streams.pop(int(hstream), None)
+        if st is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        st.drain()   # destroying a stream lets its queued work finish
+    return (R.CUDA_SUCCESS,)
+
+
+def cuStreamSynchronize(hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    if st.capture is not None:
+        st.capture_broken = True
+        return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+    with S.lock:
+        st.drain()
+    return (R.CUDA_SUCCESS,)
+
+
+def cuStreamQuery(hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    return (R.CUDA_SUCCESS,) if st.done == st.submitted else (R.CUDA_ERROR_NOT_READY,)
+
+
+def cuEventCreate(flags: int) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err, None)
+    with S.lock:
+        h = next(S.ids)
+        S.events[h] = Event(h, timing=not (int(flags) & 2))
+    return (R.CUDA_SUCCESS, h)
+
+
+def cuEventDestroy(hevent: Any) -> tuple:
+    return (R.CUDA_SUCCESS,) if S.events.pop(int(hevent), None) else (R.CUDA_ERROR_INVALID_HANDLE,)
+
+
+def cuEventRecord(hevent: Any, hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    ev = S.events.get(int(hevent))
+    if ev is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    with S.lock:
+        ev.time = None
+        enqueue(st, ev.record_op())
+        if st.capture is None:
+            ev.stream, ev.position = st, st.submitted
+        else:
+            ev.stream, ev.position = None, 0   # a captured record orders nothing outside the graph
+    return (R.CUDA_SUCCESS,)
+
+
+def cuEventSynchronize(hevent: Any) -> tuple:
+    ev = S.events.get(int(hevent))
+    if ev is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    with S.lock:
+        if ev.stream is not None:
+            ev.stream.run_to(ev.position)
+    return (R.CUDA_SUCCESS,)
+
+
+def cuEventQuery(hevent: Any) -> tuple:
+    ev = S.events.get(int(hevent))
+    if ev is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    return (R.CUDA_ERROR_NOT_READY,) if ev.pending() else (R.CUDA_SUCCESS,)
+
+
+def cuEventElapsedTime(start: Any, end: Any) -> tuple:
+    a, b = S.events.get(int(start)), S.events.get(int(end))
+    if a is None or b is None or not (a.timing and b.timing):
+        return (R.CUDA_ERROR_INVALID_HANDLE, None)
+    if a.pending() or b.pending() or a.time is None or b.time is None:
+        return (R.CUDA_ERROR_NOT_READY, None)
+    return (R.CUDA_SUCCESS, (b.time - a.time) * 1000.0)
+
+
+def cuStreamWaitEvent(hstream: Any, hevent: Any, flags: int) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    ev = S.events.get(int(hevent))
+    if ev is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    with S.lock:
+        if ev.stream is not None and ev.stream is not st:
+            if st.capture is not None:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+            other, pos = ev.stream, ev.position
+            enqueue(st, lambda: other.run_to(pos))
+    return (R.CUDA_SUCCESS,)
+
+
+def cuStreamBeginCapture(hstream: Any, mode: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    if st is S.legacy:
+        return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+    CUstreamCaptureMode(int(mode))
+    if st.capture is not None:
+        return (R.CUDA_ERROR_ILLEGAL_STATE,)
+    st.capture, st.capture_broken = [], False
+    return (R.CUDA_SUCCESS,)
+
+
+def cuStreamEndCapture(hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err, None)
+    if st.capture is None:
+        return (R.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, None)
+    ops, broken = st.capture, st.capture_broken
+    st.capture, st.capture_broken = None, False
+    if broken:
+        return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+    with S.lock:
+        h = next(S.ids)
+        S.graphs[h] = Graph(h, ops)
+    return (R.CUDA_SUCCESS, h)
+
+
+def cuGraphInstantiate(hgraph: Any, flags: int = 0) -> tuple:
+    g = S.graphs.get(int(hgraph))
+    if g is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE, None)
+    with S.lock:
+        h = next(S.ids)
+        S.execs[h] = GraphExec(h, g)
+    return (R.CUDA_SUCCESS, h)
+
+
+def cuGraphLaunch(hexec: Any, hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err,)
+    ex = S.execs.get(int(hexec))
+    if ex is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    with S.lock:
+        for op in ex.ops:
+            enqueue(st, op)
+    return (R.CUDA_SUCCESS,)
+
+
+def cuGraphDestroy(hgraph: Any) -> tuple:
+    return (R.CUDA_SUCCESS,) if S.graphs.pop(int(hgraph), None) else (R.CUDA_ERROR_INVALID_HANDLE,)
+
+
+def cuGraphExecDestroy(hexec: Any) -> tuple:
+    return (R.CUDA_SUCCESS,) if S.execs.pop(int(hexec), None) else (R.CUDA_ERROR_INVALID_HANDLE,)
+
+
+__all__ = [n for n in dir() if n.startswith("cu")] + [
+    "CUDA_MEMCPY2D", "CUmemorytype", "CUresult", "CUdevice_attribute", "CUstreamCaptureMode"]

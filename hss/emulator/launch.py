@@ -1,0 +1,176 @@
+"""Emulated module loading and ``cuLaunchKernel``.
+
+``cuModuleLoadData`` reads the PTX text (version, target, ``.entry`` names) and resolves each
+entry to its hss declaration. ``cuLaunchKernel`` decodes the ``void**`` parameter array with
+that declaration, checks the geometry (device limits plus the declaration's own contract),
+checks every pointer's declared read/write extent against the allocations, then queues the
+kernel's numpy implementation for the whole launch on the stream.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+from types import SimpleNamespace
+from typing import Any
+
+from .driver import S, _needs_ctx, enqueue, stream_of
+from .enums import CUresult as R
+from .memory import MemoryFault
+
+MODULES: dict[int, "Module"] = {}
+FUNCTIONS: dict[int, "Function"] = {}
+MAX_PTX_ISA = (9, 0)           # what the emulated driver (13.0) understands
+DEVICE_CC = (9, 0)
+_UNPACK = {"ptr": "<Q", "i32": "<i", "u32": "<I", "i64": "<q", "f32": "<f"}
+_SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
+
+
+class EmulatorError(RuntimeError):
+    """A launch broke a kernel's declared contract (geometry), or has no emulated implementation."""
+
+
+class Module:
+    def __init__(self, handle: int, entries: list[str], target: str) -> None:
+        self.handle, self.entries, self.target = handle, entries, target
+
+
+class Function:
+    def __init__(self, handle: int, module: Module, name: str) -> None:
+        self.handle, self.module, self.name = handle, module, name
+
+
+def _parse_ptx(image: Any) -> tuple[R, list[str], str]:
+    if isinstance(image, (bytes, bytearray)):
+        text = bytes(image).split(b"\0", 1)[0].decode("ascii", "replace")
+    elif isinstance(image, str):
+        text = image
+    else:
+        return R.CUDA_ERROR_INVALID_VALUE, [], ""
+    ver = re.search(r"^\s*\.version\s+(\d+)\.(\d+)", text, re.M)
+    tgt = re.search(r"^\s*\.target\s+(\w+)", text, re.M)
+    if not ver or not tgt:
+        return R.CUDA_ERROR_INVALID_PTX, [], ""
+    if (int(ver.group(1)), int(ver.group(2))) > MAX_PTX_ISA:
+        return R.CUDA_ERROR_UNSUPPORTED_PTX_VERSION, [], ""
+    target = tgt.group(1)
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)(\d)([af]?)", target)
+    if not m:
+        return R.CUDA_ERROR_INVALID_PTX, [], ""
+    cc = (int(m.group(1)), int(m.group(2)))
+    if cc > DEVICE_CC or (m.group(3) == "a" and cc != DEVICE_CC):
+        return R.CUDA_ERROR_NO_BINARY_FOR_GPU, [], ""
+    entries = re.findall(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(", text)
+    return R.CUDA_SUCCESS, entries, target
+
+
+def cuModuleLoadData(image: Any) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err, None)
+    err, entries, target = _parse_ptx(image)
+    if err:
+        return (err, None)
+    with S.lock:
+        h = next(S.ids)
+        MODULES[h] = Module(h, entries, target)
+    return (R.CUDA_SUCCESS, h)
+
+
+def cuModuleUnload(hmod: Any) -> tuple:
+    with S.lock:
+        mod = MODULES.pop(int(hmod), None)
+        if mod is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        for h in [h for h, f in FUNCTIONS.items() if f.module is mod]:
+            del FUNCTIONS[h]
+    return (R.CUDA_SUCCESS,)
+
+
+def cuModuleGetFunction(hmod: Any, name: Any) -> tuple:
+    mod = MODULES.get(int(hmod))
+    if mod is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE, None)
+    fname = name.decode() if isinstance(name, bytes) else str(name)
+    if fname not in mod.entries:
+        return (R.CUDA_ERROR_NOT_FOUND, None)
+    with S.lock:
+        h = next(S.ids)
+        FUNCTIONS[h] = Function(h, mod, fname)
+    return (R.CUDA_SUCCESS, h)
+
+
+def _decode(decl: Any, address: int) -> SimpleNamespace:
+    n = len(decl.kinds)
+    slots = (ctypes.c_void_p * n).from_address(address) if n else []
+    args = SimpleNamespace()
+    for i, (pname, kind) in enumerate(zip(decl.names, decl.kinds)):
+        raw = ctypes.string_at(slots[i], _SIZE[kind])
+        setattr(args, pname, struct.unpack(_UNPACK[kind], raw)[0])
+    return args
+
+
+def _geometry_error(grid: tuple, block: tuple, shared: int) -> str | None:
+    if min(grid) < 1 or min(block) < 1:
+        return "grid and block dimensions must be >= 1"
+    if grid[0] > 2**31 - 1 or grid[1] > 65535 or grid[2] > 65535:
+        return "grid exceeds (2^31-1, 65535, 65535)"
+    if block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024:
+        return "block exceeds 1024 threads"
+    if shared > 48 * 1024:
+        return "dynamic shared memory over 48 KiB without the opt-in attribute"
+    return None
+
+
+def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
+                   hstream: Any, params: Any, extra: Any) -> tuple:
+    err = _needs_ctx()
+    if err:
+        return (err,)
+    fn = FUNCTIONS.get(int(f))
+    st = stream_of(hstream)
+    if fn is None or st is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    grid, block, shared = (int(gx), int(gy), int(gz)), (int(bx), int(by), int(bz)), int(shared)
+    if _geometry_error(grid, block, shared):
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    from hss.kernels import DECLARATIONS, Launch
+    decl = DECLARATIONS.get(fn.name)
+    if decl is None or decl.emulate is None and decl.reads | decl.writes:
+        raise EmulatorError(f"kernel {fn.name} has no emulated implementation")
+    if extra not in (None, 0):
+        return (R.CUDA_ERROR_NOT_SUPPORTED,)
+    address = int(params) if params not in (None, 0) else 0
+    if decl.kinds and not address:
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    args = _decode(decl, address)
+    args.grid, args.block = grid, block
+    launch = Launch(grid, block, shared)
+    if decl.check is not None:
+        problem = decl.check(args, launch)
+        if problem:
+            raise EmulatorError(f"{fn.name} launched with grid {grid}, block {block}, shared {shared}: {problem}")
+    with S.lock:
+        bound = SimpleNamespace(**vars(args))
+        for pname, kind in zip(decl.names, decl.kinds):
+            if kind != "ptr":
+                continue
+            r, w = decl.extent(pname, args)
+            if r is None and w is None and pname not in decl.reads and pname not in decl.writes:
+                continue
+            addr = getattr(args, pname)
+            what = f"{fn.name} parameter {pname}"
+            if r is None and w is None:     # data-dependent extent: the whole rest of the allocation
+                alloc = S.arena.find(addr)
+                if alloc is None:
+                    raise MemoryFault(f"{what}: address {addr:#x} is in no allocation")
+                view = S.arena.view(addr, alloc.base + alloc.size - addr, what)
+            else:
+                view = S.arena.view(addr, max(r or 0, w or 0), what)
+            setattr(bound, pname, view)
+        if decl.emulate is not None:
+            emulate = decl.emulate
+            enqueue(st, lambda: emulate(bound, launch))
+        else:
+            enqueue(st, lambda: None)
+    return (R.CUDA_SUCCESS,)
