@@ -38,11 +38,12 @@ class CudaModule(_Owner):
 class CudaFunction:
     """A kernel handle; it keeps its module (and so its context) alive."""
 
-    __slots__ = ("handle", "module", "name", "_ctx")
+    __slots__ = ("handle", "module", "name", "_ctx", "_ctxh")
 
     def __init__(self, handle: int, module: CudaModule, name: str) -> None:
         self.handle, self.module, self.name = handle, module, name
         self._ctx = module._pctx
+        self._ctxh = module._pctx.handle
 
     def __int__(self) -> int:
         return self.handle
@@ -69,7 +70,7 @@ def launch_kernel(func: CudaFunction | int, grid: Any, block: Any, shared_bytes:
     ints or device objects for pointers; a Python float has no width and is refused.
     """
     if type(func) is CudaFunction:
-        if _tls.ctx != func._ctx.handle:
+        if _tls.ctx != func._ctxh:
             func._ctx.make_current()
         h = func.handle
     else:

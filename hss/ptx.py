@@ -47,6 +47,8 @@ class ModuleSpec:
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("selftest", variants=("sm_90a",)),
+    # storage: predictor kernels (SPEC §3: built with --use_fast_math, as the original)
+    # storage: tiled attention kernels (SPEC §3: built with --use_fast_math, as the original)
 )}
 
 

@@ -49,8 +49,9 @@ def _parse_ptx(image: Any) -> tuple[R, list[str], str]:
         return R.CUDA_ERROR_INVALID_VALUE, [], ""
     ver = re.search(r"^\s*\.version\s+(\d+)\.(\d+)", text, re.M)
     tgt = re.search(r"^\s*\.target\s+(\w+)", text, re.M)
-    if not ver or not tgt:
-        return R.CUDA_ERROR_INVALID_PTX, [], ""
+    body = re.sub(r"//[^\n]*", "", text)
+    if not ver or not tgt or body.count("{") != body.count("}"):
+        return R.CUDA_ERROR_INVALID_PTX, [], ""   # what ptxas would reject first: a malformed module
     if (int(ver.group(1)), int(ver.group(2))) > MAX_PTX_ISA:
         return R.CUDA_ERROR_UNSUPPORTED_PTX_VERSION, [], ""
     target = tgt.group(1)

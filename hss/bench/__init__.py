@@ -1,0 +1,1 @@
+"""Benchmarks (device): ``python -m hss.bench [launch|predictor|...]``. Nothing imports this package."""

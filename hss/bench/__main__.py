@@ -1,0 +1,52 @@
+"""``python -m hss.bench [SUITE ...] [--smoke] [--json FILE]``: device benchmarks, tables printed last.
+
+Suites: launch, predictor, attention (each a module of this package with ``run(args)`` and
+``table(rows)``). ``--smoke`` runs tiny sizes (also on the emulator) to check the code paths only:
+its numbers mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import pkgutil
+import sys
+
+import hss.bench
+
+ORDER = ("launch", "predictor", "attention", "qsa", "qsa_prefill", "swap")
+_found = {m.name for m in pkgutil.iter_modules(hss.bench.__path__) if not m.name.startswith("_")}
+SUITES = tuple(sorted(_found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hss.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suites", nargs="*", help=f"which suites (default: all of {', '.join(SUITES)})")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, any driver: checks code paths only")
+    p.add_argument("--json", help="also write all rows to this JSON file")
+    args = p.parse_args(argv)
+    from hss import cuda_min as cm
+    status = cm.driver_status()
+    with cm.CudaCtx(0) as ctx:
+        device = ctx.name
+    stamp = datetime.date.today().isoformat()
+    print(f"hss bench {stamp} on {device} ({status.kind})" + (" -- SMOKE: numbers are meaningless" if args.smoke else ""))
+    results, tables = {}, []
+    for suite in args.suites or SUITES:
+        if suite not in SUITES:
+            p.error(f"unknown suite {suite}; choose from {', '.join(SUITES)}")
+        mod = importlib.import_module(f"hss.bench.{suite}")
+        rows = mod.run(args)
+        results[suite] = rows
+        tables.append(f"### {suite} ({stamp}, {device})\n\n{mod.table(rows)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": stamp, "device": device, "driver": status.kind, "results": results}, f, indent=1)
+    print("\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Declarations of the storage predictor kernels (filled in by the storage issue)."""

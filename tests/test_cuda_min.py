@@ -1,0 +1,362 @@
+"""hss.cuda_min on whatever driver this process has: the emulator in CI, the GPU on the device."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from hss import CudaError, HssError, inject_fault
+from hss import cuda_min as cm
+from hss import ptx
+from hss.kernels.selftest import SELFTEST_AXPY, SELFTEST_BLOCK_SUM, SELFTEST_EMPTY, SELFTEST_FILL
+from hss.reference import selftest as ref
+
+from conftest import ON_GPU
+from helpers import assert_bites, assert_close, download, poisoned, upload
+
+
+@pytest.fixture(scope="module")
+def selftest(ctx):
+    mod = ptx.load_module("selftest", ctx)
+    yield mod
+    mod.close()
+
+
+@given(data=st.data())
+def test_round_trip_at_random_sizes_and_offsets(ctx, stream, data):
+    size = data.draw(st.integers(1, 1 << 16), label="size")
+    off = data.draw(st.integers(0, 4096), label="offset")
+    host = np.frombuffer(np.random.default_rng(size ^ off).bytes(size), np.uint8).copy()
+    with cm.DeviceBuffer(size + off + 64) as buf:
+        cm.memset_d8_async(buf, 0xAB, buf.bytes, stream)
+        cm.copy_h_to_d_async(buf.ptr + off, host, size, stream)
+        back = download(buf.ptr, buf.bytes, np.uint8, stream)
+    assert (back[off:off + size] == host).all()
+    assert (back[:off] == 0xAB).all() and (back[off + size:] == 0xAB).all()
+
+
+def test_device_to_device_and_pinned_round_trip(ctx, stream, rng):
+    n = 3000
+    x = rng.standard_normal(n).astype(np.float32)
+    pin = cm.PinnedBuffer(4 * n)
+    pin.view(np.float32)[:] = x
+    with cm.DeviceBuffer(4 * n) as a, cm.DeviceBuffer(4 * n) as b:
+        cm.copy_h_to_d_async(a, pin, 4 * n, stream)
+        cm.copy_d_to_d_async(b, a, 4 * n, stream)
+        out = cm.PinnedBuffer(4 * n)
+        out.array.fill(0xFF)
+        cm.copy_d_to_h_async(out, b, 4 * n, stream)
+        cm.stream_sync(stream)
+        assert (out.view(np.float32) == x).all()
+        assert pin.device_ptr() != 0
+    pin.close()
+    out.close()
+    out.close()  # idempotent
+
+
+@given(rows=st.integers(1, 40), width=st.integers(1, 300), spad=st.integers(0, 64), dpad=st.integers(0, 64))
+def test_2d_copy(ctx, stream, rows, width, spad, dpad):
+    sp, dp = width + spad, width + dpad
+    src = np.random.default_rng(rows * width).integers(0, 255, size=rows * sp, dtype=np.uint8)
+    with upload(src, stream) as s, cm.DeviceBuffer(rows * dp) as d:
+        cm.memset_d8_async(d, 0x5A, d.bytes, stream)
+        cm.copy_2d_d_to_d_async(d, dp, s, sp, width, rows, stream)
+        got = download(d.ptr, rows * dp, np.uint8, stream).reshape(rows, dp)
+    assert (got[:, :width] == src.reshape(rows, sp)[:, :width]).all()
+    assert (got[:, width:] == 0x5A).all()
+
+
+def test_memsets(ctx, stream):
+    with cm.DeviceBuffer(4096) as buf:
+        cm.memset_d8_async(buf, 0x11, 4096, stream)
+        cm.memset_d32_async(buf.ptr + 16, 0xFF800000, 8, stream)
+        got = download(buf.ptr, 1024, np.uint32, stream)
+    assert (got[:4] == 0x11111111).all()
+    assert np.isneginf(got[4:12].view(np.float32)).all()
+    assert (got[12:] == 0x11111111).all()
+    with pytest.raises(HssError, match="aligned"):
+        cm.memset_d32_async(3, 0, 1, stream)
+    with pytest.raises(HssError, match="0..255"):
+        cm.memset_d8_async(buf, 256, 1, stream)
+
+
+def test_sizes_checked_against_owned_buffers(ctx, stream):
+    with cm.DeviceBuffer(100) as buf:
+        host = np.zeros(200, np.uint8)
+        with pytest.raises(HssError, match="run past the end"):
+            cm.copy_h_to_d_async(buf.ptr + 50, host, 51, stream)
+        with cm.DeviceBuffer(1000) as big, pytest.raises(HssError, match="holds 200 bytes"):
+            cm.copy_h_to_d_async(big, host, 300, stream)
+        with pytest.raises(HssError, match="read-only"):
+            cm.copy_d_to_h_async(bytes(100), buf, 100, stream)
+        with pytest.raises(HssError):
+            cm.copy_2d_d_to_d_async(buf, 10, buf, 10, 11, 2, stream)
+    with pytest.raises(HssError, match="nbytes must be > 0"):
+        cm.DeviceBuffer(0)
+    with pytest.raises(TypeError, match="stream is required"):
+        cm.stream_sync(None)
+
+
+@given(n=st.integers(1, 5000), a=st.floats(-4, 4, allow_nan=False, width=32),
+       mul=st.integers(0, 2**32 - 1), add=st.integers(-2**63, 2**63 - 1), grid=st.integers(1, 8))
+def test_every_parameter_kind_through_axpy(ctx, stream, selftest, n, a, mul, add, grid):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    f = selftest.function("selftest_axpy")
+    with upload(x, stream) as dx, upload(y, stream) as dy, poisoned(4 * n, stream) as out, \
+            poisoned(8 * n, stream) as idx:
+        pack = SELFTEST_AXPY.pack(out, idx, dx, dy, a, n, mul, add)
+        cm.launch_kernel(f, (grid, 1, 1), (128, 1, 1), 0, stream, pack)
+        got = download(out.ptr, n, np.float32, stream)
+        got_idx = download(idx.ptr, n, np.int64, stream)
+    want, want_idx = ref.axpy(x, y, np.float32(a), n, mul, add)
+    assert_close(got, want, "f32", (0,), "axpy")
+    assert (got_idx == want_idx).all()
+    if n > 1 and np.abs(y).max() > 0:
+        assert_bites(got, want - np.where(np.arange(n) == np.argmax(np.abs(y)), y, 0), "f32", (0,), "axpy")
+
+
+def test_untyped_launch_and_prepared_refill(ctx, stream, selftest):
+    f = selftest.function("selftest_fill_u32")
+    with poisoned(4 * 1000, stream) as out:
+        cm.launch_kernel(f, 4, 256, 0, stream, [out.ptr, np.uint32(7), np.int32(1000)])
+        assert (download(out.ptr, 1000, np.uint32, stream) == 7).all()
+        pack = SELFTEST_FILL.pack(out, 0, 1000)
+        for value in (1, 2, 3):
+            pack.set("value", value)
+            cm.launch_kernel(f, (4, 1, 1), (256, 1, 1), 0, stream, pack)
+            assert (download(out.ptr, 1000, np.uint32, stream) == value).all()
+    with pytest.raises(TypeError, match="no kernel width"):
+        cm.launch_kernel(f, 1, 1, 0, stream, [0, 7.0, np.int32(1)])
+
+
+@given(n=st.integers(1, 3000), log_block=st.integers(5, 9))
+def test_shared_memory_block_sum(ctx, stream, selftest, n, log_block):
+    block = 1 << log_block
+    nb = -(-n // block)
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    with upload(x, stream) as dx, poisoned(4 * nb, stream) as out:
+        cm.launch_kernel(selftest.function("selftest_block_sum"), nb, block, 4 * block, stream,
+                         SELFTEST_BLOCK_SUM.pack(dx, out, n))
+        got = download(out.ptr, nb, np.float32, stream)
+    want = ref.block_sums(x, n, block)
+    tol = 1e-6 * block * np.abs(x).max() + 0 * want   # f32 tree sum of `block` terms of size <= max|x|
+    assert_close(got, want, "f32", (0,), "block_sum", tol=tol)
+
+
+def test_bad_function_name_names_function_and_module(ctx, selftest):
+    with pytest.raises(CudaError, match="function no_such_kernel in module selftest") as info:
+        selftest.function("no_such_kernel")
+    assert info.value.name == "CUDA_ERROR_NOT_FOUND"
+
+
+def test_bad_ptx_is_a_cuda_error(ctx):
+    with pytest.raises(CudaError, match="cuModuleLoadData"):
+        cm.CudaModule.from_ptx(".version 9.0\n.target sm_80\n.address_size 64\n garbage {", name="junk")
+    with pytest.raises(HssError, match="NUL"):
+        cm.CudaModule.from_ptx("abc\0def")
+
+
+def test_launch_error_reports_grid_and_block(ctx, stream, selftest):
+    f = selftest.function("selftest_empty")
+    with pytest.raises(CudaError, match=r"grid \(1, 1, 1\), block \(2048, 1, 1\)"):
+        cm.launch_kernel(f, 1, 2048, 0, stream, SELFTEST_EMPTY.pack(0, 0, 0))
+
+
+def test_injected_driver_error_surfaces_as_cuda_error(ctx):
+    with inject_fault("cuMemAlloc", "CUDA_ERROR_OUT_OF_MEMORY"):
+        with pytest.raises(CudaError) as info:
+            cm.DeviceBuffer(1024)
+    assert info.value.call == "cuMemAlloc" and info.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert "out of memory" in str(info.value)
+    cm.DeviceBuffer(1024).close()   # the fault was one-shot
+
+
+def test_events_order_streams_and_time(ctx, stream, selftest):
+    other = cm.CudaStream(ctx)
+    done = cm.CudaEvent()
+    t0, t1 = cm.CudaEvent(timing=True), cm.CudaEvent(timing=True)
+    n = 1 << 16
+    with poisoned(4 * n, stream) as buf:
+        t0.record(stream)
+        cm.launch_kernel(selftest.function("selftest_fill_u32"), 64, 256, 0, stream, SELFTEST_FILL.pack(buf, 9, n))
+        done.record(stream)
+        t1.record(stream)
+        other.wait(done)
+        host = cm.PinnedBuffer(4 * n)
+        cm.copy_d_to_h_async(host, buf, 4 * n, other)
+        other.synchronize()
+        assert (host.view(np.uint32) == 9).all()
+        t1.synchronize()
+        assert done.query()
+        assert t0.elapsed_ms(t1) >= 0.0
+    with pytest.raises(HssError, match="timing=True"):
+        done.elapsed_ms(t1)
+    for obj in (other, done, t0, t1, host):
+        obj.close()
+
+
+def test_capture_and_replay(ctx, selftest):
+    s = cm.CudaStream(ctx)
+    f = selftest.function("selftest_fill_u32")
+    n = 4096
+    with poisoned(4 * n, s.handle) as buf:
+        s.synchronize()
+        pack = SELFTEST_FILL.pack(buf, 5, n)
+        cm.begin_capture(s)
+        cm.launch_kernel(f, 8, 256, 0, s, pack)
+        cm.memset_d32_async(buf, 77, 16, s)
+        graph = cm.end_capture(s)
+        pack.set("value", 6)      # captured by value: replays still write 5
+        host = cm.PinnedBuffer(4 * n)
+        for _ in range(3):
+            host.array.fill(0)
+            graph.launch(s)
+            cm.copy_d_to_h_async(host, buf, 4 * n, s)
+            s.synchronize()
+            got = host.view(np.uint32)
+            assert (got[:16] == 77).all() and (got[16:] == 5).all()
+        graph.close()
+        host.close()
+    s.close()
+
+
+def test_sync_inside_capture_is_refused(ctx):
+    s = cm.CudaStream(ctx)
+    cm.begin_capture(s)
+    with pytest.raises(CudaError, match="cuStreamSynchronize"):
+        cm.stream_sync(s)
+    with pytest.raises(CudaError):
+        cm.end_capture(s)
+    s.close()
+
+
+def test_context_from_a_second_thread(ctx, stream, selftest):
+    errors, results = [], []
+    buf = cm.DeviceBuffer(4 * 256)
+
+    def work():
+        try:   # a fresh thread has no current context: hss must make it current itself
+            s = cm.CudaStream(ctx)
+            cm.launch_kernel(selftest.function("selftest_fill_u32"), 1, 256, 0, s,
+                             SELFTEST_FILL.pack(buf, 42, 256))
+            results.append(download(buf.ptr, 256, np.uint32, s.handle))
+            s.close()
+        except Exception as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    buf.close()
+    assert not errors, errors
+    assert (results[0] == 42).all()
+
+
+def test_owners_free_exactly_once(ctx):
+    buf = cm.DeviceBuffer(1 << 20)
+    free0, _ = cm.mem_info()
+    buf.close()
+    buf.close()
+    assert buf.closed
+    with cm.DeviceBuffer(256) as b:
+        assert b.__cuda_array_interface__["data"][0] == b.ptr
+    assert b.closed and "closed" in repr(b)
+    del free0
+
+
+def test_ctx_properties(ctx):
+    major, minor = ctx.compute_capability
+    assert major >= 7 and isinstance(ctx.name, str) and ctx.name
+    free, total = cm.mem_info()
+    assert 0 < free <= total
+    assert cm.driver_status().kind in ("cuda", "emulator")
+
+
+@pytest.mark.gpu
+def test_ten_thousand_alloc_free_returns_mem_info(ctx):
+    cm.stream_sync(ctx.stream)
+    start = cm.mem_info()[0]
+    for i in range(10_000):
+        cm.DeviceBuffer(4096 + (i % 7) * 1024).close()
+    assert cm.mem_info()[0] == start
+
+
+@pytest.mark.gpu
+def test_interop_with_torch_pointers(ctx, stream):
+    torch = pytest.importorskip("torch")
+    t = torch.arange(64, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    host = np.empty(64, np.float32)
+    cm.copy_d_to_h_async(host, t, 256, stream)
+    assert (host == np.arange(64)).all()
+
+
+@pytest.mark.emulator
+def test_emulator_catches_out_of_bounds(ctx, stream, selftest):
+    from hss.emulator import MemoryFault
+    with cm.DeviceBuffer(4 * 100) as small, cm.DeviceBuffer(4 * 1000) as big:
+        pack = SELFTEST_AXPY.pack(big, big, big, small, 1.0, 200, 1, 0)
+        with pytest.raises(MemoryFault, match=r"parameter y.*runs 400 bytes past the end"):
+            cm.launch_kernel(selftest.function("selftest_axpy"), 1, 128, 0, stream, pack)
+
+
+@pytest.mark.emulator
+def test_emulator_catches_a_missing_sync(ctx, stream, selftest):
+    n = 1024
+    with poisoned(4 * n, stream) as buf:
+        host = cm.PinnedBuffer(4 * n)
+        host.array.fill(0)
+        cm.launch_kernel(selftest.function("selftest_fill_u32"), 4, 256, 0, stream, SELFTEST_FILL.pack(buf, 3, n))
+        cm.copy_d_to_h_async(host, buf, 4 * n, stream)
+        assert (host.view(np.uint32) == 0).all()     # nothing ran: the stream was never waited for
+        cm.stream_sync(stream)
+        assert (host.view(np.uint32) == 3).all()
+        host.close()
+
+
+@pytest.mark.emulator
+def test_emulator_catches_a_missing_cross_stream_wait(ctx, selftest):
+    a, b = cm.CudaStream(ctx), cm.CudaStream(ctx)
+    n = 1024
+    with poisoned(4 * n, a.handle) as buf:
+        a.synchronize()
+        host = cm.PinnedBuffer(4 * n)
+        cm.launch_kernel(selftest.function("selftest_fill_u32"), 4, 256, 0, a, SELFTEST_FILL.pack(buf, 8, n))
+        cm.copy_d_to_h_async(host, buf, 4 * n, b)      # no wait on a: b copies the poison
+        b.synchronize()
+        assert (host.view(np.uint32) == 0xFFFFFFFF).all()
+        a.synchronize()
+        host.close()
+    a.close()
+    b.close()
+
+
+@pytest.mark.emulator
+def test_emulator_checks_declared_geometry(ctx, stream, selftest):
+    from hss.emulator import EmulatorError
+    with cm.DeviceBuffer(4096) as x:
+        with pytest.raises(EmulatorError, match="dynamic shared memory"):
+            cm.launch_kernel(selftest.function("selftest_block_sum"), 1, 256, 0, stream,
+                             SELFTEST_BLOCK_SUM.pack(x, x, 256))
+
+
+@pytest.mark.emulator
+def test_emulator_requires_a_current_context():
+    from hss import emulator
+    result = {}
+
+    def probe():
+        result["err"] = emulator.cuMemAlloc(16)[0]
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert result["err"] == emulator.CUresult.CUDA_ERROR_INVALID_CONTEXT
+
+
+def test_on_gpu_flag_matches_driver():
+    assert ON_GPU == (cm.driver_status().kind == "cuda")
