@@ -1,0 +1,122 @@
+// predictor_score.cu: the predictor's block score (SPEC §5.3), bandwidth-first.
+//
+// predictor_score(q_proj bf16 [num_q_heads, r], k_lr bf16 [num_blocks, num_kv_heads, block_size, r],
+//                 scores f32 [num_blocks], num_q_heads, num_kv_heads, block_size, r, gqa_ratio, num_blocks)
+//   scores[b] = max over q head qh and token t of dot(q_proj[qh, :], k_lr[b, qh / gqa_ratio, t, :]),
+//   dot accumulated in f32; no scaling. NaN dots are skipped; a block whose dots are all NaN scores -inf.
+//   Requires num_q_heads == gqa_ratio * num_kv_heads (else the kernel writes nothing).
+// Launch: block (32 * W, 1, 1) for any W >= 1 (hss uses W = 8), grid (ceil(num_blocks / W), 1, 1),
+//   no dynamic shared memory. Warp w of CTA c scores block c * W + w; warps past num_blocks exit.
+//
+// Two paths, chosen per launch (uniform branch):
+//  * tensor-core path when block_size % 16 == 0, r in {32, 64, 96, 128}, gqa_ratio <= 8 and both input
+//    pointers are 16-byte aligned (the Llama-like shapes hss targets). The block's K rows are cut into
+//    "units" of 16 consecutive rows ([16, r], one kv head). Lane l loads rows l/4 and l/4 + 8 of a unit in
+//    16-byte chunks at column 8*(l%4) + 32c, so each load instruction of the warp reads contiguous memory
+//    (512 B when r = 32) and every byte of the slot is read exactly once, with up to 16 loads per lane in
+//    flight. Those chunks are exactly the A fragments of mma.m16n8k16 (bf16 in, f32 accumulate) under a
+//    consistent permutation of the r axis (logical k 2t+j <-> column 8t+j, 8+2t+j <-> 8t+2+j, plus 4 for
+//    the second k-step); the B fragment is the same 16-byte chunk of the unit's q heads (column n = q head
+//    within the kv group, n >= gqa_ratio padded and discarded). Each mma gives 16 tokens x 8 heads of dots;
+//    the lane keeps a running max and one warp shuffle-max ends the block. Products of bf16 are exact in
+//    f32; only the accumulation order differs from the original.
+//  * general path otherwise: the original's arithmetic. Lanes stride over the (q head, token) pairs; each
+//    dot is a sequential f32 fma over r ascending; per-lane max, then a warp shuffle-max.
+#include <stdint.h>
+#include "hss_common.cuh"
+
+__device__ __forceinline__ void hss_mma_bf16_16816(float& d0, float& d1, float& d2, float& d3, uint32_t a0,
+                                                   uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                                   uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Tensor-core path for one K_lr block: `units` = num_kv_heads * block_size / 16 units of [16, r] rows,
+// R32 = r / 32 chunks of 16 bytes per row and lane. U units are loaded before any is used (U * 2 * R32
+// 16-byte loads in flight per lane).
+template <int R32>
+__device__ __forceinline__ float hss_score_block_mma(const __nv_bfloat16* __restrict__ q_proj,
+                                                     const __nv_bfloat16* __restrict__ blk, int units,
+                                                     int block_size, int gqa, int lane) {
+    constexpr int U = R32 == 1 ? 8 : R32 == 2 ? 4 : 2;
+    constexpr int r = 32 * R32;
+    const int grp = lane >> 2, t = lane & 3;
+    const int qn = min(grp, gqa - 1);   // padded columns read a real head; their dots are discarded
+    const bool use0 = 2 * t < gqa, use1 = 2 * t + 1 < gqa;
+    float best = -INFINITY;
+    for (int u0 = 0; u0 < units; u0 += U) {
+        uint4 a[U][2][R32];
+        uint4 b[U][R32];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            if (u0 + j < units) {
+                const __nv_bfloat16* rows = blk + (size_t)(u0 + j) * 16 * r + grp * r + t * 8;
+                const int kv = (u0 + j) * 16 / block_size;
+                const __nv_bfloat16* q = q_proj + (size_t)(kv * gqa + qn) * r + t * 8;
+#pragma unroll
+                for (int c = 0; c < R32; ++c) {
+                    a[j][0][c] = __ldcs(reinterpret_cast<const uint4*>(rows + 32 * c));
+                    a[j][1][c] = __ldcs(reinterpret_cast<const uint4*>(rows + 8 * r + 32 * c));
+                    b[j][c] = __ldg(reinterpret_cast<const uint4*>(q + 32 * c));
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            if (u0 + j < units) {
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma unroll
+                for (int c = 0; c < R32; ++c) {
+                    hss_mma_bf16_16816(d0, d1, d2, d3, a[j][0][c].x, a[j][1][c].x, a[j][0][c].y, a[j][1][c].y,
+                                       b[j][c].x, b[j][c].y);
+                    hss_mma_bf16_16816(d0, d1, d2, d3, a[j][0][c].z, a[j][1][c].z, a[j][0][c].w, a[j][1][c].w,
+                                       b[j][c].z, b[j][c].w);
+                }
+                // d0, d2: head 2t, tokens grp and grp + 8; d1, d3: head 2t + 1. fmaxf skips NaN.
+                if (use0) best = fmaxf(best, fmaxf(d0, d2));
+                if (use1) best = fmaxf(best, fmaxf(d1, d3));
+            }
+        }
+    }
+    return best;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
+                float* __restrict__ scores, int num_q_heads, int num_kv_heads, int block_size, int r,
+                int gqa_ratio, int num_blocks) {
+    const int lane = threadIdx.x & 31;
+    const long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= num_blocks) return;   // warp-uniform; no barrier follows
+    if (num_kv_heads <= 0 || block_size <= 0 || r <= 0 || gqa_ratio <= 0 ||
+        num_q_heads != gqa_ratio * num_kv_heads)
+        return;
+    const __nv_bfloat16* blk = k_lr + (size_t)b * num_kv_heads * block_size * r;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(q_proj) | reinterpret_cast<uintptr_t>(k_lr)) & 15) == 0;
+    float best;
+    if (aligned && block_size % 16 == 0 && r % 32 == 0 && r <= 128 && gqa_ratio <= 8) {
+        const int units = num_kv_heads * (block_size / 16);
+        switch (r >> 5) {
+            case 1: best = hss_score_block_mma<1>(q_proj, blk, units, block_size, gqa_ratio, lane); break;
+            case 2: best = hss_score_block_mma<2>(q_proj, blk, units, block_size, gqa_ratio, lane); break;
+            case 3: best = hss_score_block_mma<3>(q_proj, blk, units, block_size, gqa_ratio, lane); break;
+            default: best = hss_score_block_mma<4>(q_proj, blk, units, block_size, gqa_ratio, lane); break;
+        }
+    } else {
+        best = -INFINITY;
+        const int pairs = num_q_heads * block_size;
+        for (int p = lane; p < pairs; p += 32) {
+            const int qh = p / block_size, tok = p - qh * block_size;
+            const __nv_bfloat16* q = q_proj + (size_t)qh * r;
+            const __nv_bfloat16* k = blk + ((size_t)(qh / gqa_ratio) * block_size + tok) * r;
+            float acc = 0.0f;
+            for (int i = 0; i < r; ++i) acc = fmaf(hss_bf16_to_f32(q[i]), hss_bf16_to_f32(k[i]), acc);
+            best = fmaxf(best, acc);   // skips a NaN dot, as the original's strict '>' update did
+        }
+    }
+    best = hss_warp_max(best);
+    if (lane == 0) scores[b] = best;
+}
