@@ -83,3 +83,4 @@ def f32(view: np.ndarray) -> np.ndarray:
 from hss.kernels import selftest  # noqa: E402,F401
 from hss.kernels import predictor  # noqa: E402,F401
 from hss.kernels import attention  # noqa: E402,F401
+from hss.kernels import qsa  # noqa: E402,F401

@@ -1,0 +1,1 @@
+"""Declarations of the QSA indexer kernels (filled in by the QSA issues)."""

@@ -1,0 +1,1 @@
+"""The QSA sparse-attention indexer (SPEC §10-§12)."""
