@@ -233,19 +233,25 @@ class _LiveRanges:
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.ends: list[int] = []
+        self.tokens: list[object] = []
         self.lock = threading.Lock()
 
-    def add(self, start: int, size: int) -> None:
+    def add(self, start: int, size: int) -> object:
+        """Register ``[start, start + size)``; the returned token removes exactly this entry."""
+        token = object()
         with self.lock:
             i = bisect.bisect_left(self.starts, start)
             self.starts.insert(i, start)
             self.ends.insert(i, start + size)
+            self.tokens.insert(i, token)
+        return token
 
-    def remove(self, start: int) -> None:
+    def remove(self, token: object) -> None:
         with self.lock:
-            i = bisect.bisect_left(self.starts, start)
-            if i < len(self.starts) and self.starts[i] == start:
-                del self.starts[i], self.ends[i]
+            for i, t in enumerate(self.tokens):
+                if t is token:
+                    del self.starts[i], self.ends[i], self.tokens[i]
+                    return
 
     def check(self, ptr: int, nbytes: int, what: str) -> None:
         i = bisect.bisect_right(self.starts, ptr) - 1
@@ -268,11 +274,11 @@ class DeviceBuffer(_Owner):
         self.ptr = int(check(api.cuMemAlloc(nbytes), "cuMemAlloc", f"{nbytes} bytes"))
         self.bytes = nbytes
         self._own("cuMemFree", self.ptr, pctx)
-        _ranges.add(self.ptr, nbytes)
-        weakref.finalize(self, _ranges.remove, self.ptr)
+        self._range = _ranges.add(self.ptr, nbytes)
+        weakref.finalize(self, _ranges.remove, self._range)
 
     def _on_close(self) -> None:
-        _ranges.remove(self.ptr)
+        _ranges.remove(self._range)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -300,11 +306,11 @@ class PinnedBuffer(_Owner):
         self._own("cuMemFreeHost", self.ptr, pctx)
         import ctypes
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
-        _ranges.add(self.ptr, nbytes)
-        weakref.finalize(self, _ranges.remove, self.ptr)
+        self._range = _ranges.add(self.ptr, nbytes)
+        weakref.finalize(self, _ranges.remove, self._range)
 
     def _on_close(self) -> None:
-        _ranges.remove(self.ptr)
+        _ranges.remove(self._range)
         self.array = np.empty(0, dtype=np.uint8)   # no view may outlive the memory
 
     def view(self, dtype: Any) -> np.ndarray:

@@ -251,6 +251,11 @@ def _host_addr(obj: Any) -> int:
     return np.frombuffer(obj, dtype=np.uint8).ctypes.data
 
 
+def _is_device(addr: int) -> bool:
+    a = S.arena.find(addr)
+    return a is not None and a.kind == "device"
+
+
 def _copy_op(dst: np.ndarray, src: np.ndarray) -> Any:
     def op() -> None:
         dst[:] = src
@@ -270,6 +275,8 @@ def cuMemcpyHtoDAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
     if err:
         return (err,)
     n, saddr = int(nbytes), _host_addr(src)
+    if _is_device(saddr):
+        return (R.CUDA_ERROR_INVALID_VALUE,)   # a device address passed as the host source
     with S.lock:
         dview = S.arena.view(int(dst), n, "cuMemcpyHtoDAsync destination")
         if S.arena.is_pinned(saddr):
@@ -287,6 +294,8 @@ def cuMemcpyDtoHAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
     if err:
         return (err,)
     n, daddr = int(nbytes), _host_addr(dst)
+    if _is_device(daddr):
+        return (R.CUDA_ERROR_INVALID_VALUE,)
     with S.lock:
         sview = S.arena.view(int(src), n, "cuMemcpyDtoHAsync source")
         if S.arena.is_pinned(daddr):
