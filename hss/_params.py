@@ -30,9 +30,15 @@ def device_ptr(obj: Any) -> int:
     ptr = getattr(obj, "ptr", None)
     if isinstance(ptr, int):
         return ptr
-    cai = getattr(obj, "__cuda_array_interface__", None)
+    try:
+        cai = getattr(obj, "__cuda_array_interface__", None)
+    except TypeError:   # torch raises for dtypes the interface cannot describe (bf16)
+        cai = None
     if cai is not None:
         return int(cai["data"][0])
+    data_ptr = getattr(obj, "data_ptr", None)
+    if callable(data_ptr):   # a torch tensor of any dtype
+        return int(data_ptr())
     if isinstance(obj, (bool, float, np.bool_, np.floating)):
         raise TypeError(f"a device pointer is an int or a device object, not {type(obj).__name__}")
     try:

@@ -48,7 +48,14 @@ class ModuleSpec:
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("selftest", variants=("sm_90a",)),
     # storage: predictor kernels (SPEC §3: built with --use_fast_math, as the original)
+    ModuleSpec("q_lowrank_project", fast_math=True),
+    ModuleSpec("kv_lowrank_project", fast_math=True),
+    ModuleSpec("predictor_score", fast_math=True),
     # storage: tiled attention kernels (SPEC §3: built with --use_fast_math, as the original)
+    ModuleSpec("paged_decode_attn_tiled", fast_math=True),
+    ModuleSpec("attention_finalize", fast_math=True),
+    # qsa: indexer kernels (SPEC §3: no --use_fast_math, as the original)
+    ModuleSpec("qsa_indexer"),
 )}
 
 

@@ -2,22 +2,74 @@
 //
 // kv_lowrank_project(k_block bf16 [block_size, num_kv_heads, head_dim] (one NHD page), p bf16 [head_dim, r],
 //                    k_lr bf16 [num_kv_heads, block_size, r] (one A_g slot), block_size, num_kv_heads,
-//                    head_dim, r)      all row-major
+//                    head_dim, r)      all row-major; head_dim <= 256
 //   k_lr[h, t, o] = bf16_rne(acc), acc = sequential f32 fma over i = 0 .. head_dim-1 of
-//   k_block[t, h, i] * p[i, o] (the original's arithmetic; no scaling).
-// Launch: grid (num_kv_heads, block_size, 1), block (r, 1, 1) (any larger geometry works: threads past
-//   the shape return), no shared memory. Thread (h, t, o) computes one output; the loop is unrolled so
-//   the loads of p (coalesced over o) and of the key (a broadcast) are issued in batches.
+//   k_block[t, h, i] * p[i, o] (the original's arithmetic and order; no scaling).
+// Launch: block (bx, by) with bx >= r, 1 <= by <= 8 (hss: (r, min(8, 256 / r, block_size))), grid
+//   (num_kv_heads, ceil(block_size / by), 1), static shared memory only. CTA (h, c) projects tokens
+//   c*by .. c*by+by-1 of kv head h; thread (o, y) computes k_lr[h, c*by + y, o].
+// Latency-bound like q_lowrank_project: the CTA stages its keys and P (chunks of up to 32 KiB,
+//   all copies in flight through cp.async) into shared memory before the fma chains.
+#include <stdint.h>
 #include "hss_common.cuh"
 
-extern "C" __global__ void kv_lowrank_project(const __nv_bfloat16* __restrict__ k_block,
-                                              const __nv_bfloat16* __restrict__ p, __nv_bfloat16* __restrict__ k_lr,
-                                              int block_size, int num_kv_heads, int head_dim, int r) {
-    const int h = blockIdx.x, t = blockIdx.y, o = threadIdx.x;
-    if (h >= num_kv_heads || t >= block_size || o >= r) return;
-    const __nv_bfloat16* key = k_block + ((size_t)t * num_kv_heads + h) * head_dim;
+#define HSS_LR_P_ELEMS 16384   // bf16 elements of P staged per chunk (32 KiB)
+#define HSS_LR_ROWS 8          // input rows per CTA at most
+#define HSS_LR_HEAD_DIM 256    // longest input row
+
+// Staging helpers (the same as q_lowrank_project.cu's): queue rows into shared memory with cp.async, wait.
+__device__ __forceinline__ void hss_lr_copy(__nv_bfloat16* dst, int dst_stride, const __nv_bfloat16* src,
+                                            size_t src_stride, int rows, int len, int tid, int nthreads) {
+    if ((reinterpret_cast<uintptr_t>(src) & 15) == 0 && ((len | dst_stride) & 7) == 0 && (src_stride & 7) == 0) {
+        const int per = len / 8;
+        for (int j = tid; j < rows * per; j += nthreads) {
+            const int t = j / per, c = j - t * per;
+            const unsigned s = (unsigned)__cvta_generic_to_shared(dst + (size_t)t * dst_stride + 8 * c);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src + t * src_stride + 8 * c)
+                         : "memory");
+        }
+    } else {
+        for (int j = tid; j < rows * len; j += nthreads) {
+            const int t = j / len, c = j - t * len;
+            dst[(size_t)t * dst_stride + c] = src[t * src_stride + c];
+        }
+    }
+}
+
+// Wait for this thread's queued copies, then make every thread's copies visible to the CTA.
+__device__ __forceinline__ void hss_lr_wait() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+kv_lowrank_project(const __nv_bfloat16* __restrict__ k_block, const __nv_bfloat16* __restrict__ p,
+                   __nv_bfloat16* __restrict__ k_lr, int block_size, int num_kv_heads, int head_dim, int r) {
+    __shared__ __align__(16) __nv_bfloat16 ps[HSS_LR_P_ELEMS];
+    __shared__ __align__(16) __nv_bfloat16 xs[HSS_LR_ROWS][HSS_LR_HEAD_DIM];
+    const int o = threadIdx.x, y = threadIdx.y, h = blockIdx.x;
+    const int tid = y * blockDim.x + o, nthreads = blockDim.x * blockDim.y;
+    const int tok0 = blockIdx.y * blockDim.y;
+    const int rows = min((int)blockDim.y, block_size - tok0);
+    // CTA-uniform exits, before any barrier
+    if (h >= num_kv_heads || rows <= 0 || r <= 0 || head_dim <= 0 || head_dim > HSS_LR_HEAD_DIM ||
+        blockDim.y > HSS_LR_ROWS)
+        return;
+    hss_lr_copy(xs[0], HSS_LR_HEAD_DIM, k_block + ((size_t)tok0 * num_kv_heads + h) * head_dim,
+                (size_t)num_kv_heads * head_dim, rows, head_dim, tid, nthreads);
+    const bool active = o < r && y < rows;
+    const int chunk = (HSS_LR_P_ELEMS / r) & ~7;   // P rows per chunk: 16-byte aligned chunk starts
     float acc = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < head_dim; ++i) acc = fmaf(hss_bf16_to_f32(key[i]), hss_bf16_to_f32(p[(size_t)i * r + o]), acc);
-    k_lr[((size_t)h * block_size + t) * r + o] = hss_f32_to_bf16(acc);
+    for (int i0 = 0; i0 < head_dim; i0 += chunk) {
+        const int n = min(chunk, head_dim - i0);
+        if (i0 > 0) __syncthreads();   // every thread is done with the previous chunk
+        hss_lr_copy(ps, 0, p + (size_t)i0 * r, 0, 1, n * r, tid, nthreads);
+        hss_lr_wait();   // the first wait also covers the input rows, queued together with P's first chunk
+        if (active) {
+            const __nv_bfloat16* x = xs[y] + i0;
+#pragma unroll 8
+            for (int i = 0; i < n; ++i) acc = fmaf(hss_bf16_to_f32(x[i]), hss_bf16_to_f32(ps[i * r + o]), acc);
+        }
+    }
+    if (active) k_lr[((size_t)h * block_size + tok0 + y) * r + o] = hss_f32_to_bf16(acc);
 }

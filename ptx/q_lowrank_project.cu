@@ -1,21 +1,74 @@
 // q_lowrank_project.cu: the decode query's low-rank projection (SPEC §5.1), Q_proj = bf16(Q @ P).
 //
 // q_lowrank_project(q bf16 [num_q_heads, head_dim], p bf16 [head_dim, r], q_proj bf16 [num_q_heads, r],
-//                   num_q_heads, head_dim, r)      all row-major
+//                   num_q_heads, head_dim, r)      all row-major; head_dim <= 256
 //   q_proj[h, o] = bf16_rne(acc), acc = sequential f32 fma over i = 0 .. head_dim-1 of q[h, i] * p[i, o]
-//   (the original's arithmetic; no scaling).
-// Launch: grid (num_q_heads, 1, 1), block (r, 1, 1) (any larger geometry works: threads past the shape
-//   return), no shared memory. Thread (h, o) computes one output; the loop is unrolled so the loads of
-//   p (coalesced over o) and q (a broadcast) are issued in batches ahead of the fma chain.
+//   (the original's arithmetic and order; no scaling).
+// Launch: block (bx, by) with bx >= r, 1 <= by <= 8 (hss: (r, min(8, 256 / r, num_q_heads))), grid
+//   (ceil(num_q_heads / by), 1, 1), static shared memory only. CTA c projects heads c*by .. c*by+by-1;
+//   thread (o, y) computes q_proj[c*by + y, o].
+// The kernel is latency-bound (a few KiB): the CTA stages its q rows and P (in chunks of up to
+//   32 KiB, all copies in flight at once through cp.async) into shared memory, so each thread's fma chain
+//   waits for one round trip to L2 instead of one per batch of loads.
+#include <stdint.h>
 #include "hss_common.cuh"
 
-extern "C" __global__ void q_lowrank_project(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ p,
-                                             __nv_bfloat16* __restrict__ q_proj, int num_q_heads, int head_dim, int r) {
-    const int h = blockIdx.x, o = threadIdx.x;
-    if (h >= num_q_heads || o >= r) return;
-    const __nv_bfloat16* row = q + (size_t)h * head_dim;
+#define HSS_LR_P_ELEMS 16384   // bf16 elements of P staged per chunk (32 KiB)
+#define HSS_LR_ROWS 8          // input rows per CTA at most
+#define HSS_LR_HEAD_DIM 256    // longest input row
+
+// Queue a copy of `rows` rows of `len` bf16 (global rows `src_stride` apart) into shared memory (rows
+// `dst_stride` apart, 16-byte aligned): cp.async 16-byte pieces when the addresses allow it, so every
+// piece is in flight at once, else plain element copies. The caller commits, waits and barriers.
+__device__ __forceinline__ void hss_lr_copy(__nv_bfloat16* dst, int dst_stride, const __nv_bfloat16* src,
+                                            size_t src_stride, int rows, int len, int tid, int nthreads) {
+    if ((reinterpret_cast<uintptr_t>(src) & 15) == 0 && ((len | dst_stride) & 7) == 0 && (src_stride & 7) == 0) {
+        const int per = len / 8;
+        for (int j = tid; j < rows * per; j += nthreads) {
+            const int t = j / per, c = j - t * per;
+            const unsigned s = (unsigned)__cvta_generic_to_shared(dst + (size_t)t * dst_stride + 8 * c);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src + t * src_stride + 8 * c)
+                         : "memory");
+        }
+    } else {
+        for (int j = tid; j < rows * len; j += nthreads) {
+            const int t = j / len, c = j - t * len;
+            dst[(size_t)t * dst_stride + c] = src[t * src_stride + c];
+        }
+    }
+}
+
+// Wait for this thread's queued copies, then make every thread's copies visible to the CTA.
+__device__ __forceinline__ void hss_lr_wait() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+q_lowrank_project(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ p,
+                  __nv_bfloat16* __restrict__ q_proj, int num_q_heads, int head_dim, int r) {
+    __shared__ __align__(16) __nv_bfloat16 ps[HSS_LR_P_ELEMS];
+    __shared__ __align__(16) __nv_bfloat16 xs[HSS_LR_ROWS][HSS_LR_HEAD_DIM];
+    const int o = threadIdx.x, y = threadIdx.y;
+    const int tid = y * blockDim.x + o, nthreads = blockDim.x * blockDim.y;
+    const int row0 = blockIdx.x * blockDim.y;
+    const int rows = min((int)blockDim.y, num_q_heads - row0);
+    // CTA-uniform exits, before any barrier
+    if (rows <= 0 || r <= 0 || head_dim <= 0 || head_dim > HSS_LR_HEAD_DIM || blockDim.y > HSS_LR_ROWS) return;
+    hss_lr_copy(xs[0], HSS_LR_HEAD_DIM, q + (size_t)row0 * head_dim, head_dim, rows, head_dim, tid, nthreads);
+    const bool active = o < r && y < rows;
+    const int chunk = (HSS_LR_P_ELEMS / r) & ~7;   // P rows per chunk: 16-byte aligned chunk starts
     float acc = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < head_dim; ++i) acc = fmaf(hss_bf16_to_f32(row[i]), hss_bf16_to_f32(p[(size_t)i * r + o]), acc);
-    q_proj[(size_t)h * r + o] = hss_f32_to_bf16(acc);
+    for (int i0 = 0; i0 < head_dim; i0 += chunk) {
+        const int n = min(chunk, head_dim - i0);
+        if (i0 > 0) __syncthreads();   // every thread is done with the previous chunk
+        hss_lr_copy(ps, 0, p + (size_t)i0 * r, 0, 1, n * r, tid, nthreads);
+        hss_lr_wait();   // the first wait also covers the input rows, queued together with P's first chunk
+        if (active) {
+            const __nv_bfloat16* x = xs[y] + i0;
+#pragma unroll 8
+            for (int i = 0; i < n; ++i) acc = fmaf(hss_bf16_to_f32(x[i]), hss_bf16_to_f32(ps[i * r + o]), acc);
+        }
+    }
+    if (active) q_proj[(size_t)(row0 + y) * r + o] = hss_f32_to_bf16(acc);
 }

@@ -84,3 +84,4 @@ from hss.kernels import selftest  # noqa: E402,F401
 from hss.kernels import predictor  # noqa: E402,F401
 from hss.kernels import attention  # noqa: E402,F401
 from hss.kernels import qsa  # noqa: E402,F401
+from hss.kernels import qsa_prefill  # noqa: E402,F401

@@ -1,1 +1,121 @@
-"""Declarations of the storage attention kernels (filled in by the storage issue)."""
+"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` and ``ptx/attention_finalize.cu`` and their emulation
+through :mod:`hss.reference.attention`.
+
+The pools are addressed through page ids that live in device memory, so their extents are declared "to
+the end of the allocation" and the emulation bounds-checks every page it reads itself.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+
+from hss.kernels import Launch, declare, f32
+from hss.reference import attention as ref
+
+STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)
+FINALIZE_THREADS = 128   # block of attention_finalize
+MAX_HEAD_DIM = 256
+
+
+def _bf16(view: np.ndarray) -> np.ndarray:
+    return view[: view.size // 2 * 2].view(ml_dtypes.bfloat16)
+
+
+def _rows(a: SimpleNamespace) -> int:
+    return a.grid[0] * max(a.num_q_heads, 0)
+
+
+def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != 0:
+        return f"needs block ({STEP_THREADS}, 1, 1) and no dynamic shared memory"
+    if launch.grid[1:] != (a.num_q_heads, 1):
+        return f"grid must be (num_seqs, num_q_heads = {a.num_q_heads}, 1)"
+    if not 0 < a.head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
+    if a.num_kv_heads <= 0 or a.gqa_ratio <= 0 or a.num_kv_heads * a.gqa_ratio != a.num_q_heads:
+        return f"num_kv_heads ({a.num_kv_heads}) * gqa_ratio ({a.gqa_ratio}) must equal num_q_heads ({a.num_q_heads})"
+    if a.block_size <= 0 or a.tile_capacity < 0:
+        return "block_size must be > 0 and tile_capacity >= 0"
+    return None
+
+
+def _tile_tokens(blocks: np.ndarray, count: int, block_size: int, last_valid: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page id, slot) of every token one sequence's tile consumes, in order."""
+    n = min(max(int(count), 0), blocks.size)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    limits = np.full(n, block_size, dtype=np.int64)
+    limits[-1] = min(max(int(last_valid), 0), block_size)
+    pages = np.repeat(blocks[:n].astype(np.int64), limits)
+    slots = np.concatenate([np.arange(t) for t in limits])
+    return pages, slots
+
+
+def _pool_rows(pool: np.ndarray, pages: np.ndarray, slots: np.ndarray, a: SimpleNamespace, what: str,
+               seq: int) -> np.ndarray:
+    strides = (a.blk_stride, a.tok_stride, a.kvh_stride)
+    try:
+        return ref.gather_tokens(pool, pages, slots, strides, a.num_kv_heads, a.head_dim)
+    except IndexError:
+        from hss.emulator import MemoryFault
+        for p, t in zip(pages.tolist(), slots.tolist()):
+            try:
+                ref.gather_tokens(pool, np.array([p]), np.array([t]), strides, a.num_kv_heads, a.head_dim)
+            except IndexError as exc:
+                raise MemoryFault(f"paged_decode_attn_tiled parameter {what}: page {p} (sequence {seq}, slot {t}) "
+                                  f"is outside the pool allocation: {exc}") from None
+        raise
+
+
+def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
+    ns, nq, hd = launch.grid[0], a.num_q_heads, a.head_dim
+    q = _bf16(a.q).reshape(ns, nq, hd)
+    kpool, vpool = _bf16(a.k_pool), _bf16(a.v_pool)
+    blocks = a.tile_blocks.view(np.int32).reshape(ns, a.tile_capacity)
+    counts = a.tile_block_counts.view(np.int32)
+    m = f32(a.m).reshape(ns, nq)
+    l = f32(a.l).reshape(ns, nq)
+    o = f32(a.o).reshape(ns, nq, hd)
+    for s in range(ns):
+        pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
+        if pages.size == 0:
+            continue
+        k = _pool_rows(kpool, pages, slots, a, "k_pool", s)
+        v = _pool_rows(vpool, pages, slots, a, "v_pool", s)
+        m[s], l[s], o[s] = ref.step_tile(q[s], k, v, m[s], l[s], o[s], state_dtype=np.float32)
+
+
+def _check_finalize(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.block != (FINALIZE_THREADS, 1, 1) or launch.shared != 0:
+        return f"needs block ({FINALIZE_THREADS}, 1, 1) and no dynamic shared memory"
+    if launch.grid[1:] != (a.num_q_heads, 1):
+        return f"grid must be (num_seqs, num_q_heads = {a.num_q_heads}, 1)"
+    return None
+
+
+def _emulate_finalize(a: SimpleNamespace, launch: Launch) -> None:
+    rows, hd = _rows(a), a.head_dim
+    out = ref.finalize(f32(a.l)[:rows], f32(a.o)[: rows * hd].reshape(rows, hd))
+    _bf16(a.out)[: rows * hd] = out.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(-1)
+
+
+PAGED_DECODE_ATTN_TILED = declare(
+    "paged_decode_attn_tiled", "paged_decode_attn_tiled",
+    "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr m, ptr l, ptr o, "
+    "i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, i32 tile_capacity, i32 gqa_ratio, "
+    "i64 blk_stride, i64 tok_stride, i64 kvh_stride, i32 last_block_valid_slots",
+    reads={"q": lambda a: 2 * _rows(a) * a.head_dim,
+           "k_pool": lambda a: None, "v_pool": lambda a: None,           # page ids decide: checked per page
+           "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
+           "tile_block_counts": lambda a: 4 * a.grid[0],
+           "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim},
+    writes={"m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim},
+    emulate=_emulate_step, check=_check_step)
+
+ATTENTION_FINALIZE = declare(
+    "attention_finalize", "attention_finalize", "ptr o, ptr l, ptr out, i32 num_q_heads, i32 head_dim",
+    reads={"o": lambda a: 4 * _rows(a) * max(a.head_dim, 0), "l": lambda a: 4 * _rows(a)},
+    writes={"out": lambda a: 2 * _rows(a) * max(a.head_dim, 0)},
+    emulate=_emulate_finalize, check=_check_finalize)

@@ -1,1 +1,128 @@
-"""Declarations of the storage predictor kernels (filled in by the storage issue)."""
+"""Declarations of the predictor kernels (``ptx/{q,kv}_lowrank_project.cu``, ``ptx/predictor_score.cu``)
+and their emulation through :mod:`hss.reference.predictor` (float64, stored rounded to bf16 / f32)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+
+from hss.kernels import Launch, declare, f32
+from hss.reference import predictor as ref
+
+BF16 = ml_dtypes.bfloat16
+LOWRANK_ROWS = 8        # {q,kv}_lowrank_project: input rows (block.y) per CTA at most
+LOWRANK_HEAD_DIM = 256  # {q,kv}_lowrank_project: longest input row
+
+
+def lowrank_rows(r: int, rows: int) -> int:
+    """block.y of the projection kernels as hss launches them: rows per CTA (r * rows <= 256 threads)."""
+    return max(1, min(LOWRANK_ROWS, 256 // r, rows))
+
+
+def score_warps(n: int) -> int:
+    """Warps (one K_lr block each) per CTA of predictor_score as hss launches it for n blocks.
+
+    One: single-warp CTAs spread short contexts over every SM and retire independently, which measured
+    fastest on an H200 at every size (Llama-like dims, 1 vs 8 warps per CTA: 128K tokens 19.1 vs 21.1 us,
+    1M tokens 121.7 vs 125.0 us, 4K tokens 3.2 vs 3.3 us)."""
+    return 1
+
+
+def _bf16(view: np.ndarray, *shape: int) -> np.ndarray:
+    return view.view(BF16).reshape(shape)
+
+
+def _pos(*values: int) -> bool:
+    return all(v > 0 for v in values)
+
+
+# -- q_lowrank_project -------------------------------------------------------------------------
+def _emulate_q(a: SimpleNamespace, launch: Launch) -> None:
+    if not _pos(a.num_q_heads, a.head_dim, a.r):
+        return
+    out = ref.project_q(_bf16(a.q, a.num_q_heads, a.head_dim), _bf16(a.p, a.head_dim, a.r))
+    a.q_proj.view(BF16)[:] = out.astype(np.float32).astype(BF16).ravel()
+
+
+def _check_rows(block: tuple[int, int, int], r: int, head_dim: int) -> str | None:
+    if block[0] < r or not 1 <= block[1] <= LOWRANK_ROWS or block[2] != 1:
+        return f"needs block (>= r ({r}), 1..{LOWRANK_ROWS}, 1)"
+    if head_dim > LOWRANK_HEAD_DIM:
+        return f"head_dim ({head_dim}) must be <= {LOWRANK_HEAD_DIM}"
+    return None
+
+
+def _check_q(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.grid[0] * launch.block[1] < a.num_q_heads:
+        return f"grid.x * block.y must cover num_q_heads ({a.num_q_heads})"
+    return _check_rows(launch.block, a.r, a.head_dim)
+
+
+Q_LOWRANK_PROJECT = declare(
+    "q_lowrank_project", "q_lowrank_project", "ptr q, ptr p, ptr q_proj, i32 num_q_heads, i32 head_dim, i32 r",
+    reads={"q": lambda a: 2 * max(a.num_q_heads, 0) * max(a.head_dim, 0),
+           "p": lambda a: 2 * max(a.head_dim, 0) * max(a.r, 0)},
+    writes={"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0)},
+    emulate=_emulate_q, check=_check_q)
+
+
+# -- kv_lowrank_project ------------------------------------------------------------------------
+def _emulate_kv(a: SimpleNamespace, launch: Launch) -> None:
+    if not _pos(a.block_size, a.num_kv_heads, a.head_dim, a.r):
+        return
+    out = ref.project_kv_block(_bf16(a.k_block, a.block_size, a.num_kv_heads, a.head_dim),
+                               _bf16(a.p, a.head_dim, a.r))
+    a.k_lr.view(BF16)[:] = out.astype(np.float32).astype(BF16).ravel()
+
+
+def _check_kv(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.grid[0] < a.num_kv_heads or launch.grid[1] * launch.block[1] < a.block_size:
+        return (f"needs grid.x >= num_kv_heads ({a.num_kv_heads}) and grid.y * block.y >= block_size "
+                f"({a.block_size})")
+    return _check_rows(launch.block, a.r, a.head_dim)
+
+
+KV_LOWRANK_PROJECT = declare(
+    "kv_lowrank_project", "kv_lowrank_project",
+    "ptr k_block, ptr p, ptr k_lr, i32 block_size, i32 num_kv_heads, i32 head_dim, i32 r",
+    reads={"k_block": lambda a: 2 * max(a.block_size, 0) * max(a.num_kv_heads, 0) * max(a.head_dim, 0),
+           "p": lambda a: 2 * max(a.head_dim, 0) * max(a.r, 0)},
+    writes={"k_lr": lambda a: 2 * max(a.num_kv_heads, 0) * max(a.block_size, 0) * max(a.r, 0)},
+    emulate=_emulate_kv, check=_check_kv)
+
+
+# -- predictor_score ---------------------------------------------------------------------------
+def _score_params_ok(a: SimpleNamespace) -> bool:
+    return _pos(a.num_kv_heads, a.block_size, a.r, a.gqa_ratio) and a.num_q_heads == a.gqa_ratio * a.num_kv_heads
+
+
+def _emulate_score(a: SimpleNamespace, launch: Launch) -> None:
+    if a.num_blocks <= 0 or not _score_params_ok(a):
+        return   # the kernel writes nothing for inconsistent heads
+    q = _bf16(a.q_proj, a.num_q_heads, a.r)
+    k = _bf16(a.k_lr, a.num_blocks, a.num_kv_heads, a.block_size, a.r)
+    f32(a.scores)[:] = ref.predictor_score(q, k, a.gqa_ratio).astype(np.float32)
+
+
+def _check_score(a: SimpleNamespace, launch: Launch) -> str | None:
+    bx = launch.block[0]
+    if bx % 32 or launch.block[1:] != (1, 1) or launch.grid[1:] != (1, 1):
+        return "needs block (32 * W, 1, 1) and grid (G, 1, 1)"
+    if launch.grid[0] * (bx // 32) < a.num_blocks:
+        return f"grid.x * warps per CTA ({launch.grid[0]} * {bx // 32}) must cover num_blocks ({a.num_blocks})"
+    return None
+
+
+def _score_reads_k(a: SimpleNamespace) -> int:
+    return 2 * max(a.num_blocks, 0) * max(a.num_kv_heads, 0) * max(a.block_size, 0) * max(a.r, 0)
+
+
+PREDICTOR_SCORE = declare(
+    "predictor_score", "predictor_score",
+    "ptr q_proj, ptr k_lr, ptr scores, i32 num_q_heads, i32 num_kv_heads, i32 block_size, i32 r, "
+    "i32 gqa_ratio, i32 num_blocks",
+    reads={"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0) if a.num_blocks > 0 else 0,
+           "k_lr": _score_reads_k},
+    writes={"scores": lambda a: 4 * max(a.num_blocks, 0)},
+    emulate=_emulate_score, check=_check_score)

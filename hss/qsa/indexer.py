@@ -1,0 +1,437 @@
+"""The QSA indexer, decode side (SPEC §10, §11.1-11.4): ``QsaIndexer``, ``QsaSeqState``, ``QsaSelection``.
+
+The attention layer's input is projected to ``n_heads`` query heads and one raw key per token; the visible
+prefix is cut into blocks of ``ratio`` tokens whose keys are mean-pooled, RMS-normed and roped at the
+block's first position; a decode query attends the top ``budget // ratio`` blocks by
+``sum_h relu(q_h . k_b) / sqrt(hd)`` plus the incomplete tail. While ``visible <= inert_bound()``
+(``budget + ratio - 1``) every token is selected, so ``decode_select`` returns ``None`` and the caller runs
+dense attention; past it, the selected tokens' K/V rows are gathered into a contiguous scratch that the
+ordinary paged decode attention reads through an identity block table.
+
+Differences from the original (SPEC §0): methods use the indexer's own ``gpu`` (no ``gpu`` argument);
+every input error is an :class:`~hss._driver.HssError` raised before any device work, and a failed check
+leaves the sequence state unchanged; ``block_size < 8`` is rejected (the identity table holds
+``ceil((budget + ratio) / 8)`` pages); ``QsaSelection.tokens`` carries the host copy of the selection; an
+unparsable ``HSS_QSA_MAX_TOKENS`` is an error rather than silently 32768. The prefill-selection kernels
+(``qsa_qprep_rows``, ``qsa_score_rows``, ``qsa_score_rows_tc``, ``qsa_prefill_attn``) are looked up with
+``try_kernel`` and are absent until the prefill issue adds them.
+"""
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss._params import device_ptr
+from hss.gpu import DevicePtr, GpuBackend
+from hss.kernels import qsa as kq
+from hss.qsa.select import select_tokens
+
+__all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "INGEST_SLAB", "MIN_BLOCK_SIZE", "DEFAULT_MAX_TOKENS"]
+
+INGEST_SLAB = 2048          # prefill GEMM slab (rows), bounding qk_scratch
+MIN_BLOCK_SIZE = 8          # the identity table holds ceil(sel_cap / 8) pages
+DEFAULT_MAX_TOKENS = 32768
+MODULE = kq.MODULE
+_U32 = 2**32 - 1
+_SMEM_LIMIT = 48 * 1024     # qsa_score stages q in shared memory without the opt-in attribute
+
+
+@dataclass(frozen=True)
+class QsaSelection:
+    """One decode step's selection: contiguous NHD K/V scratch ``[n_sel, nkv_attn, hd_attn]`` bf16, an
+    identity block table (``max_blocks`` i32 pages) and ``seq_len`` (one i32 = n_sel) on the device, for the
+    standard paged decode attention. ``tokens`` (hss addition) is the host copy of the selected positions."""
+    k_scratch: DevicePtr
+    v_scratch: DevicePtr
+    table_dev: DevicePtr
+    seq_len_dev: DevicePtr
+    n_sel: int
+    max_blocks: int
+    tokens: np.ndarray
+
+
+class QsaSeqState:
+    """One sequence's indexer carry: counters and the raw / pooled key buffers (free with
+    ``QsaIndexer.release_seq_state``; dropping the object frees nothing, as in the original).
+
+    ``ingested``: tokens whose raw keys are stored (contiguous from 0); ``pooled``: complete blocks pooled;
+    ``table_len``: identity-table pages uploaded; ``raw_keys`` ``[max_tokens, hd]`` bf16;
+    ``block_keys`` ``[max_tokens // ratio, hd]`` bf16.
+    """
+
+    __slots__ = ("ingested", "pooled", "table_len", "raw_keys", "block_keys", "_owner", "__weakref__")
+
+    def __init__(self, raw_keys: DevicePtr, block_keys: DevicePtr, owner: "QsaIndexer") -> None:
+        self.ingested = 0
+        self.pooled = 0
+        self.table_len = 0
+        self.raw_keys = raw_keys
+        self.block_keys = block_keys
+        self._owner = weakref.ref(owner)
+
+    @property
+    def released(self) -> bool:
+        return self.raw_keys.is_null() and self.block_keys.is_null()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"raw_keys={self.raw_keys!r}, block_keys={self.block_keys!r}"
+        return f"QsaSeqState(ingested={self.ingested}, pooled={self.pooled}, table_len={self.table_len}, {state})"
+
+
+def _count(name: str, value: Any, lo: int, hi: int = _U32, why: str = "") -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"QsaIndexer: {name} must be an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not lo <= v <= hi:
+        rng = f">= {lo}" if hi == _U32 else f"in [{lo}, {hi}]"
+        raise HssError(f"QsaIndexer: {name} = {v} must be {rng}{'; ' + why if why else ''}")
+    return v
+
+
+def _real(name: str, value: Any, positive: bool) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"QsaIndexer: {name} must be a number, got {type(value).__name__} {value!r}")
+    with np.errstate(over="ignore"):
+        v = float(np.float32(value))   # the kernels take it as f32
+    if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+        need = "finite and > 0" if positive else "finite and >= 0"
+        raise HssError(f"QsaIndexer: {name} = {value!r} must be {need} as a float32")
+    return v
+
+
+def _pointer(name: str, value: Any) -> int:
+    p = device_ptr(value)
+    if p == 0:
+        raise HssError(f"QsaIndexer: {name} is a null device pointer; pass the device address of the tensor")
+    return p
+
+
+def max_tokens_setting(max_tokens: int | None) -> int:
+    """``max_tokens`` if given, else ``HSS_QSA_MAX_TOKENS`` from the environment, else 32768."""
+    if max_tokens is not None:
+        return max_tokens
+    raw = os.environ.get("HSS_QSA_MAX_TOKENS", "").strip()
+    if not raw:
+        return DEFAULT_MAX_TOKENS
+    try:
+        return int(raw)
+    except ValueError:
+        raise HssError(f"HSS_QSA_MAX_TOKENS={raw!r} is not an integer; set it to the longest context in tokens "
+                       f"(default {DEFAULT_MAX_TOKENS}) or pass max_tokens=") from None
+
+
+class QsaIndexer:
+    """One full-attention layer's QSA indexer (SPEC §11.1).
+
+    ``qk_proj_w`` ``[(n_heads + 1) * hd, hidden]`` bf16 row-major, ``q_norm_w`` / ``k_norm_w`` ``[hd]`` bf16
+    (offsets from 1): device pointers (int, DevicePtr, DeviceBuffer or ``__cuda_array_interface__``) the
+    caller keeps alive. ``ratio`` tokens per block, ``budget`` tokens selected (a multiple of ``ratio``),
+    ``rot`` rotary dims, ``theta`` RoPE base, ``eps`` RMS-norm epsilon, ``nkv_attn`` / ``hd_attn`` the main
+    attention's KV heads and head dim (for the gathered scratch). ``max_tokens`` bounds a sequence (default:
+    env ``HSS_QSA_MAX_TOKENS``, else 32768). Device memory comes from ``gpu.alloc`` and is freed by
+    ``close()`` (idempotent; also a context manager); sequence states are freed by ``release_seq_state``.
+    """
+
+    def __init__(self, qk_proj_w: Any, q_norm_w: Any, k_norm_w: Any, n_heads: int, hd: int, ratio: int,
+                 budget: int, rot: int, theta: float, eps: float, hidden: int, nkv_attn: int, hd_attn: int,
+                 gpu: GpuBackend, max_tokens: int | None = None) -> None:
+        self._closed = True   # until construction succeeds, close() has nothing of ours to free
+        self._owned: list[DevicePtr] = []
+        self._pinned: cm.PinnedBuffer | None = None
+        # -- every check first: nothing touches the device before they pass -------------------------
+        ratio = _count("ratio", ratio, 1, why="tokens per QSA block (the model uses 4)")
+        budget = _count("budget", budget, 0, why="the token budget (the model uses 2048)")
+        if budget % ratio != 0 or budget == 0:
+            raise HssError(f"QsaIndexer: budget ({budget}) must be a positive multiple of ratio ({ratio}): the "
+                           f"selection keeps budget // ratio whole blocks; pass e.g. budget="
+                           f"{max(ratio, budget // ratio * ratio)}")
+        n_heads = _count("n_heads", n_heads, 1, why="indexer query heads (the model uses 4)")
+        hd = _count("hd", hd, 32, 1024)
+        if hd % 32:
+            raise HssError(f"QsaIndexer: hd ({hd}) must be a multiple of 32 (at most 1024): the pool and qprep "
+                           "kernels run one thread per dim in whole warps (the model uses 128)")
+        if kq.score_smem_bytes(n_heads, hd) > _SMEM_LIMIT:
+            raise HssError(f"QsaIndexer: n_heads * hd ({n_heads * hd}) must be at most {_SMEM_LIMIT // 4}: qsa_score "
+                           "stages q in 48 KiB of shared memory")
+        rot = _count("rot", rot, 0, hd, why="the rotary dims, at most hd")
+        if rot % 2:
+            raise HssError(f"QsaIndexer: rot ({rot}) must be even: rotate-half RoPE pairs dim j with j + rot/2")
+        self.theta = _real("theta", theta, positive=True)
+        self.eps = _real("eps", eps, positive=False)
+        hidden = _count("hidden", hidden, 1, 2**31 - 1)
+        nkv_attn = _count("nkv_attn", nkv_attn, 1)
+        hd_attn = _count("hd_attn", hd_attn, 1)
+        max_tokens = _count("max_tokens", max_tokens_setting(max_tokens), ratio, 2**31 - 1,
+                            why="the longest sequence in tokens: at least one block, int32 token ids "
+                                "(argument max_tokens= or env HSS_QSA_MAX_TOKENS)")
+        self.qk_proj_w = DevicePtr(_pointer("qk_proj_w", qk_proj_w))
+        self.q_norm_w = DevicePtr(_pointer("q_norm_w", q_norm_w))
+        self.k_norm_w = DevicePtr(_pointer("k_norm_w", k_norm_w))
+        self.n_heads, self.hd, self.ratio, self.budget, self.rot = n_heads, hd, ratio, budget, rot
+        self.hidden, self.nkv_attn, self.hd_attn, self.max_tokens = hidden, nkv_attn, hd_attn, max_tokens
+        self.block_topk = budget // ratio
+        self.qk_width = (n_heads + 1) * hd
+        self.sel_cap = budget + ratio
+        self.gpu = gpu
+        # -- device work ------------------------------------------------------------------------------
+        self._closed = False
+        try:
+            self._k_pool = gpu.kernel(MODULE, "qsa_block_pool")
+            self._k_qprep = gpu.kernel(MODULE, "qsa_qprep")
+            self._k_score = gpu.kernel(MODULE, "qsa_score")
+            self._k_gather = gpu.kernel(MODULE, "qsa_gather")
+            # prefill selection (SPEC §11.5): added by the prefill issue; absent (falsy) until then
+            self._k_qprep_rows = gpu.try_kernel(MODULE, "qsa_qprep_rows")
+            self._k_score_rows = gpu.try_kernel(MODULE, "qsa_score_rows")
+            self._k_score_rows_tc = gpu.try_kernel(MODULE, "qsa_score_rows_tc")
+            self._k_prefill_attn = gpu.try_kernel(MODULE, "qsa_prefill_attn")
+            kv_row = nkv_attn * hd_attn * 2
+            self.qk_scratch = self._alloc(INGEST_SLAB * self.qk_width * 2)
+            self.q_post = self._alloc(n_heads * hd * 4)
+            self.scores_dev = self._alloc(max_tokens // ratio * 4)
+            self.sel_dev = self._alloc(self.sel_cap * 4)
+            self.k_scratch = self._alloc(self.sel_cap * kv_row)
+            self.v_scratch = self._alloc(self.sel_cap * kv_row)
+            self.table_dev = self._alloc(-(-self.sel_cap // MIN_BLOCK_SIZE) * 4)
+            self.seq_len_dev = self._alloc(4)
+            self.prefill_table_dev = self._alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4)
+            # host side: pinned scores (the blocking D2H of every selective step), pageable uploads
+            self._pinned = cm.PinnedBuffer(max_tokens // ratio * 4, getattr(gpu, "ctx", None))
+            self._scores_host = self._pinned.view(np.float32)
+            self._sel_host = np.empty(self.sel_cap, dtype=np.int32)
+            self._ident = np.arange(-(-self.sel_cap // MIN_BLOCK_SIZE), dtype=np.int32)
+            self._seq_len_host = np.zeros(1, dtype=np.int32)
+            # prepared parameter packs, refilled in place on the hot path
+            self._pool_pack = self._k_pool.pack(0, self.k_norm_w, 0, 0, ratio, hd, rot, self.theta, self.eps)
+            self._qprep_pack = self._k_qprep.pack(self.qk_scratch, self.q_norm_w, self.q_post, hd, rot, 0,
+                                                  self.theta, self.eps)
+            self._score_pack = self._k_score.pack(self.q_post, 0, self.scores_dev, 0, n_heads, hd)
+            self._gather_pack = self._k_gather.pack(0, 0, 0, self.sel_dev, self.k_scratch, self.v_scratch,
+                                                    MIN_BLOCK_SIZE, nkv_attn, hd_attn)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> DevicePtr:
+        ptr = DevicePtr(self.gpu.alloc(nbytes))
+        self._owned.append(ptr)
+        return ptr
+
+    def close(self) -> None:
+        """Free the layer's device and pinned buffers (idempotent); attempts every free, raises the first error."""
+        first: BaseException | None = None
+        while self._owned:
+            ptr = self._owned.pop()
+            try:
+                self.gpu.free(ptr)
+            except Exception as exc:   # keep freeing the rest
+                first = first or exc
+        if self._pinned is not None:
+            pinned, self._pinned = self._pinned, None
+            try:
+                pinned.close()
+            except Exception as exc:
+                first = first or exc
+        self._closed = True
+        if first is not None:
+            raise first
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "QsaIndexer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"QsaIndexer(n_heads={self.n_heads}, hd={self.hd}, ratio={self.ratio}, budget={self.budget}, "
+                f"rot={self.rot}, max_tokens={self.max_tokens}{', closed' if self._closed else ''})")
+
+    # -- sequence state -------------------------------------------------------------------------------
+    def new_seq_state(self) -> QsaSeqState:
+        """A fresh sequence (counters 0) with its raw-key and block-key buffers (not zeroed)."""
+        self._check_open("new_seq_state")
+        raw = DevicePtr(self.gpu.alloc(self.max_tokens * self.hd * 2))
+        try:
+            blocks = DevicePtr(self.gpu.alloc(self.max_tokens // self.ratio * self.hd * 2))
+        except BaseException:
+            self.gpu.free(raw)
+            raise
+        return QsaSeqState(raw, blocks, self)
+
+    def release_seq_state(self, st: QsaSeqState) -> None:
+        """Free ``st``'s buffers, nulling each pointer. Idempotent; attempts both frees even if the first
+        fails, then raises the first error."""
+        if not isinstance(st, QsaSeqState):
+            raise TypeError(f"release_seq_state needs a QsaSeqState, not {type(st).__name__}")
+        first: BaseException | None = None
+        for name in ("raw_keys", "block_keys"):
+            ptr = getattr(st, name)
+            if ptr.is_null():
+                continue
+            try:
+                self.gpu.free(ptr)
+            except Exception as exc:
+                first = first or exc
+            setattr(st, name, DevicePtr(0))
+        if first is not None:
+            raise first
+
+    def inert_bound(self) -> int:
+        """``budget + ratio - 1`` (2051): the largest count of visible tokens whose selection is provably
+        every token (decode_select returns None while visible <= this); the first selective 0-based position
+        is ``inert_bound()`` itself (visible ``inert_bound() + 1``)."""
+        return self.budget + self.ratio - 1
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise HssError(f"QsaIndexer.{what}: the indexer is closed")
+
+    def _check_state(self, st: Any, what: str) -> None:
+        self._check_open(what)
+        if not isinstance(st, QsaSeqState):
+            raise TypeError(f"QsaIndexer.{what} needs a QsaSeqState (from new_seq_state), not {type(st).__name__}")
+        if st._owner() is not self:
+            raise HssError(f"QsaIndexer.{what}: this QsaSeqState belongs to another indexer; use the state that "
+                           "this indexer's new_seq_state returned")
+        if st.raw_keys.is_null() or st.block_keys.is_null():
+            raise HssError(f"QsaIndexer.{what}: the QsaSeqState was released; make a new one with new_seq_state()")
+
+    # -- prefill ingest (SPEC §11.3) -----------------------------------------------------------------
+    def prefill_ingest(self, st: QsaSeqState, hidden: Any, num_tokens: int, seq_start: int, stream: Any) -> None:
+        """Project ``num_tokens`` rows of ``hidden`` (``[num_tokens, hidden]`` bf16, the attention layer's input
+        for positions ``seq_start ..``), store their raw keys and pool every newly complete block, on ``stream``.
+
+        ``seq_start == 0`` starts the sequence over; otherwise it must equal ``st.ingested``.
+        """
+        self._check_state(st, "prefill_ingest")
+        num_tokens = _count("num_tokens", num_tokens, 0, 2**31 - 1)
+        seq_start = _count("seq_start", seq_start, 0, 2**31 - 1)
+        ingested = 0 if seq_start == 0 else st.ingested
+        if seq_start != ingested:
+            raise HssError(f"QSA: prefill chunk starts at {seq_start} but {st.ingested} tokens are ingested: a "
+                           "prefix-cache skip bypassed the indexer. Feed every prefill chunk through prefill_ingest "
+                           "in order (or disable the prefix cache) until QSA learns to re-ingest cached prefixes")
+        if seq_start + num_tokens > self.max_tokens:
+            raise HssError(f"QSA: {seq_start + num_tokens} tokens exceed max_tokens = {self.max_tokens}; construct "
+                           "the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
+        src = _pointer("hidden", hidden) if num_tokens else 0
+        s = cm.stream_handle(stream)
+        if seq_start == 0:
+            st.ingested = st.pooled = 0
+        hd, qkw = self.hd, self.qk_width
+        key_cols = self.qk_scratch.offset(self.n_heads * hd * 2)
+        for off in range(0, num_tokens, INGEST_SLAB):
+            rows = min(INGEST_SLAB, num_tokens - off)
+            self.gpu.cublas_bf16_proj_dense(src + off * self.hidden * 2, self.qk_proj_w, self.qk_scratch, rows,
+                                            qkw, self.hidden, s)
+            # the raw key = the last hd columns of each row
+            self.gpu.copy_d2d_2d_async(key_cols, qkw * 2, st.raw_keys.offset((seq_start + off) * hd * 2), hd * 2,
+                                       hd * 2, rows, s)
+        st.ingested = seq_start + num_tokens
+        self._pool_new_blocks(st, s)
+
+    def _pool_new_blocks(self, st: QsaSeqState, s: int) -> None:
+        complete = st.ingested // self.ratio
+        if complete > st.pooled:
+            pack = self._pool_pack
+            pack.set(0, st.raw_keys)
+            pack.set(2, st.block_keys)
+            pack.set(3, st.pooled)
+            self.gpu.launch(self._k_pool, (complete - st.pooled, 1, 1), (self.hd, 1, 1), kq.row_smem_bytes(self.hd),
+                            s, pack)
+            st.pooled = complete
+
+    # -- decode (SPEC §11.4) -----------------------------------------------------------------------------
+    def decode_select(self, st: QsaSeqState, normed: Any, pos: int, k_pool: Any, v_pool: Any, block_table_dev: Any,
+                      block_size: int, stream: Any) -> QsaSelection | None:
+        """Ingest the token at 0-based ``pos`` and, past the inert bound, select what it attends.
+
+        Call after the token's K/V are in the paged cache. ``normed``: the token's attention input ``[hidden]``
+        bf16. ``k_pool`` / ``v_pool``: paged NHD caches ``[pages, block_size, nkv_attn, hd_attn]`` bf16;
+        ``block_table_dev``: the sequence's i32 logical -> physical page table; ``block_size`` >= 8.
+        Returns None while ``pos + 1 <= inert_bound()`` (dense attention is exact), else a
+        :class:`QsaSelection`. Blocks the host once per selective step (the scores' D2H on ``stream``).
+        """
+        self._check_state(st, "decode_select")
+        pos = _count("pos", pos, 0, 2**31 - 1)
+        if pos != st.ingested:
+            raise HssError(f"QSA: decode at pos {pos} but {st.ingested} tokens ingested: the indexer cache lost sync "
+                           "(prefix-cache skip or a rewound sequence); ingest every earlier token first")
+        if pos >= self.max_tokens:
+            raise HssError(f"QSA: pos {pos} >= max_tokens = {self.max_tokens}; construct the indexer with a larger "
+                           "max_tokens= (or env HSS_QSA_MAX_TOKENS)")
+        block_size = _count("block_size", block_size, MIN_BLOCK_SIZE,
+                            why=f"the identity table is sized for pages of at least {MIN_BLOCK_SIZE} tokens")
+        x = _pointer("normed", normed)
+        visible = pos + 1
+        complete = visible // self.ratio
+        selective = complete > self.block_topk
+        if selective:
+            pools = (_pointer("k_pool", k_pool), _pointer("v_pool", v_pool),
+                     _pointer("block_table_dev", block_table_dev))
+        s = cm.stream_handle(stream)
+        self._ingest_token(st, x, pos, s)
+        if not selective:
+            return None   # provably every token: dense attention is exact
+        self._score_blocks(st, pos, complete, s)
+        tokens = self._host_select(complete, visible, s)
+        return self._gather(st, tokens, *pools, block_size, s)
+
+    # The decode stages, separately callable so the benchmark can time each one.
+    def _ingest_token(self, st: QsaSeqState, normed: int, pos: int, s: int) -> None:
+        """qk GEMV of the token into qk_scratch row 0; its raw key into raw_keys[pos]; pool a completed block."""
+        hd = self.hd
+        self.gpu.cublas_bf16_proj_dense(normed, self.qk_proj_w, self.qk_scratch, 1, self.qk_width, self.hidden, s)
+        self.gpu.copy_d2d_async(self.qk_scratch.offset(self.n_heads * hd * 2), st.raw_keys.offset(pos * hd * 2),
+                                hd * 2, s)
+        st.ingested = pos + 1
+        self._pool_new_blocks(st, s)
+
+    def _score_blocks(self, st: QsaSeqState, pos: int, complete: int, s: int) -> None:
+        """q prep at ``pos`` into q_post, then the scores of blocks 0..complete-1 into scores_dev."""
+        hd = self.hd
+        self._qprep_pack.set(5, pos)
+        self.gpu.launch(self._k_qprep, (self.n_heads, 1, 1), (hd, 1, 1), kq.row_smem_bytes(hd), s, self._qprep_pack)
+        pack = self._score_pack
+        pack.set(1, st.block_keys)
+        pack.set(3, complete)
+        self.gpu.launch(self._k_score, (kq.score_grid(complete, hd), 1, 1), (kq.SCORE_THREADS, 1, 1),
+                        kq.score_smem_bytes(self.n_heads, hd), s, pack)
+
+    def _host_select(self, complete: int, visible: int, s: int) -> np.ndarray:
+        """Blocking D2H of the scores, then the host top-k: the selected tokens (a view of a reused buffer)."""
+        host = self._scores_host[:complete]
+        self.gpu.copy_d2h_on_stream(self.scores_dev, host, s)
+        return select_tokens(host, self.block_topk, self.ratio, visible, out=self._sel_host)
+
+    def _gather(self, st: QsaSeqState, tokens: np.ndarray, k_pool: int, v_pool: int, table: int, block_size: int,
+                s: int) -> QsaSelection:
+        """Upload the selection, gather its K/V rows, upload the identity table (when grown) and seq_len."""
+        n_sel = int(tokens.size)
+        self.gpu.copy_h2d_async(tokens, self.sel_dev, s)   # pageable: staged before the call returns
+        pack = self._gather_pack
+        pack.set(0, k_pool)
+        pack.set(1, v_pool)
+        pack.set(2, table)
+        pack.set(6, block_size)
+        self.gpu.launch(self._k_gather, (n_sel, 1, 1), (kq.GATHER_THREADS, 1, 1), 0, s, pack)
+        pages = -(-n_sel // block_size)
+        if st.table_len < pages:
+            self.gpu.copy_h2d_async(self._ident[:pages], self.table_dev, s)
+            st.table_len = pages
+        self._seq_len_host[0] = n_sel
+        self.gpu.copy_h2d_async(self._seq_len_host, self.seq_len_dev, s)
+        return QsaSelection(self.k_scratch, self.v_scratch, self.table_dev, self.seq_len_dev, n_sel, pages,
+                            tokens.copy())

@@ -1,0 +1,455 @@
+"""Tests for hss.attention and its kernels (SPEC §6; bounds of SPEC §0).
+
+Outputs are compared with plain float64 softmax attention over exactly the tokens the tile schedule
+consumes, computed from the staged bf16 pool and query; every bound is shown to bite (one token dropped
+from the reference must fail it). Any split of the same pages into tiles must give the single tile's
+bits. The finalize output and the m/l/o state are NaN-poisoned before every run, and rows past num_seqs
+must keep their poison. On the emulator shapes are capped so the file runs in seconds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import conftest
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.reference import attention as ref
+from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
+
+ON_GPU = conftest.ON_GPU
+ORIGINAL = TiledAttentionDims(max_seqs=1, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                              tile_capacity=16)   # tiled_attention_parity.rs
+REF_ELEMS = 1 << 25 if ON_GPU else 1 << 20   # tokens * q heads * head_dim per sequence (host reference cost)
+
+
+# -- data and runs -----------------------------------------------------------------------------
+def randn(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """bf16 N(0, std^2) data with no zeros (zeros hide unwritten outputs and wrong indexing)."""
+    x = (rng.standard_normal(shape) * std).astype(np.float32).astype(BF16)
+    x[x == 0] = BF16(std)
+    return x
+
+
+def std_of(kind: str, head_dim: int) -> float:
+    return 1.0 if kind == "unit" else 1.0 / math.sqrt(head_dim)
+
+
+class Pool:
+    """A K/V page pool: host copies ``k``, ``v`` bf16 [pages, block_size, nkv, hd] and their device image,
+    either the NHD layout (two buffers) or HSS scratch slots ``[slot][K|V][kv_head][stripe]`` (one buffer,
+    stripes ``group_stride`` bytes apart, padding filled with NaN so that reading it shows)."""
+
+    def __init__(self, ta: TiledAttention, rng: np.random.Generator, num_pages: int, std: float, stream: int,
+                 group_stride: int | None = None, data: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        d = ta.dims
+        shape = (num_pages, d.block_size, d.num_kv_heads, d.head_dim)
+        self.k, self.v = data if data is not None else (randn(rng, shape, std), randn(rng, shape, std))
+        if group_stride is None:
+            self.bufs = [upload(self.k, stream), upload(self.v, stream)]
+            self.k_ptr, self.v_ptr = self.bufs[0].ptr, self.bufs[1].ptr
+            self.strides = ta.paged_strides()
+        else:
+            blk, tok, kvh, v_off = ta.scratch_pool_strides(group_stride)
+            flat = np.full(num_pages * blk, 0xFFFF, dtype=np.uint16)       # bf16 NaN everywhere
+            for kind, src in ((0, self.k), (1, self.v)):
+                for h in range(d.num_kv_heads):
+                    for p in range(num_pages):
+                        at = p * blk + kind * v_off + h * kvh
+                        flat[at: at + d.block_size * d.head_dim] = src[p, :, h, :].view(np.uint16).reshape(-1)
+            self.bufs = [upload(flat, stream)]
+            self.k_ptr, self.v_ptr = self.bufs[0].ptr, self.bufs[0].ptr + 2 * v_off
+            self.strides = (blk, tok, kvh)
+
+    def close(self) -> None:
+        for b in self.bufs:
+            b.close()
+
+
+def schedule(pages: list[np.ndarray], tile: int, capacity: int, block_size: int, last_valid: int) -> list:
+    """Tiles of ``tile`` pages per sequence: (blocks i32 [ns, capacity], counts i32 [ns], lbvs) each; the
+    final tile gets ``last_valid``, the others full pages. Unused entries hold -1, which must never be read."""
+    ns = len(pages)
+    ntiles = max([1] + [-(-len(p) // tile) for p in pages])
+    out = []
+    for t in range(ntiles):
+        blocks = np.full((ns, capacity), -1, dtype=np.int32)
+        counts = np.zeros(ns, dtype=np.int32)
+        for s, p in enumerate(pages):
+            part = p[t * tile:(t + 1) * tile]
+            blocks[s, :len(part)] = part
+            counts[s] = len(part)
+        out.append((blocks, counts, last_valid if t == ntiles - 1 else block_size))
+    return out
+
+
+def consumed(sched: list, ns: int, block_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(pages, slots) of the tokens each sequence attends under ``sched`` (SPEC §6.3), in order."""
+    pages: list[list[int]] = [[] for _ in range(ns)]
+    slots: list[list[int]] = [[] for _ in range(ns)]
+    for blocks, counts, lbvs in sched:
+        for s in range(ns):
+            n = int(counts[s])
+            for b in range(n):
+                lim = block_size if b < n - 1 else min(max(lbvs, 0), block_size)
+                pages[s] += [int(blocks[s, b])] * lim
+                slots[s] += list(range(lim))
+    return [(np.array(p, dtype=np.int64), np.array(t, dtype=np.int64)) for p, t in zip(pages, slots)]
+
+
+class Result:
+    def __init__(self, out: np.ndarray, m: np.ndarray, l: np.ndarray, o: np.ndarray) -> None:
+        self.out, self.m, self.l, self.o = out, m, l, o
+
+    def bits(self) -> list[np.ndarray]:
+        return [self.out.view(np.uint16), self.m.view(np.uint32), self.l.view(np.uint32), self.o.view(np.uint32)]
+
+
+def run(ta: TiledAttention, stream, q_dev, pool: Pool, sched: list, num_seqs: int) -> Result:
+    """Poison everything, then begin_step, one step_tile per tile, finalize; read back all max_seqs rows."""
+    d = ta.dims
+    for buf in (ta.m, ta.l, ta.o):
+        cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
+    rows = d.max_seqs * d.num_q_heads
+    out = poisoned(2 * rows * d.head_dim, stream)
+    keep = [out]
+    ta.begin_step(stream, num_seqs)
+    for blocks, counts, lbvs in sched:
+        tb, cn = upload(blocks[:num_seqs], stream), upload(counts[:num_seqs], stream)
+        keep += [tb, cn]
+        ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, num_seqs, *pool.strides, lbvs)
+    ta.finalize(stream, out, num_seqs)
+    res = Result(download(out, (d.max_seqs, d.num_q_heads, d.head_dim), BF16, stream),
+                 download(ta.m, rows, np.float32, stream), download(ta.l, rows, np.float32, stream),
+                 download(ta.o, (rows, d.head_dim), np.float32, stream))
+    for b in keep:
+        b.close()
+    return res
+
+
+def reference(q: np.ndarray, pool: Pool, tokens: list) -> np.ndarray:
+    """Float64 softmax attention of each sequence over its consumed tokens: [ns, nq, hd]."""
+    return np.stack([ref.attention(q[s], pool.k[p, t], pool.v[p, t]) for s, (p, t) in enumerate(tokens)])
+
+
+def check(res: Result, q: np.ndarray, pool: Pool, tokens: list, num_seqs: int, what: str) -> np.ndarray:
+    """The SPEC §0 bf16 bound per (seq, head) row, its mutation check, and the poison past num_seqs."""
+    want = reference(q, pool, tokens)
+    got = res.out[:num_seqs].astype(np.float64)
+    assert_close(got, want, "bf16", (2,), what)
+    with_tokens = [s for s, (p, _) in enumerate(tokens) if p.size]
+    if with_tokens:   # drop the heaviest token of head 0 of one sequence: the bound must notice
+        s = with_tokens[0]
+        p, t = tokens[s]
+        drop = int(np.argmax(ref.logits(q[s], pool.k[p, t])[:, 0]))
+        mutated = want.copy()
+        mutated[s] = ref.attention(q[s], np.delete(pool.k[p, t], drop, 0), np.delete(pool.v[p, t], drop, 0))
+        assert_bites(got, mutated, "bf16", (2,), what)
+    nq = q.shape[1]
+    assert (res.out[num_seqs:].view(np.uint16) == 0xFFFF).all(), f"{what}: output rows past num_seqs were written"
+    for name, arr in (("m", res.m), ("l", res.l), ("o", res.o)):
+        assert (arr[num_seqs * nq:].view(np.uint32) == 0xFFFFFFFF).all(), f"{what}: {name} rows past num_seqs written"
+    return want
+
+
+def same_bits(a: Result, b: Result, what: str) -> None:
+    for name, x, y in zip(("output", "m", "l", "o"), a.bits(), b.bits()):
+        if not np.array_equal(x, y):
+            n = int((x != y).sum())
+            raise AssertionError(f"{what}: {name} differs from the single tile in {n} of {x.size} entries")
+
+
+# -- dims, strides, lifetime -------------------------------------------------------------------
+@pytest.mark.parametrize("field,value,words", [
+    ("num_kv_heads", 6, r"num_q_heads \(32\) must be a multiple of num_kv_heads \(6\)"),
+    ("head_dim", 257, r"head_dim \(257\) must be <= 256"), ("max_seqs", 0, r"max_seqs must be > 0"),
+    ("block_size", -1, r"block_size must be > 0"), ("tile_capacity", 0, r"tile_capacity must be > 0"),
+    ("num_q_heads", 65536 * 8, "grid.y"), ("tile_capacity", 2**28, "must fit in int32")])
+def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
+    with pytest.raises(HssError, match=words):
+        replace(ORIGINAL, **{field: value}).validate()
+
+
+def test_dims_types_and_ratio() -> None:
+    ORIGINAL.validate()
+    assert ORIGINAL.gqa_ratio == 4 and ORIGINAL.stripe_bytes == 4096
+    with pytest.raises(TypeError, match="head_dim must be an int"):
+        replace(ORIGINAL, head_dim=128.0).validate()
+    with pytest.raises(TypeError, match="got bool"):
+        replace(ORIGINAL, max_seqs=True).validate()
+
+
+def test_strides(ctx) -> None:
+    with TiledAttention(ctx, ORIGINAL) as ta:
+        assert ta.paged_strides() == (16 * 8 * 128, 8 * 128, 128)
+        assert ta.scratch_pool_strides() == (2 * 8 * 2048, 128, 2048, 8 * 2048)     # unpadded: 4096-byte stripes
+        assert ta.scratch_pool_strides(8192) == (2 * 8 * 4096, 128, 4096, 8 * 4096)
+        with pytest.raises(HssError, match="must be even"):
+            ta.scratch_pool_strides(4097)
+        with pytest.raises(HssError, match=r"smaller than one stripe \(block_size\*head_dim\*2 = 4096"):
+            ta.scratch_pool_strides(4094)
+    with TiledAttention(ctx, replace(ORIGINAL, block_size=8)) as ta:     # 2 KiB stripes padded to 4 KiB
+        assert ta.scratch_pool_strides(4096) == (2 * 8 * 2048, 128, 2048, 8 * 2048)
+
+
+def test_lifetime(ctx) -> None:
+    ta = TiledAttention.new(ORIGINAL)
+    assert ta.m.bytes == 4 * 32 and ta.o.bytes == 4 * 32 * 128 and not ta.closed
+    ta.close()
+    ta.close()
+    assert ta.closed and ta.m.closed and ta.o.closed
+    with pytest.raises(HssError, match="closed"):
+        ta.begin_step(ctx, 1)
+    with TiledAttention(ctx, ORIGINAL) as ta2:
+        pass
+    assert ta2.closed
+    with pytest.raises(TypeError, match="TiledAttentionDims"):
+        TiledAttention(ctx, (1, 32, 8, 128, 16, 16))
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Records every launch and memset TiledAttention would make, and makes none."""
+    seen: list = []
+    monkeypatch.setattr(cm, "launch_kernel", lambda func, *a: seen.append(getattr(func, "name", func)))
+    monkeypatch.setattr(cm, "memset_d32_async", lambda *a: seen.append("memset"))
+    return seen
+
+
+def test_bad_arguments_raise_before_any_launch(ctx, stream, launches: list) -> None:
+    d = replace(ORIGINAL, max_seqs=2, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta:
+        q = cm.DeviceBuffer(2 * 2 * 32 * 128)
+        pool = cm.DeviceBuffer(1 << 16)
+        tb, cn = cm.DeviceBuffer(4 * 2 * 4), cm.DeviceBuffer(4 * 2)
+        out = cm.DeviceBuffer(2 * 2 * 32 * 128)
+        strides = ta.paged_strides()
+        good = (q, pool, pool, tb, cn, 2, *strides, 16)
+
+        def step(**change):
+            names = ("q", "k_pool", "v_pool", "tile_blocks", "tile_block_counts", "num_seqs", "blk_stride",
+                     "tok_stride", "kvh_stride", "last_block_valid_slots")
+            args = dict(zip(names, good), **change)
+            ta.step_tile(stream, *args.values())
+
+        for bad, err, words in [
+            (dict(num_seqs=3), HssError, r"num_seqs \(3\) must be in 0..max_seqs \(2\)"),
+            (dict(num_seqs=-1), HssError, "num_seqs"), (dict(num_seqs=1.0), TypeError, "num_seqs must be an int"),
+            (dict(blk_stride=-1), HssError, r"blk_stride \(-1\) must be >= 0"),
+            (dict(kvh_stride=-128), HssError, "kvh_stride"), (dict(tok_stride=True), TypeError, "tok_stride"),
+            (dict(q=0), HssError, "q is a null pointer"), (dict(k_pool=0), HssError, "k_pool is a null pointer"),
+            (dict(v_pool=pool.ptr + 1), HssError, "v_pool .* must be 2-byte aligned"),
+            (dict(tile_blocks=tb.ptr + 2), HssError, "tile_blocks .* must be 4-byte aligned"),
+            (dict(q=cm.DeviceBuffer(64)), HssError, "q holds 64 bytes but 16384 are needed"),
+            (dict(tile_blocks=cm.DeviceBuffer(16)), HssError, "tile_blocks holds 16 bytes but 32 are needed"),
+            (dict(last_block_valid_slots=2**31), HssError, "last_block_valid_slots"),
+            (dict(last_block_valid_slots=None), TypeError, "last_block_valid_slots"),
+            (dict(q=1.5), TypeError, "device pointer")]:
+            with pytest.raises(err, match=words):
+                step(**bad)
+        with pytest.raises(HssError, match=r"num_seqs \(5\)"):
+            ta.begin_step(stream, 5)
+        with pytest.raises(TypeError, match="stream"):
+            ta.begin_step(None, 1)
+        with pytest.raises(HssError, match="output holds 64 bytes"):
+            ta.finalize(stream, cm.DeviceBuffer(64), 2)
+        with pytest.raises(HssError, match="output is a null pointer"):
+            ta.finalize(stream, 0, 1)
+        closed = cm.DeviceBuffer(64)
+        closed.close()
+        with pytest.raises(HssError, match="closed buffer"):
+            ta.finalize(stream, closed, 1)
+        ta.begin_step(stream, 0)            # zero sequences: nothing to do
+        step(num_seqs=0)
+        ta.finalize(stream, out, 0)
+        assert launches == []
+        step()                              # the control: the same call with good arguments launches
+        assert launches == ["paged_decode_attn_tiled"]
+
+
+# -- the kernels against the reference ---------------------------------------------------------
+def setup(ctx, stream, rng, dims: TiledAttentionDims, num_pages: int, kind: str, group_stride=None):
+    ta = TiledAttention(ctx, dims)
+    std = std_of(kind, dims.head_dim)
+    q = randn(rng, (dims.max_seqs, dims.num_q_heads, dims.head_dim), std)
+    return ta, q, upload(q, stream), Pool(ta, rng, num_pages, std, stream, group_stride)
+
+
+@pytest.mark.parametrize("kind", ["unit", "small"])
+def test_every_tiling_meets_the_bound_and_matches_one_tile_bitwise(ctx, stream, rng, kind: str) -> None:
+    """The original's parity test (32 q / 8 kv heads, hd 128, bs 16, 16 pages), two sequences."""
+    dims = replace(ORIGINAL, max_seqs=3)
+    ns, npages = 2, 16
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 24, kind)
+    pages = [rng.permutation(24)[:npages] for _ in range(ns)]
+    one = schedule(pages, 16, 16, 16, 16)
+    single = run(ta, stream, q_dev, pool, one, ns)
+    tokens = consumed(one, ns, 16)
+    want = check(single, q, pool, tokens, ns, f"single tile ({kind})")
+    err = np.abs(single.out[:ns].astype(np.float64) - want)
+    assert err.max() < 1e-2                                       # tiled_attention_parity.rs
+    for tile in (1, 2, 4, 8):
+        sched = schedule(pages, tile, 16, 16, 16)
+        assert all(np.array_equal(a[0], b[0]) for a, b in zip(consumed(sched, ns, 16), tokens))
+        res = run(ta, stream, q_dev, pool, sched, ns)
+        same_bits(res, single, f"tiles of {tile} ({kind})")
+        check(res, q, pool, tokens, ns, f"tiles of {tile} ({kind})")
+        diff = np.abs(res.out[:ns].astype(np.float64) - single.out[:ns].astype(np.float64))
+        assert diff.max() < 1e-2 and diff.mean() < 1e-3          # the original's multi-tile tolerance
+    ta.close()
+    pool.close()
+
+
+@pytest.mark.parametrize("last_valid", [1, 7, 15, 0, -3, 16, 99])
+def test_partial_last_page(ctx, stream, rng, last_valid: int) -> None:
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, tile_capacity=6)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 8, "small")
+    pages = [rng.permutation(8)[:6], rng.permutation(8)[:6]]
+    results = []
+    for tile in (6, 4, 1):
+        sched = schedule(pages, tile, 6, 16, last_valid)
+        tokens = consumed(sched, 2, 16)
+        assert len(tokens[0][0]) == 5 * 16 + min(max(last_valid, 0), 16)
+        res = run(ta, stream, q_dev, pool, sched, 2)
+        check(res, q, pool, tokens, 2, f"last_block_valid_slots {last_valid}, tiles of {tile}")
+        results.append(res)
+    for res in results[1:]:
+        same_bits(res, results[0], f"last_block_valid_slots {last_valid}")
+    if last_valid <= 0:   # the last page contributes nothing: the same bits as leaving it out
+        dropped = run(ta, stream, q_dev, pool, schedule([p[:5] for p in pages], 6, 6, 16, 16), 2)
+        same_bits(dropped, results[0], f"last_block_valid_slots {last_valid} vs five pages")
+    ta.close()
+    pool.close()
+
+
+@pytest.mark.parametrize("block_size,head_dim,group_stride", [(8, 128, 4096), (16, 64, 4096), (16, 64, 2048),
+                                                               (4, 96, 4096)])
+def test_scratch_pool_layout_matches_nhd(ctx, stream, rng, block_size: int, head_dim: int, group_stride: int) -> None:
+    """HSS scratch slots (stripes padded to group_stride, padding NaN) give the NHD pool's bits."""
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=8, num_kv_heads=4, head_dim=head_dim, block_size=block_size,
+                              tile_capacity=5)
+    ta, q, q_dev, nhd = setup(ctx, stream, rng, dims, 7, "unit")
+    slots = Pool(ta, rng, 7, 1.0, stream, group_stride, data=(nhd.k, nhd.v))
+    pages = [rng.permutation(7)[:5], rng.permutation(7)[:3]]
+    sched = schedule(pages, 2, 5, block_size, block_size - 1)
+    a = run(ta, stream, q_dev, nhd, sched, 2)
+    b = run(ta, stream, q_dev, slots, sched, 2)
+    check(b, q, slots, consumed(sched, 2, block_size), 2, f"scratch slots gs {group_stride}")
+    same_bits(b, a, f"scratch slots gs {group_stride} vs NHD")
+    for p in (ta, nhd, slots):
+        p.close()
+
+
+def test_empty_sequence_and_interop(ctx, stream, rng) -> None:
+    """A sequence with no pages keeps the initial state and finalizes to 0 (l == 0); streams and pointers
+    may be __cuda_stream__ / __cuda_array_interface__ objects."""
+    dims = TiledAttentionDims(max_seqs=3, num_q_heads=4, num_kv_heads=1, head_dim=128, block_size=16, tile_capacity=2)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 3, "unit")
+
+    class Tensor:   # what PyTorch / CuPy expose
+        def __init__(self, buf: cm.DeviceBuffer, shape: tuple, typestr: str, strides=None) -> None:
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (buf.ptr, False),
+                                             "version": 3, "strides": strides}
+
+    class Stream:
+        def __cuda_stream__(self):
+            return (0, stream)
+
+    sched = schedule([np.array([2, 0]), np.array([], dtype=np.int64), np.array([1])], 2, 2, 16, 16)
+    tb, cn = upload(sched[0][0], stream), upload(sched[0][1], stream)
+    out = poisoned(2 * 3 * 4 * 128, stream)
+    ta.begin_step(Stream(), 3)
+    ta.step_tile_on_stream(Stream(), Tensor(q_dev, (3, 4, 128), "<V2"), pool.k_ptr, pool.v_ptr,
+                           Tensor(tb, (3, 2), "<i4"), cn, 3, *pool.strides, 16)
+    ta.finalize_on_stream(Stream(), Tensor(out, (3, 4, 128), "<V2"), 3)
+    got = download(out, (3, 4, 128), BF16, stream)
+    assert (got[1].view(np.uint16) == 0).all()
+    assert (download(ta.m, 12, np.uint32, stream)[4:8] == 0xFF800000).all()
+    res = Result(got, *(np.zeros(0, np.float32) for _ in range(3)))
+    check(res, q, pool, consumed(sched, 3, 16), 3, "empty sequence")
+    with pytest.raises(HssError, match="output must be contiguous"):
+        ta.finalize(stream, Tensor(out, (3, 4, 128), "<V2", strides=(2048, 4, 2)), 3)
+    ta.finalize(stream, Tensor(out, (3, 4, 128), "<V2", strides=(1024, 256, 2)), 3)   # contiguous strides
+    for b in (tb, cn, out, ta, pool):
+        b.close()
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    gqa = draw(st.integers(1, 8))
+    nkv = draw(st.integers(1, 8 if ON_GPU else 3))
+    hd = draw(st.sampled_from([64, 96, 128, 256]))
+    bs = draw(st.one_of(st.sampled_from([1, 16, 64]), st.integers(1, 64)) if ON_GPU else
+              st.one_of(st.sampled_from([1, 16]), st.integers(1, 32)))
+    max_pages = max(1, min(300 if ON_GPU else 12, REF_ELEMS // (bs * gqa * nkv * hd)))
+    ns = draw(st.integers(1, 3))
+    counts = draw(st.lists(st.integers(0, max_pages), min_size=ns, max_size=ns))
+    return dict(dims=TiledAttentionDims(max_seqs=ns + draw(st.integers(0, 1)), num_q_heads=gqa * nkv,
+                                        num_kv_heads=nkv, head_dim=hd, block_size=bs,
+                                        tile_capacity=max(1, max(counts))),
+                ns=ns, counts=counts, tile=draw(st.integers(1, max(1, max(counts)))),
+                last_valid=draw(st.one_of(st.just(bs), st.integers(-2, bs + 2))),
+                kind=draw(st.sampled_from(["unit", "small"])))
+
+
+@given(case=cases())
+def test_shapes(ctx, stream, rng, case: dict) -> None:
+    dims, ns = case["dims"], case["ns"]
+    npool = max(case["counts"]) + 2
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, npool, case["kind"])
+    pages = [rng.permutation(npool)[:c] for c in case["counts"]]
+    cap = dims.tile_capacity
+    one = schedule(pages, cap, cap, dims.block_size, case["last_valid"])
+    many = schedule(pages, case["tile"], cap, dims.block_size, case["last_valid"])
+    what = f"{dims}, {ns} seqs, pages {case['counts']}, tiles of {case['tile']}, lbvs {case['last_valid']}"
+    single = run(ta, stream, q_dev, pool, one, ns)
+    check(single, q, pool, consumed(one, ns, dims.block_size), ns, f"one tile: {what}")
+    tiled = run(ta, stream, q_dev, pool, many, ns)
+    check(tiled, q, pool, consumed(many, ns, dims.block_size), ns, what)
+    if all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+           for a, b in zip(consumed(one, ns, dims.block_size), consumed(many, ns, dims.block_size))):
+        same_bits(tiled, single, what)
+    ta.close()
+    pool.close()
+
+
+# -- references and emulator-only checks -------------------------------------------------------
+def test_reference_recurrence(rng) -> None:
+    """The tile-step reference: f32 state is split-invariant bit for bit and close to plain softmax."""
+    q = rng.standard_normal((6, 32))
+    k, v = rng.standard_normal((50, 2, 32)), rng.standard_normal((50, 2, 32))
+    init = (np.full(6, -np.inf), np.zeros(6), np.zeros((6, 32)))
+    whole = ref.step_tile(q, k, v, *init)
+    half = ref.step_tile(q, k[20:], v[20:], *ref.step_tile(q, k[:20], v[:20], *init))
+    for a, b in zip(whole, half):
+        assert np.array_equal(a, b)
+    want = ref.attention(q, k, v)
+    assert np.abs(ref.finalize(whole[1], whole[2]) - want).max() < 1e-5
+    exact = ref.step_tile(q, k, v, *init, state_dtype=None)
+    assert np.abs(ref.finalize(exact[1], exact[2]) - want).max() < 1e-12
+    assert (ref.finalize(np.zeros(2), np.ones((2, 3))) == 0).all()
+    assert ref.attention(q, k[:0], v[:0]).shape == (6, 32)
+
+
+@pytest.mark.emulator
+def test_emulator_faults_on_a_page_outside_the_pool(ctx, stream, rng) -> None:
+    from hss.emulator import MemoryFault
+    dims = TiledAttentionDims(max_seqs=1, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=4, tile_capacity=2)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 3, "unit")
+    sched = schedule([np.array([1, 3])], 2, 2, 4, 4)
+    with pytest.raises(MemoryFault, match="k_pool: page 3 .*outside the pool"):
+        run(ta, stream, q_dev, pool, sched, 1)
+    ta.close()
+    pool.close()
+
+
+def test_bench_smoke() -> None:
+    from hss.bench import attention as bench
+    rows = bench.run(bench.parse_args(["--smoke"]))
+    assert rows and {"variant", "us", "GB/s"} <= set(rows[0])

@@ -1,0 +1,486 @@
+"""Tests for hss.predictor and its kernels (SPEC §4, §5; bounds of SPEC §0).
+
+Every kernel is compared with the staged float64 reference (its inputs are the bf16 values actually
+uploaded or read back), on unit-scale and small-scale data, outputs NaN-poisoned before each launch, and
+every bound is shown to bite. On the emulator shapes are capped so the file runs in seconds.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import conftest
+import hss.predictor as hp
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss.predictor import Predictor, PredictorDims, preflight_a_g, read_k_lr_slot
+from hss.reference import predictor as ref
+from helpers import BF16, assert_bites, assert_close, download, poisoned, upload, violations
+
+ON_GPU = conftest.ON_GPU
+SEED = 0xCAFE_F00D
+LLAMA = PredictorDims(num_layers=4, num_q_heads=32, num_kv_heads=8, head_dim=128, r=32, block_size=16, max_blocks=64)
+MAX_BLOCKS = 4096 if ON_GPU else 48          # blocks per score launch in the hypothesis tests
+MAX_ELEMS = 1 << 25 if ON_GPU else 1 << 20   # K_lr elements per score launch (host reference memory)
+
+
+# -- data --------------------------------------------------------------------------------------
+def randn(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """bf16 N(0, std^2) data with no zeros (zeros hide unwritten outputs and wrong indexing)."""
+    x = (rng.standard_normal(shape) * std).astype(np.float32).astype(BF16)
+    x[x == 0] = BF16(std)
+    return x
+
+
+def scale_of(kind: str, head_dim: int) -> float:
+    return 1.0 if kind == "unit" else 1.0 / math.sqrt(head_dim)
+
+
+@st.composite
+def model_shapes(draw: st.DrawFn) -> dict:
+    gqa = draw(st.integers(1, 8))
+    nkv = draw(st.integers(1, 8 if ON_GPU else 4))
+    return dict(num_q_heads=gqa * nkv, num_kv_heads=nkv, head_dim=draw(st.sampled_from([64, 96, 128, 256])),
+                r=draw(st.one_of(st.sampled_from([32, 64, 96, 128]), st.integers(8, 128))),
+                block_size=draw(st.one_of(st.sampled_from([16, 32, 64]), st.integers(1, 64))))
+
+
+def dims_of(shape: dict, num_layers: int = 1, max_blocks: int = 2) -> PredictorDims:
+    return PredictorDims(num_layers=num_layers, max_blocks=max_blocks, **shape)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Records every kernel launch the Predictor makes."""
+    seen: list = []
+    real = hp.launch_kernel
+
+    def counting(func, *args):
+        seen.append(getattr(func, "name", func))
+        real(func, *args)
+
+    monkeypatch.setattr(hp, "launch_kernel", counting)
+    return seen
+
+
+# -- PredictorDims and the preflight (pure) ----------------------------------------------------
+def test_dims_arithmetic() -> None:
+    d = LLAMA
+    d.validate()
+    assert d.gqa_ratio() == 4
+    assert d.per_layer_block_floats() == 8 * 16 * 32
+    assert d.slot_bytes() == 8192
+    assert d.a_g_bytes() == 4 * 64 * 8 * 16 * 32 * 2
+    assert d.p_bytes() == 128 * 32 * 2
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("num_kv_heads", 6, "multiple of num_kv_heads"), ("r", 0, "r must be >= 1"), ("r", 129, "r (129) must be <= 128"),
+    ("head_dim", 257, "head_dim (257) must be <= 256"), ("max_blocks", -1, "max_blocks must be >= 1"),
+    ("block_size", 70000, "grid.y")])
+def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
+    d = PredictorDims(**{**LLAMA.__dict__, field: value})
+    with pytest.raises(HssError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        d.validate()
+
+
+def test_dims_validate_types() -> None:
+    with pytest.raises(TypeError, match="r must be an int"):
+        PredictorDims(**{**LLAMA.__dict__, "r": 32.0}).validate()
+
+
+BIG = PredictorDims(num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128, r=64, block_size=16,
+                    max_blocks=(1 << 20) // 16)   # 80 layers, 1M tokens, r = 64: A_g = 80 GiB
+
+
+def test_preflight_message() -> None:
+    free = 20 << 30
+    with pytest.raises(HssError) as info:
+        preflight_a_g(BIG, free)
+    msg = str(info.value)
+    assert "needs 80.00 GiB" in msg and "only 19.00 GiB" in msg and "20.00 GiB free" in msg
+    assert ("num_layers (80) × max_blocks (65536) × num_kv_heads (8) × block_size (16) × r (64) × 2 bytes "
+            "= 85899345920 bytes") in msg
+    for advice in ("r: 64 -> 32", "max_blocks: 65536 -> at most 15564", "num_layers: 80 -> at most 19"):
+        assert advice in msg, advice
+    assert preflight_a_g(LLAMA, free) == LLAMA.a_g_bytes()
+    assert preflight_a_g(LLAMA, LLAMA.a_g_bytes() * 100 // 95 + 100) == LLAMA.a_g_bytes()
+    with pytest.raises(HssError, match="no r fits"):
+        preflight_a_g(BIG, 1 << 20)
+
+
+def test_construction_fails_preflight_before_any_allocation(ctx, monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*a, **k):
+        raise AssertionError("allocated or loaded before the preflight")
+
+    monkeypatch.setattr(cm, "mem_info", lambda: (20 << 30, 141 << 30))
+    monkeypatch.setattr(hp, "DeviceBuffer", forbidden)
+    monkeypatch.setattr(hp, "load_module", forbidden)
+    with pytest.raises(HssError, match="needs 80.00 GiB"):
+        Predictor(ctx, BIG, SEED)
+    with pytest.raises(HssError, match="needs 80.00 GiB"):
+        Predictor.new_on_stream(ctx.stream, BIG, SEED)
+    with pytest.raises(HssError, match="multiple of num_kv_heads"):
+        Predictor(ctx, PredictorDims(**{**LLAMA.__dict__, "num_kv_heads": 6}), SEED)
+    with pytest.raises(HssError, match="projection_seed"):
+        Predictor(ctx, LLAMA, -1)
+
+
+def test_lifetime(ctx) -> None:
+    pred = Predictor(ctx, LLAMA, SEED)
+    assert pred.dims == LLAMA and pred.a_g_dev_ptr % 256 == 0
+    assert pred.projection.shape == (128, 32)
+    pred.close()
+    pred.close()
+    assert pred.closed
+    with pytest.raises(HssError, match="closed"):
+        pred.a_g_dev_ptr
+    with Predictor.new_on_stream(ctx.stream, LLAMA, SEED) as p2:
+        assert not p2.closed
+        assert np.array_equal(p2.projection.view(np.uint16), pred.projection.view(np.uint16))
+    assert p2.closed
+
+
+# -- kernels vs staged references --------------------------------------------------------------
+def drop_worst_row(a: np.ndarray, p: np.ndarray, bound_of) -> np.ndarray:
+    """P with the row whose single term is most visible against the bound zeroed (one term dropped)."""
+    terms = np.abs(a.astype(np.float64))[..., :, None] * np.abs(p.astype(np.float64))  # [..., head_dim, r]
+    b = bound_of()
+    worst = (terms / b[..., None, :]).reshape(-1, *terms.shape[-2:]).max(axis=(0, 2)).argmax()
+    mutated = p.astype(np.float64)
+    mutated[worst] = 0.0
+    return mutated
+
+
+@given(shape=model_shapes(), scale=st.sampled_from(["unit", "small"]), seed=st.integers(0, 2**32 - 1))
+def test_project_q(ctx, stream, shape: dict, scale: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    d = dims_of(shape)
+    with Predictor(ctx, d, seed) as pred:
+        q = randn(rng, (d.num_q_heads, d.head_dim), scale_of(scale, d.head_dim))
+        q_dev = upload(q, stream)
+        out = poisoned(2 * d.num_q_heads * d.r, stream)
+        pred.project_q(ctx, q_dev, out)
+        got = download(out, (d.num_q_heads, d.r), BF16, stream)
+        want = ref.project_q(q, pred.projection)
+        assert_close(got, want, "bf16", (1,), "q_proj")
+        mutated = ref.project_q(q, drop_worst_row(q, pred.projection,
+                                                  lambda: np.maximum(np.abs(want), 1e-30)))
+        assert_bites(got, mutated, "bf16", (1,), "q_proj with one P row dropped")
+
+
+@given(shape=model_shapes(), scale=st.sampled_from(["unit", "small"]), seed=st.integers(0, 2**32 - 1))
+def test_project_kv_block(ctx, stream, shape: dict, scale: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    d = dims_of(shape, num_layers=2, max_blocks=3)
+    with Predictor(ctx, d, seed) as pred:
+        page = randn(rng, (d.block_size, d.num_kv_heads, d.head_dim), scale_of(scale, d.head_dim))
+        layer, block = int(rng.integers(2)), int(rng.integers(3))
+        pred.project_kv_block(ctx, layer, block, upload(page, stream))
+        got = read_k_lr_slot(ctx, pred, layer, block)
+        want = ref.project_kv_block(page, pred.projection)
+        assert_close(got, want, "bf16", (2,), "K_lr slot")
+        kt = page.transpose(1, 0, 2)   # [kv head, token, head_dim]: rows of the projection
+        mutated = ref.project_kv_block(page, drop_worst_row(kt, pred.projection,
+                                                            lambda: np.maximum(np.abs(want), 1e-30)))
+        assert_bites(got, mutated, "bf16", (2,), "K_lr with one P row dropped")
+
+
+@pytest.mark.parametrize("head_dim,r,offset", [(100, 24, 0), (7, 9, 0), (256, 128, 0), (64, 8, 0), (128, 32, 2),
+                                             (96, 40, 2)])
+def test_projection_odd_shapes_and_alignment(ctx, stream, rng, head_dim: int, r: int, offset: int) -> None:
+    """The projections' element-copy staging path: a shape that is not a multiple of 8, or inputs that are
+    not 16-byte aligned (``offset`` bytes into their buffers); r = 128 with head_dim 256 stages P in two chunks."""
+    d = PredictorDims(num_layers=1, num_q_heads=6, num_kv_heads=3, head_dim=head_dim, r=r, block_size=5, max_blocks=1)
+    with Predictor(ctx, d, SEED) as pred:
+        q = randn(rng, (6, head_dim), 1.0)
+        q_buf = cm.DeviceBuffer(q.nbytes + offset)
+        cm.copy_h_to_d_async(q_buf.ptr + offset, q, q.nbytes, stream)
+        out = poisoned(2 * 6 * r, stream)
+        pred.project_q(ctx, q_buf.ptr + offset, out)
+        assert_close(download(out, (6, r), BF16, stream), ref.project_q(q, pred.projection), "bf16", (1,), "q_proj")
+        page = randn(rng, (5, 3, head_dim), 1.0)
+        k_buf = cm.DeviceBuffer(page.nbytes + offset)
+        cm.copy_h_to_d_async(k_buf.ptr + offset, page, page.nbytes, stream)
+        pred.project_kv_block(ctx, 0, 0, k_buf.ptr + offset)
+        assert_close(read_k_lr_slot(ctx, pred, 0, 0), ref.project_kv_block(page, pred.projection), "bf16", (2,),
+                     "K_lr slot")
+        q_buf.close()
+        k_buf.close()
+
+
+def score_tolerance(q: np.ndarray, k: np.ndarray, gqa: int, want: np.ndarray) -> np.ndarray:
+    """The f32 bound for a max of dots, derived.
+
+    A score is max over dots; max is 1-Lipschitz in the sup norm, so |score error| <= the largest dot
+    error. Products of bf16 are exact in f32, and an r-term f32 accumulation (sequential fma, or the
+    tensor-core path's blocked sums) errs by at most r * 2^-22 * sum_i |q_i k_i| (two ulps per addition,
+    covering the tensor cores' truncating alignment). Both paths meet SPEC §0's 1e-4 * max|ref| (max over
+    the valid scores of the launch) whenever that cancellation term is smaller; the bound used is the
+    larger of the two, per block: 1e-4 * max|ref| + r * 2^-22 * max over the block's dots of sum |q k|.
+    """
+    n, nkv, bs, r = k.shape
+    qa, ka = (np.nan_to_num(np.abs(x.astype(np.float64)), nan=0.0) for x in (q, k))   # NaN dots are skipped
+    abs_max = np.zeros(n)
+    for h in range(nkv):
+        abs_max = np.maximum(abs_max, (ka[:, h] @ qa[h * gqa:(h + 1) * gqa].T).reshape(n, -1).max(axis=1))
+    finite = np.isfinite(want)
+    rowmax = np.abs(want[finite]).max() if finite.any() else 0.0
+    return 1e-4 * rowmax + r * 2.0 ** -22 * abs_max
+
+
+def drop_argmax_key(q: np.ndarray, k: np.ndarray, gqa: int, want: np.ndarray, tol: np.ndarray,
+                    rng: np.random.Generator) -> np.ndarray:
+    """The reference with one token's key dropped from the max of the block where that changes most."""
+    n, nkv, bs, r = k.shape
+    cand = rng.choice(n, size=min(n, 64), replace=False)
+    best_gap, best = -1.0, None
+    for b in cand:
+        if not np.isfinite(want[b]):
+            continue
+        dots = np.stack([k[b, qh // gqa].astype(np.float64) @ q[qh].astype(np.float64) for qh in range(q.shape[0])])
+        qh, t = np.unravel_index(np.nanargmax(dots), dots.shape)
+        keep = np.ones_like(dots, dtype=bool)
+        keep[(np.arange(q.shape[0]) // gqa) == qh // gqa, t] = False
+        rest = dots[keep & ~np.isnan(dots)]
+        dropped = rest.max() if rest.size else -np.inf
+        gap = (want[b] - dropped) / tol[b]
+        if gap > best_gap:
+            best_gap, best = gap, (b, dropped)
+    mutated = want.copy()
+    mutated[best[0]] = best[1]
+    return mutated
+
+
+def check_scores(got: np.ndarray, q: np.ndarray, k: np.ndarray, gqa: int, rng: np.random.Generator,
+                 what: str) -> None:
+    want = ref.predictor_score(q, k, gqa)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[~finite], want[~finite].astype(np.float32)), f"{what}: infinite scores differ"
+    tol = score_tolerance(q, k, gqa, want)
+    assert_close(np.where(finite, got, 0), np.where(finite, want, 0), "f32", (0,), what, valid=finite, tol=tol)
+    mutated = drop_argmax_key(q, k, gqa, want, tol, rng)
+    both = np.isfinite(mutated) & finite
+    bites = not np.array_equal(np.isfinite(mutated), finite) or violations(
+        np.where(both, got, 0), np.where(both, mutated, 0), "f32", (0,), valid=both, tol=tol).any()
+    assert bites, f"{what}: the bound does not bite (a reference with one key dropped also passes)"
+
+
+def score_external(ctx, stream, pred: Predictor, q: np.ndarray, k: np.ndarray, offset: int = 0) -> np.ndarray:
+    """Score ``k`` (uploaded ``offset`` bytes into its buffer) with ``q``; returns the f32 scores."""
+    n = k.shape[0]
+    q_dev = upload(q, stream)
+    k_buf = cm.DeviceBuffer(k.nbytes + offset)
+    cm.copy_h_to_d_async(k_buf.ptr + offset, np.ascontiguousarray(k), k.nbytes, stream)
+    out = poisoned(4 * n, stream)
+    pred.score_blocks(ctx, q_dev, k_buf.ptr + offset, out, n)
+    got = download(out, (n,), np.float32, stream)
+    k_buf.close()
+    return got
+
+
+@given(shape=model_shapes(), scale=st.sampled_from(["unit", "small"]), seed=st.integers(0, 2**32 - 1),
+       n=st.integers(1, MAX_BLOCKS))
+def test_score_blocks(ctx, stream, shape: dict, scale: str, seed: int, n: int) -> None:
+    rng = np.random.default_rng(seed)
+    d = dims_of(shape)
+    n = max(1, min(n, MAX_ELEMS // d.per_layer_block_floats()))
+    std = scale_of(scale, d.head_dim)   # q_proj and K_lr of projected data keep the input's scale
+    q = randn(rng, (d.num_q_heads, d.r), std)
+    k = randn(rng, (n, d.num_kv_heads, d.block_size, d.r), std)
+    with Predictor(ctx, d, seed) as pred:
+        got = score_external(ctx, stream, pred, q, k)
+    check_scores(got, q, k, d.gqa_ratio(), rng, "scores")
+
+
+# The tensor-core path's shapes (block_size % 16 == 0, r % 32 == 0, gqa <= 8, 16-byte aligned), its
+# fallback for the same data at a 2-byte offset, and gqa > 8 (general path).
+FAST_SHAPES = [(32, 8, 32, 16), (8, 8, 64, 32), (16, 2, 96, 16), (64, 8, 128, 64), (24, 3, 32, 48),
+               (32, 2, 32, 16), (4, 4, 128, 16)]
+
+
+@pytest.mark.parametrize("nq,nkv,r,bs", FAST_SHAPES)
+@pytest.mark.parametrize("offset", [0, 2], ids=["aligned", "misaligned"])
+def test_score_fast_path_shapes(ctx, stream, rng, nq: int, nkv: int, r: int, bs: int, offset: int) -> None:
+    d = PredictorDims(1, nq, nkv, 128, r, bs, 2)
+    n = 1000 if ON_GPU else 9
+    for std in (1.0, 1 / math.sqrt(128)):
+        q = randn(rng, (nq, r), std)
+        k = randn(rng, (n, nkv, bs, r), std)
+        with Predictor(ctx, d, SEED) as pred:
+            got = score_external(ctx, stream, pred, q, k, offset)
+        check_scores(got, q, k, d.gqa_ratio(), rng, f"scores (std {std:.3g}, offset {offset})")
+
+
+def test_score_nan_semantics(ctx, stream, rng) -> None:
+    """NaN dots are skipped; a block whose dots are all NaN scores -inf (SPEC §5.3), on both paths."""
+    for bs, r in ((16, 32), (5, 24)):
+        d = PredictorDims(1, 8, 2, 64, r, bs, 2)
+        q = randn(rng, (8, r), 1.0)
+        k = randn(rng, (6, 2, bs, r), 1.0)
+        k[0] = np.nan                           # every key NaN: -inf
+        k[1, 0, 3] = np.nan                     # one key NaN: skipped
+        k[2, 1, :, 5] = np.nan                  # every key of kv head 1 NaN: kv head 0 decides
+        with Predictor(ctx, d, SEED) as pred:
+            got = score_external(ctx, stream, pred, q, k)
+        assert got[0] == -np.inf
+        assert np.isfinite(got[1:]).all()
+        check_scores(got, q, k, 4, rng, f"scores with NaN keys (bs {bs}, r {r})")
+
+
+# -- A_g semantics -----------------------------------------------------------------------------
+SMALL = PredictorDims(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, r=32, block_size=16, max_blocks=5)
+
+
+def test_a_g_zeroed_and_unwritten_slots_score_zero(ctx, stream, rng) -> None:
+    with Predictor(ctx, SMALL, SEED) as pred:
+        assert not read_k_lr_slot(ctx, pred, 1, 4).view(np.uint16).any()
+        q = upload(randn(rng, (8, 32), 1.0), stream)
+        out = poisoned(4 * 5, stream)
+        pred.score_layer(ctx, q, 1, 0, 5, out)
+        assert np.array_equal(download(out, (5,), np.float32, stream), np.zeros(5, np.float32))
+
+
+def test_project_kv_block_writes_only_its_slot(ctx, stream, rng) -> None:
+    d = SMALL
+    with Predictor(ctx, d, SEED) as pred:
+        pages = {}
+        for layer in range(d.num_layers):
+            for block in range(d.max_blocks):
+                pages[layer, block] = randn(rng, (d.block_size, d.num_kv_heads, d.head_dim), 1.0)
+                pred.project_kv_block(ctx, layer, block, upload(pages[layer, block], stream))
+        before = {key: read_k_lr_slot(ctx, pred, *key) for key in pages}
+        new = randn(rng, (d.block_size, d.num_kv_heads, d.head_dim), 1.0)
+        pred.project_kv_block_on_stream(stream, 1, 2, upload(new, stream))
+        for key, old in before.items():
+            now = read_k_lr_slot(stream, pred, *key)
+            if key == (1, 2):
+                assert_close(now, ref.project_kv_block(new, pred.projection), "bf16", (2,), "rewritten slot")
+            else:
+                assert np.array_equal(now.view(np.uint16), old.view(np.uint16)), f"slot {key} changed"
+                assert_close(now, ref.project_kv_block(pages[key], pred.projection), "bf16", (2,), f"slot {key}")
+
+
+def test_score_layer_equals_score_blocks_bitwise(ctx, stream, rng) -> None:
+    d = SMALL
+    with Predictor(ctx, d, SEED) as pred:
+        for block in range(d.max_blocks):
+            pred.project_kv_block(ctx, 1, block, upload(randn(rng, (16, 2, 64), 1.0), stream))
+        q_host = randn(rng, (8, 32), 1.0)
+        q = upload(q_host, stream)
+        a, b = poisoned(16, stream), poisoned(16, stream)
+        pred.score_layer(ctx, q, 1, 1, 4, a)
+        pred.score_blocks(ctx, q, pred.slot_ptr(1, 1), b, 4)
+        got_a, got_b = download(a, (4,), np.float32, stream), download(b, (4,), np.float32, stream)
+        assert np.array_equal(got_a.view(np.uint32), got_b.view(np.uint32))
+        k = np.stack([read_k_lr_slot(ctx, pred, 1, blk) for blk in range(1, 5)])
+        check_scores(got_a, q_host, k, d.gqa_ratio(), rng, "score_layer")
+
+
+def test_n_zero_is_a_no_op(ctx, stream, rng, launches: list) -> None:
+    with Predictor(ctx, SMALL, SEED) as pred:
+        out = poisoned(16, stream)
+        q = upload(randn(rng, (8, 32), 1.0), stream)
+        pred.score_blocks(ctx, q, pred.a_g_dev_ptr, out, 0)
+        pred.score_layer(ctx, q, 0, SMALL.max_blocks, 0, out)
+        pred.score_layer_on_stream(stream, q, 1, 0, 0, out)
+        assert launches == []
+        assert np.isnan(download(out, (4,), np.float32, stream)).all()
+
+
+# -- errors before any launch ------------------------------------------------------------------
+def test_bad_arguments_raise_before_any_launch(ctx, stream, rng, launches: list) -> None:
+    d = SMALL
+    with Predictor(ctx, d, SEED) as pred:
+        q = upload(randn(rng, (8, 64), 1.0), stream)
+        q_proj = poisoned(2 * 8 * 32, stream)
+        page = upload(randn(rng, (16, 2, 64), 1.0), stream)
+        scores = poisoned(4 * 8, stream)
+        slot = d.slot_bytes()
+        small = cm.DeviceBuffer(8)
+        cases = [
+            (lambda: pred.project_kv_block(ctx, 2, 0, page), "layer 2 is out of range"),
+            (lambda: pred.project_kv_block(ctx, -1, 0, page), "layer -1 is out of range"),
+            (lambda: pred.project_kv_block(ctx, 0, 5, page), "block_id 5 is out of range"),
+            (lambda: pred.project_kv_block(ctx, 0, 0, 0), "k_block is a null pointer"),
+            (lambda: pred.project_kv_block(ctx, 0, 0, small), "k_block holds 8 bytes"),
+            (lambda: pred.project_q(ctx, 0, q_proj), "q is a null pointer"),
+            (lambda: pred.project_q(ctx, q, 0), "q_proj is a null pointer"),
+            (lambda: pred.project_q(ctx, q, q_proj.ptr + 1), "q_proj .* must be 2-byte aligned"),
+            (lambda: pred.project_q(ctx, small, q_proj), "q holds 8 bytes"),
+            (lambda: pred.score_layer(ctx, q_proj, 2, 0, 1, scores), "layer 2 is out of range"),
+            (lambda: pred.score_layer(ctx, q_proj, 0, 3, 3, scores), "outside this layer"),
+            (lambda: pred.score_layer(ctx, q_proj, 0, -1, 1, scores), "outside this layer"),
+            (lambda: pred.score_layer(ctx, q_proj, 0, 0, 1, 0), "scores_out is a null pointer"),
+            (lambda: pred.score_layer(ctx, 0, 0, 0, 1, scores), "q_proj is a null pointer"),
+            (lambda: pred.score_layer(ctx, q_proj, 0, 0, 3, small), "scores_out holds 8 bytes"),
+            (lambda: pred.score_layer(ctx, q_proj, 0, 0, 1, scores.ptr + 2), "4-byte aligned"),
+            (lambda: pred.score_blocks(ctx, q_proj, pred.slot_ptr(1, 3), scores, 3), "past the end of A_g"),
+            (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr + slot // 2, scores, 1), "not the start"),
+            (lambda: pred.score_blocks(ctx, q_proj, 0, scores, 1), "k_lr_seq is a null pointer"),
+            (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr, scores, -1), "n \\(-1\\)"),
+            (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr, pred.slot_ptr(1, 0), 1), "overlaps A_g"),
+            (lambda: read_k_lr_slot(ctx, pred, 0, 5), "block 5 is out of range"),
+            (lambda: pred.score_layer_on_stream(stream, q_proj, 0, 0, 1.0, scores), "n must be an int"),
+        ]
+        for call, words in cases:
+            with pytest.raises((HssError, TypeError), match=words):
+                call()
+        assert launches == []
+        assert np.isnan(download(q_proj, (8, 32), BF16, stream).astype(np.float32)).all()
+        assert np.isnan(download(scores, (8,), np.float32, stream)).all()
+        assert not read_k_lr_slot(ctx, pred, 0, 0).view(np.uint16).any()
+        small.close()
+    with pytest.raises(HssError, match="closed"):
+        pred.score_layer(ctx, q_proj, 0, 0, 1, scores)
+
+
+def test_pointer_kinds(ctx, stream, rng) -> None:
+    """Streams and pointers may be ints, CudaStream / DeviceBuffer, or protocol objects."""
+
+    class Array:   # a minimal __cuda_array_interface__ holder
+        def __init__(self, buf: cm.DeviceBuffer, shape: tuple, typestr: str) -> None:
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (buf.ptr, False),
+                                             "version": 3, "strides": None}
+
+    with cm.CudaStream(ctx) as s, Predictor.new_on_stream(s, SMALL, SEED) as pred:
+        q_host = randn(rng, (8, 64), 1.0)
+        q = upload(q_host, s.handle)
+        out = poisoned(2 * 8 * 32, s.handle)
+        pred.project_q_on_stream(s, Array(q, (8, 64), "<i2"), Array(out, (8, 32), "<i2"))
+        got = download(out, (8, 32), BF16, s.handle)
+        assert_close(got, ref.project_q(q_host, pred.projection), "bf16", (1,), "q_proj")
+        with pytest.raises(HssError, match="q holds 64 bytes"):
+            pred.project_q_on_stream(s, Array(q, (4, 8), "<i2"), out)
+
+
+# -- the original's parity test (SPEC §5.5), recorded and asserted -----------------------------
+def test_original_parity_tolerances(ctx, stream, record_property) -> None:
+    d = LLAMA
+    rng = np.random.default_rng(SEED)
+    std = 1 / math.sqrt(128)
+    with Predictor(ctx, d, SEED) as pred:
+        q = randn(rng, (32, 128), std)
+        q_proj = poisoned(2 * 32 * 32, stream)
+        pred.project_q(ctx, upload(q, stream), q_proj)
+        got_q = download(q_proj, (32, 32), BF16, stream).astype(np.float64)
+        q_diff = np.abs(got_q - ref.project_q(q, pred.projection).astype(np.float32).astype(BF16)).max()
+        page = randn(rng, (16, 8, 128), std)
+        pred.project_kv_block(ctx, 1, 3, upload(page, stream))
+        kv_want = ref.project_kv_block(page, pred.projection).astype(np.float32).astype(BF16).astype(np.float64)
+        kv_diff = np.abs(read_k_lr_slot(ctx, pred, 1, 3).astype(np.float64) - kv_want).max()
+        qp = randn(rng, (32, 32), std)
+        k = randn(rng, (16, 8, 16, 32), std)
+        got = score_external(ctx, stream, pred, qp, k)
+        want = ref.predictor_score(qp, k, 4)
+        score_rel = np.abs(got - want).max() / np.abs(want).max()
+    record_property("parity_q_max_abs", float(q_diff))
+    record_property("parity_kv_max_abs", float(kv_diff))
+    record_property("parity_score_rel", float(score_rel))
+    print(f"original parity: q {q_diff:.3g}, kv {kv_diff:.3g}, score rel {score_rel:.3g} (all must be < 5e-2)")
+    assert q_diff < 5e-2 and kv_diff < 5e-2 and score_rel < 5e-2
