@@ -80,9 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hss", description="hss command line")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="driver, device, PTX freshness and loading, and a smoke launch")
+    from hss import demo
+    demo_parser = sub.add_parser("demo", help="decode loop on a Qwen3.8-Flash-Next-like layer: predictor, "
+                                 "QSA selection, sparse vs dense attention", description=demo.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(demo_parser)
     args = parser.parse_args(argv)
     if args.command in (None, "info"):
         return info()
+    if args.command == "demo":
+        return demo.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -15,10 +15,12 @@
 //   logit = dot(q, k) * rsqrtf(head_dim); m_new = max(m, logit); s_old = __expf(m - m_new);
 //   s_new = __expf(logit - m_new); l = fma(l, s_old, s_new); O[d] = fma(O[d], s_old, V[d]*s_new).
 // Every token's logit is computed the same way wherever the token falls (the dot over head_dim in a
-// fixed order: 16 (8) consecutive dims sequentially by fma, then a fixed xor tree over the lanes), and
-// the recurrence runs token by token, so splitting the same pages into any tiles gives the same bits.
+// fixed order: each lane's 16 (8) consecutive dims by fma in two chains, even and odd dims, then their
+// sum, then a fixed xor tree over the token's lanes), and the recurrence runs token by token, so
+// splitting the same pages into any tiles gives the same bits (and any chunking inside the kernel too).
 //
-// Launch: grid (num_seqs, num_q_heads, 1), block (256, 1, 1), no dynamic shared memory (~22 KiB static).
+// Launch: grid (num_seqs, num_q_heads, 1), block (256, 1, 1), no dynamic shared memory (22 KiB static;
+// <= 128 registers, so two CTAs fit on an SM).
 // The CTA walks the tile in chunks of CT tokens (28; 14 for head_dim > 128) as a 3-stage pipeline with
 // one barrier per step. Step i:
 //   A  warps 0-6, one token per group of G lanes (16 dims per lane; 8 when head_dim <= 64): the logits
