@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_demo_runs_past_the_inert_bound():
     out = subprocess.run([sys.executable, "-m", "hss", "demo", "--prefill", "2050", "--steps", "3", "--hidden", "256"],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
     assert out.returncode == 0, out.stderr
     steps = re.findall(r"visible (\d+), selected (\d+) tokens.*cosine\(sparse, dense\) ([0-9.]+)", out.stdout)
     assert [int(v) for v, _, _ in steps] == [2051, 2052, 2053]

@@ -53,7 +53,7 @@ def _peers(ctx: cm.CudaCtx, text: str, a: int, b: int, n: int) -> dict[str, Call
         cstream = dev.create_stream()
         cfg = LaunchConfig(grid=1, block=1)
         ua, ub, nn = np.uint64(a), np.uint64(b), np.int32(n)
-        peers["cuda.core launch"] = lambda: launch(cstream, cfg, kern, ua, ub, nn)
+        peers["cuda.core launch"] = lambda k=kern: launch(cstream, cfg, k, ua, ub, nn)
         peers["_cuda.core sync"] = cstream.sync
     except Exception as exc:   # report why it is missing
         peers["cuda.core launch"] = f"skipped: {type(exc).__name__}: {exc}"
@@ -67,7 +67,7 @@ def _peers(ctx: cm.CudaCtx, text: str, a: int, b: int, n: int) -> dict[str, Call
         os.unlink(f.name)
         cs = cupy.cuda.ExternalStream(s)
         ua, ub, nn = np.uint64(a), np.uint64(b), np.int32(n)
-        peers["CuPy RawKernel"] = lambda: kern((1,), (1,), (ua, ub, nn), stream=cs)
+        peers["CuPy RawKernel"] = lambda k=kern: k((1,), (1,), (ua, ub, nn), stream=cs)
     except Exception as exc:
         peers["CuPy RawKernel"] = f"skipped: {type(exc).__name__}: {exc}"
     return peers
