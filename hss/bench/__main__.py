@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if suite not in SUITES:
             p.error(f"unknown suite {suite}; choose from {', '.join(SUITES)}")
         mod = importlib.import_module(f"hss.bench.{suite}")
-        rows = mod.run(args)
+        # a suite with its own options runs with their defaults (python -m hss.bench.SUITE --help lists them)
+        suite_args = mod.parse_args(["--smoke"] if args.smoke else []) if hasattr(mod, "parse_args") else args
+        rows = mod.run(suite_args)
         results[suite] = rows
         tables.append(f"### {suite} ({stamp}, {device})\n\n{mod.table(rows)}")
     if args.json:

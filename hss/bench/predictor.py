@@ -284,7 +284,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n" + TARGETS
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", help=f"context lengths (default {' '.join(map(str, TOKENS))})")
     p.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
@@ -300,7 +300,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse(argv))
+    run(parse_args(argv))
     return 0
 
 
