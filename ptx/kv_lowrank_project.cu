@@ -10,37 +10,7 @@
 //   c*by .. c*by+by-1 of kv head h; thread (o, y) computes k_lr[h, c*by + y, o].
 // Latency-bound like q_lowrank_project: the CTA stages its keys and P (chunks of up to 32 KiB,
 //   all copies in flight through cp.async) into shared memory before the fma chains.
-#include <stdint.h>
-#include "hss_common.cuh"
-
-#define HSS_LR_P_ELEMS 16384   // bf16 elements of P staged per chunk (32 KiB)
-#define HSS_LR_ROWS 8          // input rows per CTA at most
-#define HSS_LR_HEAD_DIM 256    // longest input row
-
-// Staging helpers (the same as q_lowrank_project.cu's): queue rows into shared memory with cp.async, wait.
-__device__ __forceinline__ void hss_lr_copy(__nv_bfloat16* dst, int dst_stride, const __nv_bfloat16* src,
-                                            size_t src_stride, int rows, int len, int tid, int nthreads) {
-    if ((reinterpret_cast<uintptr_t>(src) & 15) == 0 && ((len | dst_stride) & 7) == 0 && (src_stride & 7) == 0) {
-        const int per = len / 8;
-        for (int j = tid; j < rows * per; j += nthreads) {
-            const int t = j / per, c = j - t * per;
-            const unsigned s = (unsigned)__cvta_generic_to_shared(dst + (size_t)t * dst_stride + 8 * c);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src + t * src_stride + 8 * c)
-                         : "memory");
-        }
-    } else {
-        for (int j = tid; j < rows * len; j += nthreads) {
-            const int t = j / len, c = j - t * len;
-            dst[(size_t)t * dst_stride + c] = src[t * src_stride + c];
-        }
-    }
-}
-
-// Wait for this thread's queued copies, then make every thread's copies visible to the CTA.
-__device__ __forceinline__ void hss_lr_wait() {
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-}
+#include "hss_lowrank.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
 kv_lowrank_project(const __nv_bfloat16* __restrict__ k_block, const __nv_bfloat16* __restrict__ p,

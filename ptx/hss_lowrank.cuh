@@ -1,0 +1,35 @@
+// hss_lowrank.cuh: shared-memory staging shared by q_lowrank_project.cu and kv_lowrank_project.cu.
+#pragma once
+#include <stdint.h>
+#include "hss_common.cuh"
+
+#define HSS_LR_P_ELEMS 16384   // bf16 elements of P staged per chunk (32 KiB)
+#define HSS_LR_ROWS 8          // input rows per CTA at most
+#define HSS_LR_HEAD_DIM 256    // longest input row
+
+// Queue a copy of `rows` rows of `len` bf16 (global rows `src_stride` apart) into shared memory (rows
+// `dst_stride` apart, 16-byte aligned): cp.async 16-byte pieces when the addresses allow it, so every
+// piece is in flight at once, else plain element copies. The caller commits, waits and barriers.
+__device__ __forceinline__ void hss_lr_copy(__nv_bfloat16* dst, int dst_stride, const __nv_bfloat16* src,
+                                            size_t src_stride, int rows, int len, int tid, int nthreads) {
+    if ((reinterpret_cast<uintptr_t>(src) & 15) == 0 && ((len | dst_stride) & 7) == 0 && (src_stride & 7) == 0) {
+        const int per = len / 8;
+        for (int j = tid; j < rows * per; j += nthreads) {
+            const int t = j / per, c = j - t * per;
+            const unsigned s = (unsigned)__cvta_generic_to_shared(dst + (size_t)t * dst_stride + 8 * c);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src + t * src_stride + 8 * c)
+                         : "memory");
+        }
+    } else {
+        for (int j = tid; j < rows * len; j += nthreads) {
+            const int t = j / len, c = j - t * len;
+            dst[(size_t)t * dst_stride + c] = src[t * src_stride + c];
+        }
+    }
+}
+
+// Wait for this thread's queued copies, then make every thread's copies visible to the CTA.
+__device__ __forceinline__ void hss_lr_wait() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+}
