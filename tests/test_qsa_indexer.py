@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
 
 from conftest import ON_GPU
-from helpers import BF16, assert_close, bound, download, upload
+from helpers import BF16, Recording, assert_close, bound, download, upload
 from hss import cuda_min as cm
 from hss._driver import CudaError, HssError, inject_fault
-from hss._params import ParamPack
 from hss.gpu import CudaBackend
-from hss.kernels import DECLARATIONS
 from hss.qsa import INGEST_SLAB, QsaIndexer, QsaSelection
 from hss.reference import qsa as ref
 from hss.reference.linear import proj_dense
@@ -30,27 +27,6 @@ N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6
 NKV, HD_ATTN, BS = 2, 256, 16
 QKW = (N_HEADS + 1) * HD
 TH32, EPS32 = float(np.float32(THETA)), float(np.float32(EPS))
-DEVICE_WORK = {"kernel", "try_kernel", "alloc", "free", "launch", "copy_d2d_async", "copy_d2d_2d_async",
-               "copy_h2d_async", "copy_d2h_on_stream", "cublas_bf16_proj_dense", "synchronize"}
-
-
-class Recording:
-    """A GpuBackend that records every device call it forwards: (name, args)."""
-
-    def __init__(self, gpu: CudaBackend) -> None:
-        self._gpu, self.calls = gpu, []
-        self.ctx = gpu.ctx
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._gpu, name)
-        if name not in DEVICE_WORK:
-            return attr
-
-        def call(*args: Any, **kw: Any) -> Any:   # a parameter pack is recorded by its values at call time
-            self.calls.append((name, tuple(a.values() if isinstance(a, ParamPack) else a for a in args)))
-            return attr(*args, **kw)
-        return call
-
 
 @pytest.fixture(scope="module")
 def gpu(ctx):
@@ -291,12 +267,14 @@ def test_slab_geometry(gpu, stream, rng, layer):
 
 
 # -- lifetimes ------------------------------------------------------------------------------------------
-def test_release_close_and_absent_prefill_kernels(gpu, stream, layer):
-    idx = layer.indexer(gpu)
-    # the prefill kernels are looked up with try_kernel: present once declared in qsa_indexer, else falsy
-    for name in ("qsa_qprep_rows", "qsa_score_rows", "qsa_score_rows_tc", "qsa_prefill_attn"):
-        decl = DECLARATIONS.get(name)
-        assert bool(getattr(idx, "_k_" + name[4:])) == (decl is not None and decl.module == "qsa_indexer")
+def test_release_close_and_prefill_kernels(gpu, stream, layer):
+    rec = Recording(gpu)
+    idx = layer.indexer(rec)
+    # the prefill kernels (SPEC §11.1): three required (kernel), the tensor-core variants optional (try_kernel)
+    looked_up = {(name, args[1]) for name, args in rec.calls if name in ("kernel", "try_kernel")}
+    assert {("kernel", "qsa_qprep_rows"), ("kernel", "qsa_score_rows"), ("kernel", "qsa_prefill_attn"),
+            ("try_kernel", "qsa_score_rows_tc"), ("try_kernel", "qsa_prefill_attn_tc")} <= looked_up
+    assert idx._prefill.score_tc and idx._prefill.attn_tc and idx.uses_tc_scorer and idx.prefill_select_enabled
     st = idx.new_seq_state()
     idx.release_seq_state(st)
     assert st.released and st.raw_keys == 0 and st.block_keys == 0

@@ -18,23 +18,11 @@ from hss.kernels import qsa_prefill as kq
 from hss.reference import qsa_prefill as ref
 
 from conftest import ON_GPU
-from helpers import BF16, MASKED, assert_bites, assert_close, download, poisoned, upload, violations
+from helpers import BF16, MASKED, assert_bites, assert_close, download, poisoned, tc_bound, upload, violations
 
 SCALES = ("unit", "small")
 THETA, EPS = 1e7, 1e-6
-
-# Tensor-core scorer bound (SPEC §0: derived for the split-q kernel, stated here). Per score entry (r, b):
-#   |tc - ref| <= (TC_SPLIT + TC_ACC) * S_rb + TC_FINAL * |ref_rb|,   S_rb = sum_h sum_d |q_rhd| |k_bd| / sqrt(128)
-# TC_SPLIT: q = hi + lo + delta with hi = bf16(q) (|q - hi| <= 2^-8 |q|) and lo = bf16(q - hi) (<= 2^-8 of that),
-#   so |delta| <= 2^-16 |q| per element; the bf16 x bf16 products are exact, so this is the whole input error.
-# TC_ACC: each head's dot sums 256 exact products (128 hi + 128 lo; sum of their magnitudes <= (1 + 2^-7) S) in the
-#   f32 accumulator of 16 mma steps; the tensor cores truncate rather than round, so each addition costs at most
-#   one f32 ulp (2^-23) of a partial sum bounded by that magnitude: the standard n*u bound with u = 2^-23.
-# TC_FINAL: relu is 1-Lipschitz; the head sum (3 additions of non-negative terms), rsqrtf(128) (<= 2 ulp) and the
-#   final product add at most 8 * 2^-24 = 2^-21 relative.
-# This is wider than the f32 rule 1e-4 * max|ref| on unit data by about 2x (S is ~5x the row max there), but it is
-# what the 17-bit split and tensor-core accumulation support, no more; dropping one head misses it by orders.
-TC_SPLIT, TC_ACC, TC_FINAL = 2.0 ** -16, 256 * 2.0 ** -23 * (1 + 2.0 ** -7), 2.0 ** -21
+# the tensor-core scorer's derived bound (SPEC §0) is helpers.tc_bound, shared with the prefill_select tests
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +117,6 @@ def _check_score_layout(full, rows, n_blocks, first_pos, ratio, what) -> tuple[n
     assert (got[~valid] == MASKED).all(), f"{what}: a masked entry is not exactly -1e30"
     assert np.isnan(full[:rows, n_blocks:]).all() and np.isnan(full[rows:]).all(), f"{what}: wrote past n_blocks/rows"
     return got, valid
-
-
-def tc_bound(q: np.ndarray, keys: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """The derived per-entry bound of qsa_score_rows_tc (see TC_SPLIT above) for ``want [rows, n_blocks]``."""
-    n = want.shape[1]
-    kk = np.abs(keys[:n].astype(np.float64))
-    s = np.einsum("rhd,bd->rb", np.abs(q.astype(np.float64)), kk) / np.sqrt(kq.TC_HD) if n else np.zeros(want.shape)
-    return (TC_SPLIT + TC_ACC) * s + TC_FINAL * np.abs(np.where(want == MASKED, 0.0, want))
 
 
 def _assert_bites_tol(got, mutated, tol, valid, what):

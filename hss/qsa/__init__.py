@@ -1,7 +1,10 @@
-"""The QSA sparse-attention indexer (SPEC §10-§12): decode-side selection over the paged KV cache."""
+"""The QSA sparse-attention indexer (SPEC §10-§12): decode and prefill selection over the paged KV cache, and
+per-sequence snapshots."""
 from hss.qsa.indexer import (DEFAULT_MAX_TOKENS, INGEST_SLAB, MIN_BLOCK_SIZE, QsaIndexer, QsaSelection,
                              QsaSeqState)
+from hss.qsa.prefill import SELECT_SLAB, prefill_scratch_bytes, row_lists
 from hss.qsa.select import select_tokens, selection_size, top_blocks
 
 __all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "select_tokens", "selection_size", "top_blocks",
-           "INGEST_SLAB", "MIN_BLOCK_SIZE", "DEFAULT_MAX_TOKENS"]
+           "row_lists", "prefill_scratch_bytes", "INGEST_SLAB", "SELECT_SLAB", "MIN_BLOCK_SIZE",
+           "DEFAULT_MAX_TOKENS"]

@@ -1,4 +1,4 @@
-"""The QSA indexer, decode side (SPEC §10, §11.1-11.4): ``QsaIndexer``, ``QsaSeqState``, ``QsaSelection``.
+"""The QSA indexer (SPEC §10, §11): ``QsaIndexer``, ``QsaSeqState``, ``QsaSelection``.
 
 The attention layer's input is projected to ``n_heads`` query heads and one raw key per token; the visible
 prefix is cut into blocks of ``ratio`` tokens whose keys are mean-pooled, RMS-normed and roped at the
@@ -6,19 +6,20 @@ block's first position; a decode query attends the top ``budget // ratio`` block
 ``sum_h relu(q_h . k_b) / sqrt(hd)`` plus the incomplete tail. While ``visible <= inert_bound()``
 (``budget + ratio - 1``) every token is selected, so ``decode_select`` returns ``None`` and the caller runs
 dense attention; past it, the selected tokens' K/V rows are gathered into a contiguous scratch that the
-ordinary paged decode attention reads through an identity block table.
+ordinary paged decode attention reads through an identity block table. ``prefill_select`` (in
+:mod:`hss.qsa.prefill`) rewrites the selective rows of a prefill chunk's attention output;
+``snapshot_aux`` / ``restore_aux`` (in :mod:`hss.qsa.snapshot`) save and restore a sequence.
 
 Differences from the original (SPEC §0): methods use the indexer's own ``gpu`` (no ``gpu`` argument);
 every input error is an :class:`~hss._driver.HssError` raised before any device work, and a failed check
 leaves the sequence state unchanged; ``block_size < 8`` is rejected (the identity table holds
 ``ceil((budget + ratio) / 8)`` pages); ``QsaSelection.tokens`` carries the host copy of the selection; an
-unparsable ``HSS_QSA_MAX_TOKENS`` is an error rather than silently 32768. The prefill-selection kernels
-(``qsa_qprep_rows``, ``qsa_score_rows``, ``qsa_score_rows_tc``, ``qsa_prefill_attn``) are looked up with
-``try_kernel`` and are absent until the prefill issue adds them.
+unparsable ``HSS_QSA_MAX_TOKENS`` (or a flag other than 0/1) is an error rather than silently the default. The
+prefill kernels ``qsa_qprep_rows``, ``qsa_score_rows`` and ``qsa_prefill_attn`` are required; the tensor-core
+scorer ``qsa_score_rows_tc`` and the fast attention ``qsa_prefill_attn_tc`` are optional (``try_kernel``).
 """
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -28,18 +29,21 @@ import numpy as np
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss._params import device_ptr
 from hss.gpu import DevicePtr, GpuBackend
 from hss.kernels import qsa as kq
+from hss.kernels import qsa_prefill as kp
+from hss.qsa import prefill, snapshot
+from hss.qsa._args import MIN_BLOCK_SIZE, env_flag
+from hss.qsa._args import count as _count
+from hss.qsa._args import pointer as _pointer
+from hss.qsa._args import real as _real
 from hss.qsa.select import select_tokens
 
 __all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "INGEST_SLAB", "MIN_BLOCK_SIZE", "DEFAULT_MAX_TOKENS"]
 
 INGEST_SLAB = 2048          # prefill GEMM slab (rows), bounding qk_scratch
-MIN_BLOCK_SIZE = 8          # the identity table holds ceil(sel_cap / 8) pages
 DEFAULT_MAX_TOKENS = 32768
 MODULE = kq.MODULE
-_U32 = 2**32 - 1
 _SMEM_LIMIT = 48 * 1024     # qsa_score stages q in shared memory without the opt-in attribute
 
 
@@ -85,34 +89,6 @@ class QsaSeqState:
         return f"QsaSeqState(ingested={self.ingested}, pooled={self.pooled}, table_len={self.table_len}, {state})"
 
 
-def _count(name: str, value: Any, lo: int, hi: int = _U32, why: str = "") -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"QsaIndexer: {name} must be an integer, got {type(value).__name__} {value!r}")
-    v = int(value)
-    if not lo <= v <= hi:
-        rng = f">= {lo}" if hi == _U32 else f"in [{lo}, {hi}]"
-        raise HssError(f"QsaIndexer: {name} = {v} must be {rng}{'; ' + why if why else ''}")
-    return v
-
-
-def _real(name: str, value: Any, positive: bool) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"QsaIndexer: {name} must be a number, got {type(value).__name__} {value!r}")
-    with np.errstate(over="ignore"):
-        v = float(np.float32(value))   # the kernels take it as f32
-    if not math.isfinite(v) or (v <= 0 if positive else v < 0):
-        need = "finite and > 0" if positive else "finite and >= 0"
-        raise HssError(f"QsaIndexer: {name} = {value!r} must be {need} as a float32")
-    return v
-
-
-def _pointer(name: str, value: Any) -> int:
-    p = device_ptr(value)
-    if p == 0:
-        raise HssError(f"QsaIndexer: {name} is a null device pointer; pass the device address of the tensor")
-    return p
-
-
 def max_tokens_setting(max_tokens: int | None) -> int:
     """``max_tokens`` if given, else ``HSS_QSA_MAX_TOKENS`` from the environment, else 32768."""
     if max_tokens is not None:
@@ -135,13 +111,18 @@ class QsaIndexer:
     caller keeps alive. ``ratio`` tokens per block, ``budget`` tokens selected (a multiple of ``ratio``),
     ``rot`` rotary dims, ``theta`` RoPE base, ``eps`` RMS-norm epsilon, ``nkv_attn`` / ``hd_attn`` the main
     attention's KV heads and head dim (for the gathered scratch). ``max_tokens`` bounds a sequence (default:
-    env ``HSS_QSA_MAX_TOKENS``, else 32768). Device memory comes from ``gpu.alloc`` and is freed by
-    ``close()`` (idempotent; also a context manager); sequence states are freed by ``release_seq_state``.
+    env ``HSS_QSA_MAX_TOKENS``, else 32768). ``score_scalar=True`` makes prefill selection score with
+    ``qsa_score_rows`` even where the tensor-core scorer applies (default: env ``HSS_QSA_SCORE_SCALAR=1``);
+    ``no_prefill_select=True`` turns ``prefill_select`` into a no-op, leaving prefill rows dense (default: env
+    ``HSS_QSA_NO_PREFILL_SELECT=1``); both are read once, here. Device memory comes from ``gpu.alloc`` and is
+    freed by ``close()`` (idempotent; also a context manager); sequence states are freed by
+    ``release_seq_state``.
     """
 
     def __init__(self, qk_proj_w: Any, q_norm_w: Any, k_norm_w: Any, n_heads: int, hd: int, ratio: int,
                  budget: int, rot: int, theta: float, eps: float, hidden: int, nkv_attn: int, hd_attn: int,
-                 gpu: GpuBackend, max_tokens: int | None = None) -> None:
+                 gpu: GpuBackend, max_tokens: int | None = None, *, score_scalar: bool | None = None,
+                 no_prefill_select: bool | None = None) -> None:
         self._closed = True   # until construction succeeds, close() has nothing of ours to free
         self._owned: list[DevicePtr] = []
         self._pinned: cm.PinnedBuffer | None = None
@@ -171,6 +152,8 @@ class QsaIndexer:
         max_tokens = _count("max_tokens", max_tokens_setting(max_tokens), ratio, 2**31 - 1,
                             why="the longest sequence in tokens: at least one block, int32 token ids "
                                 "(argument max_tokens= or env HSS_QSA_MAX_TOKENS)")
+        score_scalar = env_flag("HSS_QSA_SCORE_SCALAR", score_scalar)
+        self.prefill_select_enabled = not env_flag("HSS_QSA_NO_PREFILL_SELECT", no_prefill_select)
         self.qk_proj_w = DevicePtr(_pointer("qk_proj_w", qk_proj_w))
         self.q_norm_w = DevicePtr(_pointer("q_norm_w", q_norm_w))
         self.k_norm_w = DevicePtr(_pointer("k_norm_w", k_norm_w))
@@ -187,11 +170,10 @@ class QsaIndexer:
             self._k_qprep = gpu.kernel(MODULE, "qsa_qprep")
             self._k_score = gpu.kernel(MODULE, "qsa_score")
             self._k_gather = gpu.kernel(MODULE, "qsa_gather")
-            # prefill selection (SPEC §11.5): added by the prefill issue; absent (falsy) until then
-            self._k_qprep_rows = gpu.try_kernel(MODULE, "qsa_qprep_rows")
-            self._k_score_rows = gpu.try_kernel(MODULE, "qsa_score_rows")
-            self._k_score_rows_tc = gpu.try_kernel(MODULE, "qsa_score_rows_tc")
-            self._k_prefill_attn = gpu.try_kernel(MODULE, "qsa_prefill_attn")
+            # prefill selection (SPEC §11.5): three kernels required, the tensor-core variants optional
+            self._prefill = prefill.PrefillKernels(self)
+            self.uses_tc_scorer = (bool(self._prefill.score_tc) and not score_scalar
+                                   and (n_heads, hd) == (kp.TC_HEADS, kp.TC_HD))
             kv_row = nkv_attn * hd_attn * 2
             self.qk_scratch = self._alloc(INGEST_SLAB * self.qk_width * 2)
             self.q_post = self._alloc(n_heads * hd * 4)
@@ -208,6 +190,7 @@ class QsaIndexer:
             self._sel_host = np.empty(self.sel_cap, dtype=np.int32)
             self._ident = np.arange(-(-self.sel_cap // MIN_BLOCK_SIZE), dtype=np.int32)
             self._seq_len_host = np.zeros(1, dtype=np.int32)
+            self._prefill_scores_host = np.empty(0, dtype=np.float32)   # a prefill slab's scores, grown on demand
             # prepared parameter packs, refilled in place on the hot path
             self._pool_pack = self._k_pool.pack(0, self.k_norm_w, 0, 0, ratio, hd, rot, self.theta, self.eps)
             self._qprep_pack = self._k_qprep.pack(self.qk_scratch, self.q_norm_w, self.q_post, hd, rot, 0,
@@ -345,13 +328,63 @@ class QsaIndexer:
     def _pool_new_blocks(self, st: QsaSeqState, s: int) -> None:
         complete = st.ingested // self.ratio
         if complete > st.pooled:
+            self._launch_pool(st, st.pooled, complete - st.pooled, s)
+            st.pooled = complete
+
+    def _launch_pool(self, st: QsaSeqState, first: int, n_new: int, s: int) -> None:
+        """qsa_block_pool of blocks first .. first + n_new - 1 of ``st`` (nothing when n_new is 0)."""
+        if n_new:
             pack = self._pool_pack
             pack.set(0, st.raw_keys)
             pack.set(2, st.block_keys)
-            pack.set(3, st.pooled)
-            self.gpu.launch(self._k_pool, (complete - st.pooled, 1, 1), (self.hd, 1, 1), kq.row_smem_bytes(self.hd),
-                            s, pack)
-            st.pooled = complete
+            pack.set(3, first)
+            self.gpu.launch(self._k_pool, (n_new, 1, 1), (self.hd, 1, 1), kq.row_smem_bytes(self.hd), s, pack)
+
+    # -- prefill selection (SPEC §11.5) ------------------------------------------------------------------
+    def prefill_scratch_bytes(self, total_tokens: int) -> int:
+        """Bytes of the scratch ``prefill_select`` needs while the sequence holds ``total_tokens`` tokens (it
+        grows with the sequence; size it for the longest, e.g. ``max_tokens``). Layout in :mod:`hss.qsa.prefill`."""
+        total = _count("total_tokens", total_tokens, 0, self.max_tokens)
+        return prefill.prefill_scratch_bytes(total, self.qk_width, self.n_heads, self.hd, self.ratio, self.block_topk)
+
+    def prefill_select(self, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any, v_pool: Any,
+                       seq_block_table: Any, seq_start: int, num_tokens: int, nq: int, block_size: int,
+                       inv_sqrt_d: float, scratch: Any, stream: Any) -> int:
+        """Rewrite the rows of a prefill chunk at global positions >= ``inert_bound()`` with attention over
+        exactly their selected tokens; rows below the bound keep the dense output. Returns the rows rewritten.
+
+        Call after ``prefill_ingest`` of this chunk (``st.ingested == seq_start + num_tokens``), once the chunk's
+        K/V are in the paged cache and its dense attention has written ``attn_ctx``. Chunk-local rows, bf16:
+        ``normed [num_tokens, hidden]`` (the attention input), ``q_roped [num_tokens, nq, hd_attn]`` (the main
+        attention's roped queries), ``attn_ctx [num_tokens, nq * hd_attn]`` (pre-gate, pre-o_proj; rewritten in
+        place). ``k_pool`` / ``v_pool``: paged NHD ``[pages, block_size, nkv_attn, hd_attn]``;
+        ``seq_block_table``: the host block table (ints, logical -> physical page), at least
+        ``ceil((seq_start + num_tokens) / block_size)`` entries, uploaded here; ``block_size`` >= 8;
+        ``inv_sqrt_d``: the attention scale; ``scratch``: a device buffer of known size (DeviceBuffer,
+        ``__cuda_array_interface__`` object or ``(pointer, nbytes)``) of at least
+        ``prefill_scratch_bytes(seq_start + num_tokens)`` bytes. Every argument is checked before any device
+        work. A no-op (returning 0) while ``seq_start + num_tokens <= inert_bound()`` or when prefill selection
+        is switched off (``no_prefill_select`` / ``HSS_QSA_NO_PREFILL_SELECT=1``). Blocks the host once per
+        slab of 2048 selective rows (the scores' D2H on ``stream``).
+        """
+        return prefill.prefill_select(self, st, normed, q_roped, attn_ctx, k_pool, v_pool, seq_block_table,
+                                      seq_start, num_tokens, nq, block_size, inv_sqrt_d, scratch, stream)
+
+    # -- snapshots (SPEC §11.6) ----------------------------------------------------------------------------
+    def snapshot_aux(self, st: QsaSeqState, stream: Any) -> bytes:
+        """``st`` as a blob: ``ingested`` u64 LE | ``pooled`` u64 LE | raw keys of tokens 0..ingested-1 (bf16).
+
+        Blocking, as the original: the raw keys' D2H is ordered after prior work on ``stream`` and waited for."""
+        return snapshot.snapshot_aux(self, st, stream)
+
+    def restore_aux(self, st: QsaSeqState, blob: Any, stream: Any) -> None:
+        """Make ``st`` the sequence ``blob`` (from ``snapshot_aux``) describes: its raw keys uploaded and its
+        ``pooled`` blocks pooled again on ``stream`` (bit-identical block keys); ``table_len`` untouched.
+
+        A blob shorter than its 16-byte header, of a length other than ``16 + ingested * hd * 2``, with
+        ingested > max_tokens or pooled > ingested // ratio is rejected before any device write. The blob may be
+        dropped when this returns (the upload is staged)."""
+        snapshot.restore_aux(self, st, blob, stream)
 
     # -- decode (SPEC §11.4) -----------------------------------------------------------------------------
     def decode_select(self, st: QsaSeqState, normed: Any, pos: int, k_pool: Any, v_pool: Any, block_table_dev: Any,
