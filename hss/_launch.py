@@ -122,6 +122,14 @@ class CudaEvent(_Owner):
         return float(check(api.cuEventElapsedTime(self.handle, end.handle), "cuEventElapsedTime"))
 
 
+def stream_wait_event(stream: Any, event: CudaEvent) -> None:
+    """Order later work on ``stream`` (any stream form) after ``event``'s last record (cuStreamWaitEvent).
+
+    No host wait; ``CudaStream.wait`` does the same for a :class:`~hss.cuda_min.CudaStream`."""
+    event._pctx.make_current()
+    check(api.cuStreamWaitEvent(stream_handle(stream), event.handle, 0), "cuStreamWaitEvent")
+
+
 def begin_capture(stream: Any) -> None:
     """Start capturing ``stream``'s work into a graph (thread-local mode): nothing runs until replay."""
     _context(None)

@@ -24,7 +24,7 @@ __all__ = [
     "CudaCtx", "CudaStream", "CudaModule", "CudaFunction", "DeviceBuffer", "PinnedBuffer", "CudaEvent",
     "CudaGraph", "ParamPack", "copy_h_to_d_async", "copy_d_to_h_async", "copy_d_to_d_async",
     "copy_2d_d_to_d_async", "memset_d8_async", "memset_d32_async", "launch_kernel", "stream_sync",
-    "mem_info", "begin_capture", "end_capture", "driver_status", "device_ptr", "stream_handle",
+    "mem_info", "begin_capture", "end_capture", "driver_status", "device_ptr", "stream_handle", "stream_wait_event",
     "CudaError", "HssError",
 ]
 
@@ -223,8 +223,7 @@ class CudaStream(_Owner):
 
     def wait(self, event: "CudaEvent") -> None:
         """Order later work on this stream after ``event``'s last record (no host wait)."""
-        self._pctx.make_current()
-        check(api.cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+        stream_wait_event(self.handle, event)
 
 
 class _LiveRanges:
@@ -464,4 +463,4 @@ def mem_info() -> tuple[int, int]:
 
 
 from hss._launch import (CudaEvent, CudaFunction, CudaGraph, CudaModule, begin_capture,  # noqa: E402
-                         end_capture, launch_kernel)
+                         end_capture, launch_kernel, stream_wait_event)

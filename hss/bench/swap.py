@@ -1,0 +1,286 @@
+"""Benchmark: a decode step of one layer whose KV history lives in a backing store (HighSpeedSwap).
+
+    python -m hss.bench.swap [--tokens 32768,131072] [--resident 0.125] [--tile 64] [--iters 5] [--dir DIR]
+    python -m hss.bench.swap --smoke      tiny sizes, no PyTorch (runs on the CPU emulator in CI)
+
+One layer: 32 q / 8 kv heads, head_dim 128, block_size 16, pages 0..n-1 in token order. Per context length,
+all in one run:
+
+* pinned H2D bandwidth (a pinned buffer -> device, CUDA events) and device copy bandwidth (K and V copied
+  device to device; bytes read + written per second);
+* in-HBM tiled attention (begin_step, one tile over the NHD pool, finalize; events): time, K+V bytes / time,
+  and that as a fraction of the copy bandwidth; PyTorch SDPA decode on the same data (skipped with a note
+  without torch);
+* a HighSpeedSwap step from a HostStore and from a FileStore (resident set = ``--resident`` of the pages,
+  streamed tiles of ``--tile`` pages): host wall time per step (attend_layer + stream sync, after the
+  resident set settled), hit rate, bytes read, device stall on reads, and the floor
+  max(non-resident bytes / H2D bandwidth, all K+V bytes / copy bandwidth). The last timed step's recorded
+  tile schedule is replayed with in-HBM tiled attention: the outputs must agree bit for bit.
+
+Targets (printed with met / not met): in-HBM tiled attention >= 50 % of copy bandwidth at 32K; HostStore step
+within 1.25x of its floor. FileStore reads go through the page cache unless the store runs O_DIRECT (shown).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+SMOKE = dict(tokens="256,512", num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tile=2, iters=1, warmup=1)
+TARGET_ATTN = 0.5      # in-HBM tiled attention bandwidth / copy bandwidth at 32K
+TARGET_FLOOR = 1.25    # HostStore step time / floor
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="32768,131072", help="comma-separated context lengths")
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--resident", type=float, default=0.125, help="fraction of the pages in the resident set")
+    p.add_argument("--tile", type=int, default=64, help="pages per streamed tile")
+    p.add_argument("--qd", type=int, default=8, help="FileStore reads in flight")
+    p.add_argument("--dir", default=None, help="where FileStore puts its layer file (default: a temp dir)")
+    p.add_argument("--iters", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: a code-path check")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.no_torch = True
+    return args
+
+
+def _event_us(stream: int, fn: Any, iters: int, warmup: int) -> float:
+    from hss.bench.attention import _timed
+    return _timed(stream, fn, iters, warmup)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Every measurement at every context length; one dict per row (tokens, variant, us, GB/s, note)."""
+    if args.smoke:
+        os.environ.setdefault("HSS_DRIVER", "emulator")
+    from hss import cuda_min as cm
+    rows: list[dict] = []
+    ctx = cm.CudaCtx(0)
+    try:
+        for tokens in sorted({int(t) for t in args.tokens.split(",")}):
+            rows += _one_length(args, ctx, tokens)
+    finally:
+        ctx.close()
+    return rows
+
+
+def _data(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    import ml_dtypes
+    out = np.empty(shape, dtype=ml_dtypes.bfloat16)
+    for i in range(0, shape[0], 1024):     # float32 temporaries a few MB at a time
+        out[i:i + 1024] = (rng.standard_normal((min(1024, shape[0] - i),) + shape[1:], dtype=np.float32) * std)
+    return out
+
+
+def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
+    import ml_dtypes
+
+    from hss import cuda_min as cm
+    from hss.attention import TiledAttention, TiledAttentionDims
+    from hss.bench.attention import _sdpa
+
+    nq, nkv, hd, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    pages = -(-tokens // bs)
+    stream = ctx.stream
+    rng = np.random.default_rng(tokens)
+    k = _data(rng, (pages, bs, nkv, hd), 1.0 / np.sqrt(hd))
+    v = _data(rng, (pages, bs, nkv, hd), 1.0)
+    q = _data(rng, (1, nq, hd), 1.0)
+    kv_bytes = k.nbytes + v.nbytes
+    label = f"{pages * bs // 1024}K" if pages * bs >= 1024 else str(pages * bs)
+
+    def row(variant: str, us: float, gbs: float, note: str) -> dict:
+        return dict(tokens=label, variant=variant, us=us, **{"GB/s": gbs}, note=note)
+
+    owned: list[Any] = []
+
+    def keep(obj: Any) -> Any:
+        owned.append(obj)
+        return obj
+
+    def dev(arr: np.ndarray) -> Any:
+        buf = keep(cm.DeviceBuffer(max(arr.nbytes, 1)))
+        cm.copy_h_to_d_async(buf, arr, arr.nbytes, stream)
+        return buf
+
+    rows: list[dict] = []
+    try:
+        k_dev, v_dev, q_dev = dev(k), dev(v), dev(q)
+        # bandwidths: pinned H2D, device copy (read + write)
+        h2d_bytes = min(kv_bytes, 256 << 20)
+        pinned = keep(cm.PinnedBuffer(h2d_bytes))
+        pinned.array[:] = 1
+        h2d_dst = keep(cm.DeviceBuffer(h2d_bytes))
+        us = _event_us(stream, lambda: cm.copy_h_to_d_async(h2d_dst, pinned, h2d_bytes, stream), args.iters,
+                       args.warmup)
+        h2d_bw = h2d_bytes / us / 1e3
+        rows.append(row(f"pinned H2D ({h2d_bytes / 2**20:.3g} MiB)", us, h2d_bw, "measured for the floor"))
+        k_copy, v_copy = (keep(cm.DeviceBuffer(k.nbytes)) for _ in range(2))
+
+        def copy() -> None:
+            cm.copy_d_to_d_async(k_copy, k_dev, k.nbytes, stream)
+            cm.copy_d_to_d_async(v_copy, v_dev, v.nbytes, stream)
+        us = _event_us(stream, copy, args.iters, args.warmup)
+        copy_bw = 2 * kv_bytes / us / 1e3
+        rows.append(row("device copy of K+V", us, copy_bw, "bandwidth = bytes read + written"))
+        # in-HBM tiled attention, one tile in token order
+        ta = keep(TiledAttention(ctx, TiledAttentionDims(1, nq, nkv, hd, bs, pages)))
+        table, count = dev(np.arange(pages, dtype=np.int32)[None]), dev(np.array([pages], np.int32))
+        hbm_out = dev(np.zeros((1, nq, hd), dtype=ml_dtypes.bfloat16))
+
+        def attend() -> None:
+            ta.begin_step(stream, 1)
+            ta.step_tile(stream, q_dev, k_dev, v_dev, table, count, 1, *ta.paged_strides(), bs)
+            ta.finalize(stream, hbm_out, 1)
+        us = _event_us(stream, attend, args.iters, args.warmup)
+        frac = kv_bytes / us / 1e3 / copy_bw
+        rows.append(dict(row("in-HBM tiled attention (1 tile)", us, kv_bytes / us / 1e3,
+                             f"{frac:.2f} x copy bandwidth"), attn_fraction=frac))
+        tiled = np.empty((1, nq, hd), dtype=ml_dtypes.bfloat16)
+        cm.copy_d_to_h_async(tiled, hbm_out, tiled.nbytes, stream)
+        cm.stream_sync(stream)
+        for r in _sdpa(argparse.Namespace(no_torch=args.no_torch, iters=args.iters, warmup=args.warmup), stream,
+                       q, k, v, np.arange(pages), tiled, kv_bytes):
+            rows.append(row(r["variant"], r["us"], r["GB/s"], r["check"]))
+        for store in ("host", "file"):
+            rows.append(_swap_step(args, ctx, store, k, v, k_dev, v_dev, q_dev, kv_bytes, h2d_bw, copy_bw, row))
+    finally:
+        cm.stream_sync(stream)
+        for obj in reversed(owned):
+            obj.close()
+    return rows
+
+
+def _swap_step(args: argparse.Namespace, ctx: Any, store: str, k: np.ndarray, v: np.ndarray, k_dev: Any,
+               v_dev: Any, q_dev: Any, kv_bytes: int, h2d_bw: float, copy_bw: float, row: Any) -> dict:
+    """Offload every page, settle the resident set, time ``args.iters`` steps, replay the last schedule."""
+    from hss import cuda_min as cm
+    from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims
+
+    pages, bs, nkv, hd = k.shape
+    nq = args.num_q_heads
+    stream = ctx.stream
+    tile = max(1, min(args.tile, pages // 2))
+    resident = max(0, int(round(args.resident * pages)))
+    tmp = tempfile.TemporaryDirectory(prefix="hss-swap-", dir=args.dir) if store == "file" else None
+    cfg = HighSpeedSwapConfig(tmp.name if tmp else tempfile.gettempdir(), 1 << 62, resident + 2 * tile, 32,
+                              args.qd, False, 0xCAFE_F00D, store=store, stream_tile_blocks=tile)
+    h = HighSpeedSwap(ctx, cfg, ModelDims(1, pages, nq, nkv, hd, bs))
+    out = cm.DeviceBuffer(2 * nq * hd)
+    try:
+        page_bytes = bs * nkv * hd * 2
+        for b in range(pages):
+            assert h.alloc_disk_block() == b
+            h.offload_block(ctx, 0, b, k_dev.ptr + b * page_bytes, k[b], v[b])
+        ids = list(range(pages))
+        for _ in range(max(args.warmup, 2)):              # cold step, then a settled resident set
+            h.attend_layer(ctx, 0, ids, q_dev, out)
+        cm.stream_sync(stream)
+        before = h.diagnostic_summary()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            rec = h.attend_layer(ctx, 0, ids, q_dev, out)
+        cm.stream_sync(stream)
+        us = (time.perf_counter() - t0) / args.iters * 1e6
+        after = h.diagnostic_summary()
+        n = args.iters
+        misses = (after.misses - before.misses) / n
+        read = (after.bytes_read - before.bytes_read) / n
+        floor_us = max(read / h2d_bw / 1e3, kv_bytes / copy_bw / 1e3)
+        same = _replay_matches(ctx, h, rec, k_dev, v_dev, q_dev, out)
+        kind = after.store
+        note = (f"hit rate {(after.hits - before.hits) / n / pages:.3f}, {misses:.0f} pages / {read / 2**20:.1f} MiB "
+                f"read, stall {(after.read_stall_ms - before.read_stall_ms) / n * 1e3:.0f} us, host reads "
+                f"{(after.host_read_ms - before.host_read_ms) / n * 1e3:.0f} us, floor {floor_us:.0f} us "
+                f"({us / floor_us:.2f}x), replay {'bitwise equal' if same else 'DIFFERS'}")
+        return dict(row(f"HighSpeedSwap step, {kind} store, {resident} resident + 2 x {tile} streamed", us,
+                        kv_bytes / us / 1e3, note), store=store, floor_us=floor_us, replay_equal=same)
+    finally:
+        out.close()
+        h.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _replay_matches(ctx: Any, h: Any, rec: Any, k_dev: Any, v_dev: Any, q_dev: Any, out: Any) -> bool:
+    """The recorded tiles (block id = pool page) replayed with in-HBM tiled attention: same bits as ``out``?"""
+    from hss import cuda_min as cm
+    from hss.attention import TiledAttention, TiledAttentionDims
+    d, stream = h.model, ctx.stream
+    cap = max([len(t.block_ids) for t in rec.tiles] + [1])
+    nt = max(len(rec.tiles), 1)
+    tables = np.zeros((nt, cap), np.int32)
+    for i, t in enumerate(rec.tiles):
+        tables[i, :len(t.block_ids)] = t.block_ids
+    counts = np.array([len(t.block_ids) for t in rec.tiles] or [0], np.int32)
+    tab, cnt = cm.DeviceBuffer(tables.nbytes), cm.DeviceBuffer(counts.nbytes)
+    mine = cm.DeviceBuffer(2 * d.num_q_heads * d.head_dim)
+    cm.copy_h_to_d_async(tab, tables, tables.nbytes, stream)
+    cm.copy_h_to_d_async(cnt, counts, counts.nbytes, stream)
+    with TiledAttention(ctx, TiledAttentionDims(1, d.num_q_heads, d.num_kv_heads, d.head_dim, d.block_size,
+                                                cap)) as ta:
+        ta.begin_step(stream, 1)
+        for i, t in enumerate(rec.tiles):
+            ta.step_tile(stream, q_dev, k_dev, v_dev, tab.ptr + 4 * i * cap, cnt.ptr + 4 * i, 1, *ta.paged_strides(),
+                         t.last_block_valid_slots)
+        ta.finalize(stream, mine, 1)
+        a, b = np.empty(mine.bytes, np.uint8), np.empty(mine.bytes, np.uint8)
+        cm.copy_d_to_h_async(a, mine, mine.bytes, stream)
+        cm.copy_d_to_h_async(b, out, mine.bytes, stream)
+        cm.stream_sync(stream)
+    for buf in (tab, cnt, mine):
+        buf.close()
+    return bool(np.array_equal(a, b))
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| tokens | variant | µs | GB/s | note |", "|---|---|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['variant']} | {r['us']:.1f} | {r['GB/s']:.1f} | {r['note']} |")
+    lines.append("")
+    attn = [r for r in rows if "attn_fraction" in r and r["tokens"] == "32K"]
+    if attn:
+        f = attn[0]["attn_fraction"]
+        lines.append(f"- target: in-HBM tiled attention >= {TARGET_ATTN:.0%} of copy bandwidth at 32K: {f:.1%} -> "
+                     f"{'met' if f >= TARGET_ATTN else 'not met'}")
+    else:
+        lines.append(f"- target: in-HBM tiled attention >= {TARGET_ATTN:.0%} of copy bandwidth at 32K: not measured "
+                     "(no 32K run)")
+    for r in rows:
+        if r.get("store") == "host":
+            x = r["us"] / r["floor_us"]
+            lines.append(f"- target: HostStore step within {TARGET_FLOOR}x of its floor at {r['tokens']}: {x:.2f}x -> "
+                         f"{'met' if x <= TARGET_FLOOR else 'not met'}")
+    if any(r.get("replay_equal") is False for r in rows):
+        lines.append("- CHECK FAILED: a streamed step differs from its in-HBM replay")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    from hss.cuda_min import driver_status
+    print(f"driver: {driver_status().message}")
+    print(f"one layer, {args.num_q_heads} q / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, block_size "
+          f"{args.block_size}, bf16; resident set {args.resident:.3g} of the pages; mean of {args.iters} steps")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Which resident scratch slot to overwrite (SPEC §7.5): :class:`EvictionPolicy`, where predictor scores go.
+
+Per slot the policy keeps the last predictor score recorded for the page it holds (f32, initially -inf)
+and the epoch of its last touch (u64, initially 0; the global epoch starts at 1 and wraps). ``rank``
+lists the slots that may be overwritten, first choice first: lowest score first, ties to the least
+recently touched, then the lower slot. A NaN score compares equal to every score (the original's
+``partial_cmp(..).unwrap_or(Equal)``), so recency places it: the (score, access)-ordered non-NaN slots
+are merged with the recency-ordered NaN slots by last access. Scores are advisory: they choose what to
+overwrite, never what attention reads. Pure host bookkeeping.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Iterable
+
+import numpy as np
+
+from hss._driver import HssError
+
+__all__ = ["EvictionPolicy"]
+
+_U64 = 2**64
+
+
+class EvictionPolicy:
+    """Scores and recency of ``num_slots`` scratch slots (0 slots is allowed: nothing is ever ranked)."""
+
+    def __init__(self, num_slots: int) -> None:
+        n = operator.index(num_slots)
+        if n < 0:
+            raise HssError(f"num_slots must be >= 0 (got {n})")
+        self.num_slots = n
+        self.last_score = np.full(n, -np.inf, dtype=np.float32)
+        self.last_access = np.zeros(n, dtype=np.uint64)
+        self.epoch = 1
+
+    def _slot(self, slot: int) -> int:
+        s = operator.index(slot)
+        if not 0 <= s < self.num_slots:
+            raise HssError(f"slot {s} is out of range 0..{self.num_slots - 1}")
+        return s
+
+    def _slots(self, slots: Iterable[int]) -> np.ndarray:
+        arr = np.asarray(list(slots) if not isinstance(slots, np.ndarray) else slots, dtype=np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.num_slots):
+            raise HssError(f"slots must be in 0..{self.num_slots - 1}")
+        return arr
+
+    def touch(self, slot: int) -> None:
+        """Mark ``slot`` as used now (last_access = epoch; epoch += 1, wrapping at 2^64)."""
+        self.last_access[self._slot(slot)] = self.epoch
+        self.epoch = (self.epoch + 1) % _U64
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        """:meth:`touch` each slot in order (later slots are more recent)."""
+        arr = self._slots(slots)
+        self.last_access[arr] = np.arange(arr.size, dtype=np.uint64) + np.uint64(self.epoch)   # wraps mod 2^64
+        self.epoch = (self.epoch + arr.size) % _U64
+
+    def record_score(self, slot: int, score: float) -> None:
+        """Remember the predictor score of the page now held by ``slot``."""
+        self.last_score[self._slot(slot)] = np.float32(score)
+
+    def record_scores(self, slots: Iterable[int], scores: Iterable[float]) -> None:
+        arr = self._slots(slots)
+        self.last_score[arr] = np.asarray(scores, dtype=np.float32).reshape(-1)
+
+    def reset(self) -> None:
+        """Scores -inf, accesses 0, epoch 1."""
+        self.last_score.fill(-np.inf)
+        self.last_access.fill(0)
+        self.epoch = 1
+
+    def rank(self, pinned: Iterable[int] = ()) -> np.ndarray:
+        """Every slot not in ``pinned``, first eviction choice first (see the module docstring)."""
+        keep = np.ones(self.num_slots, dtype=bool)
+        keep[self._slots(pinned)] = False
+        cand = np.flatnonzero(keep)
+        score, access = self.last_score[cand], self.last_access[cand]
+        nan = np.isnan(score)
+        if not nan.any():
+            return cand[np.lexsort((cand, access, score))]
+        a = cand[~nan][np.lexsort((cand[~nan], access[~nan], score[~nan]))]
+        b = cand[nan][np.lexsort((cand[nan], access[nan]))]
+        out, i, j = [], 0, 0
+        la = self.last_access
+        while i < a.size and j < b.size:     # a NaN ties with any score: recency, then slot, decides
+            if (int(la[b[j]]), int(b[j])) < (int(la[a[i]]), int(a[i])):
+                out.append(b[j])
+                j += 1
+            else:
+                out.append(a[i])
+                i += 1
+        return np.concatenate([np.asarray(out, dtype=np.int64), a[i:], b[j:]]).astype(np.int64)
+
+    @staticmethod
+    def yields_to(old_score: float, new_score: float) -> bool:
+        """Whether a slot scored ``old_score`` ranks before a page scored ``new_score`` touched now (so the
+        page may take the slot): the new page is the most recent, so it wins ties and any NaN comparison."""
+        o, n = np.float32(old_score), np.float32(new_score)
+        return bool(np.isnan(o) or np.isnan(n) or o <= n)

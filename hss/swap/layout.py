@@ -1,0 +1,165 @@
+"""Where a KV page lives in a backing store and in a scratch slot (SPEC §7.1): :class:`GroupLayout`.
+
+A *group* is one (layer, page, kind, kv_head) stripe, kind K = 0 or V = 1: bf16 ``[block_size, head_dim]``,
+``group_bytes`` long, stored ``group_stride`` bytes apart (rounded up to the filesystem block, 4 KiB, so
+every group and every page is O_DIRECT-aligned). A page is ``block_bytes = 2 * num_kv_heads *
+group_stride``: all K stripes (kv_head ascending) then all V stripes. A layer file is ``num_blocks`` pages
+back to back; a scratch slot holds one page in the same layout. Pure arithmetic: no device, no files.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from hss._driver import HssError
+
+__all__ = ["GroupLayout", "K", "V", "KIND_NAMES"]
+
+K, V = 0, 1
+KIND_NAMES = ("K", "V")
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Byte layout of the pages of one layer (SPEC §7.1).
+
+    ``num_blocks`` pages per layer, ``num_kv_heads``, ``block_size`` tokens per page, ``head_dim``,
+    ``elem_bytes`` per element (2: bf16), ``fs_block_size`` the alignment of every group (4096).
+    """
+
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    elem_bytes: int = 2
+    fs_block_size: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_kv_heads", "block_size", "head_dim", "elem_bytes", "fs_block_size"):
+            if _int(name, getattr(self, name)) < 1:
+                raise HssError(f"GroupLayout.{name} must be >= 1 (got {getattr(self, name)})")
+        fs = self.fs_block_size
+        if fs & (fs - 1):
+            raise HssError(f"GroupLayout.fs_block_size ({fs}) must be a power of two")
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of one stripe's data: block_size * head_dim * elem_bytes."""
+        return self.block_size * self.head_dim * self.elem_bytes
+
+    @property
+    def group_stride(self) -> int:
+        """Bytes between consecutive stripes: group_bytes rounded up to fs_block_size."""
+        return _round_up(self.group_bytes, self.fs_block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one page (all K then all V stripes): 2 * num_kv_heads * group_stride."""
+        return 2 * self.num_kv_heads * self.group_stride
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """Bytes of one layer file: 2 * num_blocks * num_kv_heads * group_stride."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def groups_per_layer(self) -> int:
+        return self.num_blocks * 2 * self.num_kv_heads
+
+    # -- addresses -----------------------------------------------------------------------------
+    def _check(self, page: int, kind: int, kv_head: int) -> tuple[int, int, int]:
+        page, kind, kv_head = _int("page", page), _int("kind", kind), _int("kv_head", kv_head)
+        if not 0 <= page < self.num_blocks:
+            raise HssError(f"page {page} is out of range: a layer has {self.num_blocks} pages "
+                           f"(0..{self.num_blocks - 1})")
+        if kind not in (K, V):
+            raise HssError(f"kind {kind} must be 0 (K) or 1 (V)")
+        if not 0 <= kv_head < self.num_kv_heads:
+            raise HssError(f"kv_head {kv_head} is out of range 0..{self.num_kv_heads - 1}")
+        return page, kind, kv_head
+
+    def page_offset(self, page: int) -> int:
+        """Byte offset of ``page`` inside its layer file."""
+        return self._check(page, K, 0)[0] * self.block_bytes
+
+    def group_offset(self, page: int, kind: int, kv_head: int) -> int:
+        """Byte offset of group (page, kind, kv_head) inside its layer file:
+        page*(2*nkv*gs) + kind*(nkv*gs) + kv_head*gs."""
+        page, kind, kv_head = self._check(page, kind, kv_head)
+        gs = self.group_stride
+        return page * self.block_bytes + kind * self.num_kv_heads * gs + kv_head * gs
+
+    def group_id(self, layer: int, page: int, kind: int, kv_head: int) -> int:
+        """Dense id: layer*groups_per_layer + page*(2*nkv) + kind*nkv + kv_head."""
+        layer = _int("layer", layer)
+        if layer < 0:
+            raise HssError(f"layer must be >= 0 (got {layer})")
+        page, kind, kv_head = self._check(page, kind, kv_head)
+        nkv = self.num_kv_heads
+        return layer * self.groups_per_layer + page * 2 * nkv + kind * nkv + kv_head
+
+    def locate(self, offset_in_page: int) -> tuple[int, int]:
+        """(kind, kv_head) of the group holding byte ``offset_in_page`` of a page."""
+        g = _int("offset_in_page", offset_in_page) // self.group_stride
+        if not 0 <= g < 2 * self.num_kv_heads:
+            raise HssError(f"offset {offset_in_page} is outside a {self.block_bytes}-byte page")
+        return g // self.num_kv_heads, g % self.num_kv_heads
+
+    # -- page images ---------------------------------------------------------------------------
+    def _tokens(self, name: str, data: Any) -> np.ndarray:
+        want = self.block_size * self.num_kv_heads * self.head_dim * 2
+        if isinstance(data, np.ndarray):
+            if not data.flags.c_contiguous:
+                raise HssError(f"{name} must be C-contiguous; pass np.ascontiguousarray(...)")
+            raw = data.reshape(-1).view(np.uint8)
+        else:
+            try:
+                raw = np.frombuffer(data, dtype=np.uint8)
+            except TypeError:
+                raise TypeError(f"{name} must be a numpy array or a bytes-like object, "
+                                f"not {type(data).__name__}") from None
+        if raw.nbytes != want:
+            raise HssError(f"{name} holds {raw.nbytes} bytes but one page is block_size*num_kv_heads*head_dim "
+                           f"bf16 = {self.block_size}*{self.num_kv_heads}*{self.head_dim}*2 = {want} bytes "
+                           "([tok, kv_head, dim])")
+        return raw.view(np.uint16).reshape(self.block_size, self.num_kv_heads, self.head_dim)
+
+    def pack_page(self, k: Any, v: Any) -> np.ndarray:
+        """The page image (uint8 ``[block_bytes]``, padding zero) of host K and V ``[block_size, nkv, hd]`` bf16."""
+        if self.elem_bytes != 2:
+            raise HssError(f"pack_page needs 2-byte (bf16) elements; this layout has elem_bytes {self.elem_bytes}")
+        kt, vt = self._tokens("k_host", k), self._tokens("v_host", v)
+        n = self.block_size * self.head_dim
+        img = np.zeros((2, self.num_kv_heads, self.group_stride // 2), dtype=np.uint16)
+        img[K, :, :n] = kt.transpose(1, 0, 2).reshape(self.num_kv_heads, n)
+        img[V, :, :n] = vt.transpose(1, 0, 2).reshape(self.num_kv_heads, n)
+        return img.reshape(-1).view(np.uint8)
+
+    def unpack_page(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Host K and V ``[block_size, nkv, hd]`` bf16 of a page image (the inverse of :meth:`pack_page`)."""
+        raw = np.asarray(image).reshape(-1).view(np.uint8)
+        if raw.nbytes != self.block_bytes:
+            raise HssError(f"a page image is {self.block_bytes} bytes, got {raw.nbytes}")
+        n = self.block_size * self.head_dim
+        img = raw.view(np.uint16).reshape(2, self.num_kv_heads, self.group_stride // 2)[:, :, :n]
+        kv = img.reshape(2, self.num_kv_heads, self.block_size, self.head_dim).transpose(0, 2, 1, 3)
+        kv = np.ascontiguousarray(kv).view(ml_dtypes.bfloat16)
+        return kv[K], kv[V]

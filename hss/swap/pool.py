@@ -1,0 +1,226 @@
+"""The HBM scratch pool (SPEC §7.4): :class:`ScratchPool`, page slots in one device buffer and who holds them.
+
+A slot holds one KV page in the backing stores' page layout (:class:`~hss.swap.layout.GroupLayout`):
+``[K|V][kv_head][stripe]``, stripes ``group_stride`` bytes apart (padded to 4 KiB), each bf16
+``[block_size, head_dim]``. The tiled-attention strides come from
+:meth:`TiledAttention.scratch_pool_strides(group_stride) <hss.attention.TiledAttention.scratch_pool_strides>`,
+so padded stripes are addressed correctly (SPEC §7.4's latent assumption gs == block_size*head_dim*2 is gone).
+
+Bookkeeping covers the first ``num_slots - reserved_slots`` slots: residents[slot] = (layer, page) or free,
+a lookup table, and a FIFO free list (initially 0, 1, ...). The last ``reserved_slots`` slots are never
+assigned: the orchestrator streams pages through them. Bookkeeping is host-only and immediate; the
+device contents change only through copies the caller orders on its streams.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+from typing import Any, Iterable
+
+import numpy as np
+
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss.swap.layout import K, V, GroupLayout
+
+__all__ = ["ScratchPool", "PoolExhausted"]
+
+Key = tuple[int, int]   # (layer, page)
+
+
+class PoolExhausted(HssError):
+    """No free slot and no resident eviction candidate."""
+
+
+class ScratchPool:
+    """``num_slots`` page slots of ``layout`` in one device buffer (not zeroed), keys (layer, page).
+
+    ``num_layers`` bounds the layer of a key (pages are bounded by ``layout.num_blocks``). ``ctx`` None
+    allocates in the current device's primary context. ``close()`` frees the buffer once.
+    """
+
+    def __init__(self, layout: GroupLayout, num_slots: int, *, num_layers: int = 1, reserved_slots: int = 0,
+                 ctx: cm.CudaCtx | None = None) -> None:
+        if not isinstance(layout, GroupLayout):
+            raise TypeError(f"layout must be a GroupLayout, not {type(layout).__name__}")
+        n, r, nl = operator.index(num_slots), operator.index(reserved_slots), operator.index(num_layers)
+        if n < 1:
+            raise HssError(f"num_slots must be >= 1 (got {n})")
+        if not 0 <= r <= n:
+            raise HssError(f"reserved_slots ({r}) must be in 0..num_slots ({n})")
+        if nl < 1:
+            raise HssError(f"num_layers must be >= 1 (got {nl})")
+        self.layout, self.num_slots, self.reserved_slots, self.num_layers = layout, n, r, nl
+        self.slot_bytes = layout.block_bytes
+        self.buffer = cm.DeviceBuffer(n * self.slot_bytes, ctx)
+        self._slot_of = np.full((nl, layout.num_blocks), -1, dtype=np.int32)
+        self._key_of: list[Key | None] = [None] * (n - r)
+        self._free: collections.deque[int] = collections.deque(range(n - r))
+
+    # -- device addresses ------------------------------------------------------------------------
+    @property
+    def ptr(self) -> int:
+        """Device address of slot 0."""
+        return self.buffer.ptr
+
+    @property
+    def poolable_slots(self) -> int:
+        """Slots the bookkeeping hands out: num_slots - reserved_slots."""
+        return self.num_slots - self.reserved_slots
+
+    def slot_ptr(self, slot: int) -> int:
+        """Device address of ``slot`` (any slot, reserved ones included)."""
+        s = operator.index(slot)
+        if not 0 <= s < self.num_slots:
+            raise HssError(f"slot {s} is out of range 0..{self.num_slots - 1}")
+        return self.buffer.ptr + s * self.slot_bytes
+
+    def stripe_ptr(self, slot: int, kind: int, kv_head: int) -> int:
+        """Device address of the K (kind 0) or V (kind 1) stripe of ``kv_head`` in ``slot``."""
+        if kind not in (K, V) or not 0 <= kv_head < self.layout.num_kv_heads:
+            raise HssError(f"kind must be 0 (K) or 1 (V) and kv_head in 0..{self.layout.num_kv_heads - 1}")
+        return self.slot_ptr(slot) + (kind * self.layout.num_kv_heads + kv_head) * self.layout.group_stride
+
+    def attention_operands(self, attn: Any) -> tuple[int, int, int, int, int]:
+        """(k_pool, v_pool, blk, tok, kvh) for ``attn.step_tile`` over these slots (``attn`` a TiledAttention)."""
+        blk, tok, kvh, v_off = attn.scratch_pool_strides(self.layout.group_stride)
+        return self.buffer.ptr, self.buffer.ptr + 2 * v_off, blk, tok, kvh
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _key(self, key: Any) -> Key:
+        try:
+            layer, page = (operator.index(x) for x in key)
+        except (TypeError, ValueError):
+            raise TypeError(f"a key is (layer, page), got {key!r}") from None
+        if not 0 <= layer < self.num_layers or not 0 <= page < self.layout.num_blocks:
+            raise HssError(f"key (layer {layer}, page {page}) is out of range: layers 0..{self.num_layers - 1}, "
+                           f"pages 0..{self.layout.num_blocks - 1}")
+        return layer, page
+
+    def lookup(self, key: Key) -> int | None:
+        """The slot holding ``key``, or None."""
+        layer, page = self._key(key)
+        s = int(self._slot_of[layer, page])
+        return s if s >= 0 else None
+
+    def lookup_many(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """Slots holding (layer, pages[i]) (int32; -1 where not resident). Pages must be in range."""
+        return self._slot_of[layer, np.asarray(pages, dtype=np.int64)].copy()
+
+    def key_of(self, slot: int) -> Key | None:
+        """The (layer, page) that ``slot`` holds, or None (free)."""
+        return self._key_of[slot]
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def resident_count(self) -> int:
+        return self.poolable_slots - len(self._free)
+
+    def free_slots(self) -> list[int]:
+        """The free list, front (next to be assigned) first."""
+        return list(self._free)
+
+    def residents(self) -> dict[Key, int]:
+        """{(layer, page): slot} of every resident page."""
+        return {k: s for s, k in enumerate(self._key_of) if k is not None}
+
+    def assign(self, key: Key, candidates: Iterable[int] = ()) -> int:
+        """The slot for ``key``: its own if resident; else the front of the free list; else the first of
+        ``candidates`` (an eviction ranking) that holds a page, whose key is dropped. Raises
+        :class:`PoolExhausted` when there is none."""
+        key = self._key(key)
+        s = int(self._slot_of[key])
+        if s >= 0:
+            return s
+        if self._free:
+            slot = self._free.popleft()
+        else:
+            for c in candidates:
+                c = operator.index(c)
+                if 0 <= c < self.poolable_slots and self._key_of[c] is not None:
+                    slot = c
+                    break
+            else:
+                raise PoolExhausted(
+                    f"no slot available and no eviction candidate is resident: all {self.poolable_slots} slots "
+                    "are taken and every candidate is pinned or free; raise HighSpeedSwapConfig.resident_blocks "
+                    "(scratch slots) or pin fewer slots")
+            self._drop(slot)
+        self._set(key, slot)
+        return slot
+
+    def put(self, key: Key, slot: int) -> Key | None:
+        """Place ``key`` in ``slot`` (free or resident); return the key it evicted, if any."""
+        key = self._key(key)
+        slot = operator.index(slot)
+        if not 0 <= slot < self.poolable_slots:
+            raise HssError(f"slot {slot} is not a poolable slot (0..{self.poolable_slots - 1})")
+        if self._slot_of[key] >= 0:
+            raise HssError(f"{key} is already resident in slot {int(self._slot_of[key])}")
+        old = self._key_of[slot]
+        if old is None:
+            if self._free and self._free[0] == slot:
+                self._free.popleft()
+            else:
+                self._free.remove(slot)
+        else:
+            self._drop(slot)
+        self._set(key, slot)
+        return old
+
+    def invalidate(self, key: Key) -> int | None:
+        """Forget ``key``; its slot goes to the BACK of the free list. Returns the slot, or None."""
+        key = self._key(key)
+        s = int(self._slot_of[key])
+        if s < 0:
+            return None
+        self._drop(s)
+        self._free.append(s)
+        return s
+
+    def invalidate_page(self, page: int) -> list[int]:
+        """:meth:`invalidate` ``page`` in every layer (a disk block id was freed); returns the freed slots."""
+        slots = []
+        for layer in range(self.num_layers):
+            s = self.invalidate((layer, page))
+            if s is not None:
+                slots.append(s)
+        return slots
+
+    def clear(self) -> None:
+        """Everything free, in order 0..n-1."""
+        self._slot_of.fill(-1)
+        self._key_of = [None] * self.poolable_slots
+        self._free = collections.deque(range(self.poolable_slots))
+
+    def _set(self, key: Key, slot: int) -> None:
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+
+    def _drop(self, slot: int) -> None:
+        old = self._key_of[slot]
+        if old is not None:
+            self._slot_of[old] = -1
+            self._key_of[slot] = None
+
+    # -- lifetime --------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.buffer.closed
+
+    def close(self) -> None:
+        """Free the device buffer (the driver waits for work using it); later calls do nothing."""
+        self.buffer.close()
+
+    def __enter__(self) -> "ScratchPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ScratchPool({self.num_slots} slots of {self.slot_bytes} bytes, {self.reserved_slots} reserved, "
+                f"{self.resident_count} resident, {self.free_count} free)")

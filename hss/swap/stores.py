@@ -1,0 +1,480 @@
+"""Backing stores for KV pages (SPEC §7.1-7.3): :class:`HostStore` (pinned host memory) and :class:`FileStore`
+(one preallocated file per layer), behind one small interface, :class:`BackingStore`.
+
+Both keep every layer in the :class:`~hss.swap.layout.GroupLayout` page layout, so a page is one
+contiguous ``block_bytes`` range in the store and in a scratch slot, and consecutive pages read with one
+transfer. Writes are synchronous host operations; ``read_pages`` queues host-to-device copies on the
+caller's stream and returns without waiting for them.
+
+Validity: a per-group bitmap. A write clears the bits of the groups it covers, writes the data, and sets
+them only after the data is fully written, so a failed or partial write never leaves a group readable.
+Reading a page with any group not valid raises :class:`StoreError` before anything is queued. A short
+read or an I/O error raises :class:`StoreIOError` naming the layer, the page and the kind (K/V) and kv
+head of the first byte that could not be read.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss.swap.layout import KIND_NAMES, GroupLayout, _int
+
+__all__ = ["BackingStore", "HostStore", "FileStore", "StoreError", "StoreIOError", "layer_path"]
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class StoreError(HssError):
+    """A page was read before it was (successfully) written, or a write's size or range is wrong."""
+
+
+class StoreIOError(OSError):
+    """A read or write of a store failed or came up short; names the layer, page, kind and kv head."""
+
+    def __init__(self, layer: int, page: int, kind: int, kv_head: int, message: str, err: int | None = None) -> None:
+        self.layer, self.page, self.kind, self.kv_head = layer, page, KIND_NAMES[kind], kv_head
+        text = f"layer {layer} page {page} ({self.kind} stripe of kv_head {kv_head}): {message}"
+        super().__init__(err if err is not None else errno.EIO, text)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def layer_path(directory: str | os.PathLike, layer: int) -> Path:
+    """``<dir>/layer_{layer:05}.kv`` (SPEC §7.2)."""
+    return Path(directory) / f"layer_{layer:05}.kv"
+
+
+def _raw(data: Any) -> np.ndarray:
+    """The bytes of a numpy array or a bytes-like object, as a flat uint8 array."""
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _runs(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int) -> list[tuple[int, int]]:
+    """(start, count) runs of requests whose pages and destinations are both consecutive, <= cap pages each."""
+    if pages.size == 0:
+        return []
+    brk = np.flatnonzero((np.diff(pages) != 1) | (np.diff(dsts) != block_bytes)) + 1
+    runs = []
+    for a, b in zip(np.concatenate([[0], brk]), np.concatenate([brk, [pages.size]])):
+        for s in range(int(a), int(b), cap):
+            runs.append((s, min(cap, int(b) - s)))
+    return runs
+
+
+class BackingStore:
+    """Pages of ``num_layers`` layers in ``layout``; subclasses move the bytes.
+
+    ``write_page(layer, page, image)`` / ``write_group(layer, page, kind, kv_head, data)``: synchronous host
+    writes. ``read_pages(stream, layer, pages, dsts)``: queue pages[i] -> device dsts[i] on ``stream``.
+    """
+
+    kind = "?"
+
+    def __init__(self, layout: GroupLayout, num_layers: int, run_cap_bytes: int = 1 << 20) -> None:
+        if not isinstance(layout, GroupLayout):
+            raise TypeError(f"layout must be a GroupLayout, not {type(layout).__name__}")
+        nl = _int("num_layers", num_layers)
+        if nl < 1:
+            raise HssError(f"num_layers must be >= 1 (got {nl})")
+        self.layout, self.num_layers = layout, nl
+        self.run_cap_pages = max(1, _int("run_cap_bytes", run_cap_bytes) // layout.block_bytes)
+        self._valid = np.zeros((nl, layout.num_blocks, 2 * layout.num_kv_heads), dtype=bool)
+        self._closed = False
+
+    # -- validity --------------------------------------------------------------------------------
+    def _layer(self, layer: Any) -> int:
+        layer = _int("layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise StoreError(f"layer {layer} is out of range: this store has {self.num_layers} layers")
+        return layer
+
+    def _pages(self, pages: Any) -> np.ndarray:
+        arr = np.asarray(pages)
+        if arr.dtype.kind not in "iu":
+            if arr.size:
+                raise TypeError(f"pages must be integers, got {arr.dtype}")
+            arr = arr.astype(np.int64)
+        arr = arr.astype(np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.layout.num_blocks):
+            bad = arr[(arr < 0) | (arr >= self.layout.num_blocks)]
+            raise StoreError(f"pages {bad[:8].tolist()} are out of range 0..{self.layout.num_blocks - 1}")
+        return arr
+
+    def page_valid(self, layer: int, page: int) -> bool:
+        """Whether every group of (layer, page) has been written completely."""
+        return bool(self._valid[self._layer(layer), self._pages([page])[0]].all())
+
+    def missing_pages(self, layer: int, pages: Any) -> np.ndarray:
+        """Those of ``pages`` with a group never (or not completely) written."""
+        arr = self._pages(pages)
+        return arr[~self._valid[self._layer(layer)][arr].all(axis=1)]
+
+    def invalidate_page(self, layer: int, page: int) -> None:
+        self._valid[self._layer(layer), self._pages([page])[0]] = False
+
+    def invalidate_block(self, page: int) -> None:
+        """Invalidate ``page`` in every layer (its disk block id was freed)."""
+        self._valid[:, self._pages([page])[0]] = False
+
+    # -- writes ----------------------------------------------------------------------------------
+    def write_page(self, layer: int, page: int, image: Any) -> None:
+        """Write one page image (``block_bytes``; see :meth:`GroupLayout.pack_page`)."""
+        self._live()
+        layer, page = self._layer(layer), int(self._pages([page])[0])
+        raw = _raw(image)
+        if raw.nbytes != self.layout.block_bytes:
+            raise StoreError(f"a page image is block_bytes = 2*num_kv_heads*group_stride = {self.layout.block_bytes} "
+                             f"bytes, got {raw.nbytes}")
+        self._valid[layer, page] = False
+        self._write(layer, page, 0, raw)
+        self._valid[layer, page] = True
+
+    def write_group(self, layer: int, page: int, kind: int, kv_head: int, data: Any) -> None:
+        """Write one group (the original's ``write_from_host``): exactly ``group_bytes`` bytes, zero-padded
+        to ``group_stride``."""
+        self._live()
+        layer = self._layer(layer)
+        off = self.layout.group_offset(page, kind, kv_head) - self.layout.page_offset(page)
+        raw = _raw(data)
+        if raw.nbytes != self.layout.group_bytes:
+            raise StoreError(f"a group is block_size*head_dim*elem_bytes = {self.layout.group_bytes} bytes, "
+                             f"got {raw.nbytes}")
+        buf = np.zeros(self.layout.group_stride, dtype=np.uint8)
+        buf[:raw.nbytes] = raw
+        g = kind * self.layout.num_kv_heads + kv_head
+        self._valid[layer, page, g] = False
+        self._write(layer, page, off, buf)
+        self._valid[layer, page, g] = True
+
+    # -- reads -----------------------------------------------------------------------------------
+    def read_pages(self, stream: Any, layer: int, pages: Any, dsts: Any) -> int:
+        """Queue copies of (layer, pages[i]) into device addresses ``dsts[i]`` (``block_bytes`` each) on
+        ``stream``; returns the bytes queued. May block the host (file reads, buffer reuse), never on
+        ``stream`` itself. Raises :class:`StoreError` (nothing queued) if a page is not valid."""
+        self._live()
+        layer = self._layer(layer)
+        pages = self._pages(pages)
+        dsts = np.asarray([cm.device_ptr(d) for d in dsts] if not isinstance(dsts, np.ndarray) else dsts,
+                          dtype=np.int64).reshape(-1)
+        if dsts.size != pages.size:
+            raise HssError(f"{pages.size} pages but {dsts.size} destinations")
+        missing = self.missing_pages(layer, pages)
+        if missing.size:
+            raise StoreError(f"layer {layer} pages {missing[:8].tolist()} were never written (or their last write "
+                             "failed): offload them before reading")
+        if pages.size == 0:
+            return 0
+        self._read(cm.stream_handle(stream), layer, pages, dsts)
+        return int(pages.size) * self.layout.block_bytes
+
+    # -- subclass hooks, lifetime ----------------------------------------------------------------
+    def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _read(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _live(self) -> None:
+        if self._closed:
+            raise HssError(f"this {type(self).__name__} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "BackingStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class HostStore(BackingStore):
+    """Every layer in ONE pinned host buffer (layer-major, each layer laid out like its file).
+
+    Reads are H2D copies straight from the buffer (consecutive pages in one copy). A write first waits
+    (on the host) for reads already queued from the buffer, so it never changes bytes a queued copy has
+    yet to read.
+    """
+
+    kind = "host"
+
+    def __init__(self, layout: GroupLayout, num_layers: int, *, ctx: cm.CudaCtx | None = None,
+                 run_cap_bytes: int = 1 << 30) -> None:
+        super().__init__(layout, num_layers, run_cap_bytes)
+        self.buffer = cm.PinnedBuffer(self.num_layers * layout.bytes_per_layer, ctx)
+        self._reads_done = cm.CudaEvent(ctx=ctx)
+        self._reads_queued = False
+
+    def offset(self, layer: int, page: int) -> int:
+        """Byte offset of (layer, page) in :attr:`buffer`."""
+        return self._layer(layer) * self.layout.bytes_per_layer + self.layout.page_offset(page)
+
+    def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
+        if self._reads_queued:
+            self._reads_done.synchronize()
+            self._reads_queued = False
+        at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset_in_page
+        self.buffer.array[at:at + data.nbytes] = data
+
+    def _read(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray) -> None:
+        bb = self.layout.block_bytes
+        base = self.buffer.ptr + layer * self.layout.bytes_per_layer
+        for s, n in _runs(pages, dsts, bb, self.run_cap_pages):
+            cm.copy_h_to_d_async(int(dsts[s]), base + int(pages[s]) * bb, n * bb, stream)
+        self._reads_done.record(stream)
+        self._reads_queued = True
+
+    def close(self) -> None:
+        """Wait for queued reads, then free the pinned buffer; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._reads_queued:
+                self._reads_done.synchronize()
+        finally:
+            self._reads_done.close()
+            self.buffer.close()
+
+
+class FileStore(BackingStore):
+    """One file per layer, ``<dir>/layer_{layer:05}.kv``, preallocated to ``bytes_per_layer`` (SPEC §7.2).
+
+    ``direct``: True opens with O_DIRECT (raises if the filesystem refuses it), False uses buffered I/O,
+    None (default) tries O_DIRECT and falls back to buffered I/O; :attr:`direct` says which is in use.
+    Reads go through a ring of ``bounce_pages`` pages of pinned, 4 KiB-aligned host memory: pread (``qd``
+    reads in flight on a thread pool when qd > 1), then an H2D copy on the caller's stream; a bounce page
+    is reused only after its copy has run (a host wait on an event). Writes go through a page-aligned
+    staging buffer when direct. Existing file contents are never trusted: only pages written through
+    this store are readable.
+    """
+
+    kind = "file"
+
+    def __init__(self, directory: str | os.PathLike, layout: GroupLayout, num_layers: int, *,
+                 direct: bool | None = None, qd: int = 1, bounce_pages: int = 16, run_cap_bytes: int = 1 << 20,
+                 ctx: cm.CudaCtx | None = None) -> None:
+        super().__init__(layout, num_layers, run_cap_bytes)
+        if direct not in (None, True, False):
+            raise TypeError(f"direct must be None (auto), True or False, not {direct!r}")
+        qd, bounce_pages = _int("qd", qd), _int("bounce_pages", bounce_pages)
+        if not 1 <= qd <= 64:
+            raise HssError(f"qd ({qd}) must be in 1..64")
+        if bounce_pages < 1:
+            raise HssError(f"bounce_pages must be >= 1 (got {bounce_pages})")
+        self.dir = Path(directory)
+        self.qd = qd
+        self.ring = bounce_pages
+        self.run_cap_pages = min(self.run_cap_pages, bounce_pages)
+        self._fds: list[int] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._stage = mmap.mmap(-1, layout.block_bytes)       # page-aligned: O_DIRECT writes
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.direct = self._open_all(direct)
+            self.bounce = cm.PinnedBuffer(bounce_pages * layout.block_bytes, ctx)
+        except BaseException:
+            self._close_files()
+            self._stage.close()
+            raise
+        self._ctx = ctx
+        self._head = 0                                          # absolute bounce page counter
+        self._inflight: collections.deque[tuple[int, cm.CudaEvent]] = collections.deque()
+        self._spare: list[cm.CudaEvent] = []
+
+    # -- files -----------------------------------------------------------------------------------
+    def path(self, layer: int) -> Path:
+        return layer_path(self.dir, self._layer(layer))
+
+    def _open_all(self, direct: bool | None) -> bool:
+        if direct is True and not O_DIRECT:
+            raise HssError("O_DIRECT is not available on this platform; pass direct=False or None")
+        use = direct is not False and O_DIRECT != 0
+        for layer in range(self.num_layers):
+            fd = self._open(layer, use, direct)
+            if fd is None:          # auto: the filesystem refused O_DIRECT; open every layer buffered
+                self._close_files()
+                return self._open_all(False)
+            self._fds.append(fd)
+        return use
+
+    def _open(self, layer: int, use_direct: bool, asked: bool | None) -> int | None:
+        path = layer_path(self.dir, layer)
+        flags = os.O_RDWR | os.O_CREAT | (O_DIRECT if use_direct else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            if use_direct and exc.errno == errno.EINVAL:
+                return self._refused(path, exc, asked)
+            raise
+        try:
+            self._preallocate(fd, path)
+            if use_direct:     # some filesystems accept the flag at open and refuse the I/O
+                probe = mmap.mmap(-1, 4096)
+                try:
+                    os.preadv(fd, [probe], 0)
+                finally:
+                    probe.close()
+        except OSError as exc:
+            os.close(fd)
+            if use_direct and exc.errno == errno.EINVAL:
+                return self._refused(path, exc, asked)
+            raise
+        return fd
+
+    def _refused(self, path: Path, exc: OSError, asked: bool | None) -> None:
+        if asked is True:
+            raise HssError(f"the filesystem holding {path} refuses O_DIRECT ({exc.strerror}); pass direct=False "
+                           "(buffered I/O) or direct=None (O_DIRECT where possible)") from exc
+        return None
+
+    def _preallocate(self, fd: int, path: Path) -> None:
+        need = self.layout.bytes_per_layer
+        if os.fstat(fd).st_size >= need:
+            return
+        try:
+            os.posix_fallocate(fd, 0, need)
+        except (OSError, AttributeError) as exc:   # e.g. EOPNOTSUPP: the filesystem cannot preallocate
+            if isinstance(exc, OSError) and exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, need)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
+        fd = self._fds[layer]
+        off = page * self.layout.block_bytes + offset_in_page
+        n = data.nbytes
+        if self.direct:
+            self._stage[:n] = data.tobytes()
+            src = memoryview(self._stage)[:n]
+        else:
+            src = memoryview(np.ascontiguousarray(data))
+        done = 0
+        try:
+            while done < n:
+                w = os.pwrite(fd, src[done:], off + done)
+                if w <= 0:
+                    raise OSError(errno.EIO, "pwrite wrote nothing")
+                done += w
+        except OSError as exc:
+            kind, kh = self.layout.locate(offset_in_page + done)
+            raise StoreIOError(layer, page, kind, kh, f"write failed after {done} of {n} bytes at offset {off} "
+                               f"of {self.path(layer)}: {exc.strerror or exc}", exc.errno) from exc
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _read(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray) -> None:
+        window: list[tuple[int, int, int]] = []     # (request start, count, bounce page)
+        w_start = 0
+        for s, n in _runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages):
+            h = self._head
+            if h % self.ring + n > self.ring:        # a run needs contiguous bounce memory
+                h += self.ring - h % self.ring
+            if window and h + n - self.ring > w_start:
+                self._flush(stream, layer, pages, dsts, window, w_start)
+                window = []
+            while self._inflight and self._inflight[0][0] < h + n - self.ring:
+                _, ev = self._inflight.popleft()
+                ev.synchronize()                      # its copies out of these bounce pages have run
+                self._spare.append(ev)
+            if not window:
+                w_start = h
+            window.append((s, n, h % self.ring))
+            self._head = h + n
+        if window:
+            self._flush(stream, layer, pages, dsts, window, w_start)
+
+    def _flush(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray,
+               window: list[tuple[int, int, int]], w_start: int) -> None:
+        """pread the window's runs into their bounce pages, then queue their H2D copies and one event."""
+        bb = self.layout.block_bytes
+        jobs = [(layer, int(pages[s]), n, b) for s, n, b in window]
+        if self.qd > 1 and len(jobs) > 1:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.qd, thread_name_prefix="hss-filestore")
+            results = list(self._executor.map(lambda j: self._pread(*j), jobs))
+        else:
+            results = [self._pread(*j) for j in jobs]
+        for (s, n, b), err in zip(window, results):
+            if err is not None:
+                raise err
+        for s, n, b in window:
+            cm.copy_h_to_d_async(int(dsts[s]), self.bounce.ptr + b * bb, n * bb, stream)
+        ev = self._spare.pop() if self._spare else cm.CudaEvent(ctx=self._ctx)
+        ev.record(stream)
+        self._inflight.append((w_start, ev))
+
+    def _pread(self, layer: int, page: int, n: int, bounce_page: int) -> StoreIOError | None:
+        """Read n pages starting at ``page`` into the bounce ring; returns the error instead of raising."""
+        bb = self.layout.block_bytes
+        want = n * bb
+        off = page * bb
+        view = memoryview(self.bounce.array)[bounce_page * bb: bounce_page * bb + want]
+        got = 0
+        try:
+            while got < want:
+                r = os.preadv(self._fds[layer], [view[got:]], off + got)
+                if r <= 0:
+                    break
+                got += r
+                if self.direct:
+                    break                 # O_DIRECT: a short read is at end of file; do not retry unaligned
+        except OSError as exc:
+            p, kind, kh = self._where(page, got)
+            return StoreIOError(layer, p, kind, kh, f"read failed after {got} of {want} bytes at offset {off} of "
+                                f"{self.path(layer)}: {exc.strerror or exc}", exc.errno)
+        if got < want:
+            p, kind, kh = self._where(page, got)
+            size = os.fstat(self._fds[layer]).st_size
+            return StoreIOError(layer, p, kind, kh, f"short read: got {got} of {want} bytes at offset {off} of "
+                                f"{self.path(layer)}, which ends at {size} bytes but its layout needs "
+                                f"{self.layout.bytes_per_layer} (truncated?)")
+        return None
+
+    def _where(self, first_page: int, got: int) -> tuple[int, int, int]:
+        bb = self.layout.block_bytes
+        kind, kh = self.layout.locate(got % bb)
+        return first_page + got // bb, kind, kh
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def _close_files(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Wait for queued copies out of the bounce ring, free it and close the files; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            while self._inflight:
+                ev = self._inflight.popleft()[1]
+                ev.synchronize()
+                self._spare.append(ev)
+        finally:
+            for ev in self._spare + [e for _, e in self._inflight]:
+                ev.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self.bounce.close()
+            self._stage.close()
+            self._close_files()

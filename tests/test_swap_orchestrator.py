@@ -1,0 +1,433 @@
+"""Tests for hss.swap.config and hss.swap.orchestrator (SPEC §8; bounds of SPEC §0).
+
+The central promise: a step streamed through HighSpeedSwap (resident set + double-buffered stream, reads on
+a copy stream) gives bit for bit what in-HBM TiledAttention gives over the same pages in the same tiles,
+which each step records. Every schedule is also checked to attend every page once (the last one with its
+valid slots) and the output against float64 attention with the bf16 bound, shown to bite. Eviction is
+checked against the predictor's own scores; a missing cross-stream wait is shown to change results on the
+emulator. Both stores run everything; files go to tmp_path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import conftest
+import hss.predictor as hp
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.reference import attention as ref
+from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims, StepRecord, StoreError, StoreIOError, layer_path
+from helpers import BF16, assert_bites, assert_close, download, upload
+
+ON_GPU = conftest.ON_GPU
+LAYER_STEPS = (0, 0, 1, 0, 1) * (4 if ON_GPU else 1)   # the e2e test's steps (layer of each): more on a GPU
+SEED = 0xCAFE_F00D
+ORIGINAL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)   # high_speed_swap_e2e.rs
+STORES = [("host", None), ("file", None), ("file", False)]
+STORE_IDS = ["host", "file-auto", "file-buffered"]
+
+
+def randn(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    x = (rng.standard_normal(shape) * std).astype(np.float32).astype(BF16)
+    x[x == 0] = BF16(std)
+    return x
+
+
+class Setup:
+    """A HighSpeedSwap plus the host truth: k, v bf16 [layers, max_blocks, bs, nkv, hd] of every offloaded page."""
+
+    def __init__(self, ctx, tmp_path, rng, store: str, direct=None, *, layers: int = 1, max_blocks: int = 40,
+                 resident_blocks: int = 8, tile: int = 2, dims: dict = ORIGINAL, rank: int = 32) -> None:
+        self.ctx, self.stream, self.rng = ctx, ctx.stream, rng
+        self.cfg = HighSpeedSwapConfig(tmp_path / f"kv-{store}", 1 << 36, resident_blocks, rank, 2, False, SEED,
+                                       store=store, stream_tile_blocks=tile, direct=direct)
+        self.model = ModelDims(layers, max_blocks, **dims)
+        self.h = HighSpeedSwap(ctx, self.cfg, self.model)
+        d = self.model
+        shape = (layers, max_blocks, d.block_size, d.num_kv_heads, d.head_dim)
+        self.k = np.full(shape, np.nan, dtype=BF16)
+        self.v = np.full(shape, np.nan, dtype=BF16)
+        self.std = 1.0 / np.sqrt(d.head_dim)
+        self.out = cm.DeviceBuffer(2 * d.num_q_heads * d.head_dim)
+
+    def offload(self, layer: int, blocks: list[int], predict: bool = True, k: np.ndarray | None = None) -> None:
+        """Offload fresh random pages (or K = ``k`` for all of them)."""
+        d = self.model
+        page = (d.block_size, d.num_kv_heads, d.head_dim)
+        for b in blocks:
+            self.k[layer, b] = randn(self.rng, page, self.std) if k is None else k
+            self.v[layer, b] = randn(self.rng, page, 1.0)
+            if predict:
+                kdev = upload(self.k[layer, b], self.stream)
+                self.h.offload_block(self.ctx, layer, b, kdev, self.k[layer, b], self.v[layer, b])
+                cm.stream_sync(self.stream)
+                kdev.close()
+            else:
+                self.h.offload_block_no_predict_on_stream(self.stream, layer, b, self.k[layer, b], self.v[layer, b])
+
+    def query(self) -> tuple[np.ndarray, cm.DeviceBuffer]:
+        d = self.model
+        q = randn(self.rng, (d.num_q_heads, d.head_dim), 1.0)
+        return q, upload(q, self.stream)
+
+    def step(self, layer: int, ids: list[int], q_dev, **kw) -> tuple[StepRecord, np.ndarray]:
+        rec = self.h.attend_layer(self.ctx, layer, ids, q_dev, self.out, **kw)
+        d = self.model
+        return rec, download(self.out, (d.num_q_heads, d.head_dim), BF16, self.stream)
+
+    def close(self) -> None:
+        self.out.close()
+        self.h.close()
+
+
+def replay(s: Setup, layer: int, rec: StepRecord, q_dev) -> np.ndarray:
+    """In-HBM tiled attention over an NHD pool indexed by block id, with ``rec``'s tiles and valid slots."""
+    d = s.model
+    cap = max([len(t.block_ids) for t in rec.tiles] + [1])
+    keep = [upload(s.k[layer], s.stream), upload(s.v[layer], s.stream)]
+    out = cm.DeviceBuffer(2 * d.num_q_heads * d.head_dim)
+    with TiledAttention(s.ctx, TiledAttentionDims(1, d.num_q_heads, d.num_kv_heads, d.head_dim, d.block_size,
+                                                  cap)) as ta:
+        ta.begin_step(s.stream, 1)
+        for tile in rec.tiles:
+            blocks = np.zeros(cap, np.int32)
+            blocks[:len(tile.block_ids)] = tile.block_ids
+            keep += [upload(blocks, s.stream), upload(np.array([len(tile.block_ids)], np.int32), s.stream)]
+            ta.step_tile(s.stream, q_dev, keep[0], keep[1], keep[-2], keep[-1], 1, *ta.paged_strides(),
+                         tile.last_block_valid_slots)
+        ta.finalize(s.stream, out, 1)
+        got = download(out, (d.num_q_heads, d.head_dim), BF16, s.stream)
+    for b in keep + [out]:
+        b.close()
+    return got
+
+
+def check_step(s: Setup, layer: int, ids: list[int], q: np.ndarray, q_dev, rec: StepRecord, got: np.ndarray,
+               lbvs: int, what: str) -> None:
+    """Bitwise = the replay; every page once, the last one last in its tile with ``lbvs``; float64 bound."""
+    bs = s.model.block_size
+    flat = [b for t in rec.tiles for b in t.block_ids]
+    assert sorted(flat) == sorted(ids), f"{what}: the schedule must attend every page exactly once"
+    for t in rec.tiles:
+        if ids and ids[-1] in t.block_ids:
+            assert t.block_ids[-1] == ids[-1] and t.last_block_valid_slots == lbvs, what
+        else:
+            assert t.last_block_valid_slots == bs, what
+        assert len(t.slots) == len(t.block_ids) <= max(s.h.resident_capacity, s.h.tile_blocks)
+    assert [t.streamed for t in rec.tiles] == sorted(t.streamed for t in rec.tiles), "resident tile goes first"
+    assert set(rec.hits) | set(rec.misses) == set(ids) and not set(rec.hits) & set(rec.misses)
+    want_bits = replay(s, layer, rec, q_dev)
+    assert np.array_equal(got.view(np.uint16), want_bits.view(np.uint16)), \
+        f"{what}: streamed output differs from in-HBM tiled attention over the same schedule"
+    keep = [bs] * len(ids)
+    if ids:
+        keep[-1] = min(max(lbvs, 0), bs)
+    kt = np.concatenate([s.k[layer, b, :n] for b, n in zip(ids, keep)]) if ids else s.k[layer, :0, 0]
+    vt = np.concatenate([s.v[layer, b, :n] for b, n in zip(ids, keep)]) if ids else s.v[layer, :0, 0]
+    want = ref.attention(q, kt, vt)
+    assert_close(got, want, "bf16", (1,), what)
+    if len(kt) > 1:
+        drop = int(np.argmax(ref.logits(q, kt)[:, 0]))
+        assert_bites(got, ref.attention(q, np.delete(kt, drop, 0), np.delete(vt, drop, 0)), "bf16", (1,), what)
+
+
+# -- config ------------------------------------------------------------------------------------
+def test_config_and_dims_validation(tmp_path) -> None:
+    good = HighSpeedSwapConfig(tmp_path / "a" / "b", 1 << 20, 8, 32, 4, False, 7)
+    good.validate()
+    assert (good.tile_blocks, good.resident_capacity) == (2, 4)
+    assert good.validate_and_prepare() == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
+    assert replace(good, stream_tile_blocks=4).resident_capacity == 0
+    for change, err, words in [
+        (dict(bytes=0), HssError, r"bytes must be >= 1"), (dict(resident_blocks=0), HssError, "resident_blocks"),
+        (dict(rank=0), HssError, r"rank must be in 1..128 \(got 0\)"), (dict(rank=129), HssError, "rank"),
+        (dict(qd=65), HssError, r"qd must be in 1..64"), (dict(qd=0), HssError, "qd"),
+        (dict(projection_seed=2**64), HssError, "projection_seed"), (dict(projection_seed=-1), HssError, "seed"),
+        (dict(graph=1), TypeError, "graph must be a bool"), (dict(dir=""), HssError, "dir must be a non-empty"),
+        (dict(store="disk"), HssError, r"store must be one of \('file', 'host'\)"),
+        (dict(direct="auto"), TypeError, "direct"), (dict(rank=3.0), TypeError, "rank must be an int"),
+        (dict(stream_tile_blocks=5), HssError, r"stream_tile_blocks \(5\) must be in 1..resident_blocks // 2 \(4\)"),
+        (dict(stream_tile_blocks=0), HssError, "stream_tile_blocks"),
+        (dict(resident_blocks=1), HssError, r"stream_tile_blocks \(1\) must be in 1..resident_blocks // 2 \(0\)")]:
+        with pytest.raises(err, match=words):
+            replace(good, **change).validate()
+    dims = ModelDims(2, 64, 32, 8, 128, 16, model_fp="x")
+    dims.validate()
+    for change, err, words in [
+        (dict(num_kv_heads=6), HssError, r"num_q_heads \(32\) must be a multiple of num_kv_heads \(6\)"),
+        (dict(head_dim=257), HssError, r"head_dim must be in 1..256"), (dict(block_size=65536), HssError, "block_size"),
+        (dict(num_layers=0), HssError, "num_layers"), (dict(max_blocks_per_layer=2**31), HssError, "max_blocks"),
+        (dict(model_fp=3), TypeError, "model_fp"), (dict(head_dim=True), TypeError, "head_dim")]:
+        with pytest.raises(err, match=words):
+            replace(dims, **change).validate()
+
+
+def test_construction_errors(ctx, tmp_path) -> None:
+    cfg = HighSpeedSwapConfig(tmp_path, 1000, 8, 32, 1, False, 1)
+    with pytest.raises(HssError, match=r"the backing store needs 1048576 bytes \(2 layers x 8 pages x 65536 bytes\) "
+                                       r"but HighSpeedSwapConfig.bytes is 1000"):
+        HighSpeedSwap(ctx, cfg, ModelDims(2, 8, 32, 8, 128, 16))
+    with pytest.raises(TypeError, match="new_on_stream takes a stream"):
+        HighSpeedSwap(ctx.stream, cfg, ModelDims(2, 8, 32, 8, 128, 16))
+    with pytest.raises(TypeError, match="cfg must be a HighSpeedSwapConfig"):
+        HighSpeedSwap(ctx, dataclasses.asdict(cfg), ModelDims(2, 8, 32, 8, 128, 16))
+
+
+# -- streamed == in-HBM ------------------------------------------------------------------------
+@pytest.mark.parametrize("store,direct", STORES, ids=STORE_IDS)
+def test_streamed_equals_in_hbm_with_forced_eviction(ctx, tmp_path, rng, store: str, direct) -> None:
+    """The original's e2e (32 pages, 8 scratch slots, forced eviction), two layers sharing the pool."""
+    s = Setup(ctx, tmp_path, rng, store, direct, layers=2)
+    ids = [s.h.alloc_disk_block() for _ in range(32)]
+    order = [int(i) for i in rng.permutation(ids)]          # token order need not follow id order
+    for layer in (0, 1):
+        s.offload(layer, ids)
+    evictions = 0
+    for n, layer in enumerate(LAYER_STEPS):
+        q, q_dev = s.query()
+        rec, got = s.step(layer, order, q_dev)
+        check_step(s, layer, order, q, q_dev, rec, got, 16, f"{store} step {n} (layer {layer})")
+        assert len(rec.misses) >= 32 - s.h.resident_capacity and len(rec.promoted) <= s.h.resident_capacity
+        assert all(s.h.pool.key_of(slot) == (layer, b) or (layer, b) not in s.h.pool.residents()
+                   for b, slot in rec.promoted)
+        evictions += len(rec.evicted)
+        q_dev.close()
+    assert evictions > 0, "the test must force evictions"
+    diag = s.h.diagnostic_summary()
+    steps = len(LAYER_STEPS)
+    assert diag.steps == steps and diag.hits + diag.misses == steps * 32 and diag.evictions == evictions
+    assert diag.bytes_read == diag.misses * s.h.layout.block_bytes and diag.resident_pages == 4
+    assert diag.read_stall_ms >= 0 and diag.host_read_ms > 0 and diag.score_wait_ms > 0
+    assert diag.store.startswith(store) and diag.scratch_pool_resident == 8 and diag.scratch_pool_free == 0
+    assert (diag.num_layers, diag.active_disk_blocks, diag.disk_block_capacity) == (2, 32, 40)
+    assert 0 < diag.hit_rate < 1
+    s.close()
+
+
+@pytest.mark.parametrize("store", ["host", "file"])
+def test_eviction_follows_predictor_scores(ctx, tmp_path, rng, store: str) -> None:
+    """Cold step: the best-scoring pages fill the resident set. Next query: lower-scoring residents are
+    evicted lowest first, each for a streamed page scoring at least as high, until the set is the top pages."""
+    s = Setup(ctx, tmp_path, rng, store, resident_blocks=12, tile=2, max_blocks=24)     # 8 resident slots
+    ids = list(range(20))
+    s.offload(0, ids)
+    R = s.h.resident_capacity
+    q1, q1_dev = s.query()
+    rec1, _ = s.step(0, ids, q1_dev)
+    # the scores are the predictor's own: the same kernels run directly give the same bits
+    q_proj, scores = cm.DeviceBuffer(2 * 32 * 32), cm.DeviceBuffer(4 * 20)
+    s.h.predictor.project_q_on_stream(s.stream, q1_dev, q_proj)
+    s.h.predictor.score_layer_on_stream(s.stream, q_proj, 0, 0, 20, scores)
+    direct = download(scores, 20, np.float32, s.stream)
+    assert [rec1.scores[b] for b in ids] == direct.tolist() and len(set(direct.tolist())) == 20
+    top = sorted(ids, key=lambda b: -rec1.scores[b])[:R]
+    assert rec1.hits == () and set(b for b, _ in rec1.promoted) == set(top) and rec1.evicted == ()
+    assert set(p for _, p in s.h.pool.residents()) == set(top)
+    total = 0
+    for _ in range(4):
+        q, q_dev = s.query()
+        before = {p: s.h.eviction.last_score[slot] for (_, p), slot in s.h.pool.residents().items()}
+        rec, got = s.step(0, ids, q_dev)
+        check_step(s, 0, ids, q, q_dev, rec, got, 16, "eviction step")
+        sc = rec.scores
+        assert set(rec.hits) == set(before)
+        evicted = [page for (_, page), _ in rec.evicted]
+        assert [sc[p] for p in evicted] == sorted(sc[p] for p in evicted), "lowest score evicted first"
+        for (page, slot), (old, _) in zip(rec.promoted, rec.evicted):
+            assert sc[old[1]] <= sc[page]
+        resident = set(p for _, p in s.h.pool.residents())
+        assert resident == set(sorted(ids, key=lambda b: -sc[b])[:R]), "the resident set is the top-scoring pages"
+        total += len(evicted)
+        q_dev.close()
+    assert total > 0
+    for b in (q1_dev, q_proj, scores):
+        b.close()
+    s.close()
+
+
+@pytest.mark.parametrize("last", ["streamed", "resident"])
+@pytest.mark.parametrize("store", ["host", "file"])
+def test_partial_last_page(ctx, tmp_path, rng, store: str, last: str) -> None:
+    """The last page's valid slots, whether it streams (scored lowest: never resident) or is resident (scored
+    highest: promoted on the first step); any other page's position in its tile gets full pages."""
+    s = Setup(ctx, tmp_path, rng, store, resident_blocks=8, tile=1, max_blocks=12,
+              dims=dict(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16))
+    ids = [7, 2, 9, 0, 4, 11, 5]
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    # the predictor scores max over q heads and tokens: K along the sum of each kv head's queries ranks page 5
+    # first; K a thousand times smaller than the other pages' ranks it last
+    if last == "resident":
+        k5 = (0.25 * q.astype(np.float32).reshape(2, 4, 128).sum(1))[None].repeat(16, 0).astype(BF16)
+    else:
+        k5 = randn(rng, (16, 2, 128), 1e-3 * s.std)
+    s.offload(0, [5], k=k5)
+    for n, (kw, lbvs) in enumerate([(dict(q_pos=6 * 16 + 4), 5), (dict(q_pos=6 * 16 + 4), 5),
+                                    (dict(last_block_valid_slots=16), 16), (dict(last_block_valid_slots=1), 1),
+                                    (dict(last_block_valid_slots=0), 0), (dict(last_block_valid_slots=-2), -2),
+                                    (dict(q_pos=15, last_block_valid_slots=16), 16), (dict(), 16)]):
+        rec, got = s.step(0, ids, q_dev, **kw)
+        assert (5 in rec.hits) == (last == "resident" and n > 0)
+        check_step(s, 0, ids, q, q_dev, rec, got, lbvs, f"{kw} (last page {last})")
+    q_dev.close()
+    s.close()
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 64)])
+@pytest.mark.parametrize("store", ["host", "file"])
+def test_padded_stripes(ctx, tmp_path, rng, store: str, block_size: int, head_dim: int) -> None:
+    """2 KiB stripes padded to 4 KiB in the stores and in the scratch: the kernel's strides follow."""
+    s = Setup(ctx, tmp_path, rng, store, resident_blocks=7, tile=2, max_blocks=16,
+              dims=dict(num_q_heads=8, num_kv_heads=4, head_dim=head_dim, block_size=block_size))
+    assert s.h.layout.group_bytes == 2048 and s.h.layout.group_stride == 4096
+    ids = [3, 1, 4, 15, 9, 2, 6, 5, 8]
+    s.offload(0, ids)
+    for _ in range(2):
+        q, q_dev = s.query()
+        rec, got = s.step(0, ids, q_dev, q_pos=8 * block_size + 2)
+        check_step(s, 0, ids, q, q_dev, rec, got, 3, f"bs {block_size} hd {head_dim}")
+        q_dev.close()
+    s.close()
+
+
+@pytest.mark.emulator
+def test_a_missing_cross_stream_wait_changes_results(ctx, tmp_path, rng, monkeypatch) -> None:
+    """Without the events between the copy stream and the attention stream the emulator (which runs a
+    stream's work only when something waits for it) attends pages that were never loaded."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=2, max_blocks=10,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = list(range(8))
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    rec, got = s.step(0, ids, q_dev)
+    check_step(s, 0, ids, q, q_dev, rec, got, 16, "with the waits")
+    monkeypatch.setattr(cm, "stream_wait_event", lambda stream, event: None)
+    rec, got = s.step(0, ids, q_dev)
+    assert not np.array_equal(got.view(np.uint16), replay(s, 0, rec, q_dev).view(np.uint16))
+    monkeypatch.undo()
+    s.close()
+
+
+# -- offload, ids, errors ----------------------------------------------------------------------
+@pytest.mark.parametrize("store", ["host", "file"])
+def test_reoffload_and_freed_ids_never_serve_stale_pages(ctx, tmp_path, rng, store: str) -> None:
+    s = Setup(ctx, tmp_path, rng, store, resident_blocks=6, tile=1, max_blocks=8,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = [s.h.alloc_disk_block() for _ in range(6)]
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    rec, _ = s.step(0, ids, q_dev)
+    resident = [b for b, _ in rec.promoted]
+    s.offload(0, resident[:1])                            # new data for a resident page: it must be re-read
+    rec, got = s.step(0, ids, q_dev)
+    assert resident[0] in rec.misses
+    check_step(s, 0, ids, q, q_dev, rec, got, 16, "after re-offload")
+    s.offload(0, ids[:2], predict=False)                  # no projection: stale scores, data still exact
+    rec, got = s.step(0, ids, q_dev)
+    check_step(s, 0, ids, q, q_dev, rec, got, 16, "no-predict offload")
+    victim = resident[1]
+    s.h.inc_ref(victim)
+    assert s.h.dec_ref(victim) is False and s.h.dec_ref(victim) is True
+    assert (0, victim) not in s.h.pool.residents() and s.h.disk_free_count() == 3
+    with pytest.raises(StoreError, match=rf"layer 0 blocks \[{victim}\] were never offloaded"):
+        s.step(0, ids, q_dev)
+    assert s.h.alloc_disk_block() == victim
+    s.offload(0, [victim])
+    rec, got = s.step(0, ids, q_dev)
+    check_step(s, 0, ids, q, q_dev, rec, got, 16, "recycled id")
+    rec, got = s.step(0, [], q_dev)                       # no pages: l == 0, the output is 0
+    assert rec.tiles == () and not got.view(np.uint16).any()
+    s.close()
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_a_read_error_mid_step_names_the_page_and_the_swap_recovers(ctx, tmp_path, rng, direct) -> None:
+    """A layer file truncated under the store: the step fails at the first page it cannot read (after earlier
+    tiles were queued); the pool keeps only pages whose copies were queued; rewriting the pages heals it."""
+    s = Setup(ctx, tmp_path, rng, "file", direct, resident_blocks=6, tile=2, max_blocks=16,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = list(range(12))
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    os.truncate(layer_path(s.cfg.dir, 0), 9 * s.h.layout.block_bytes + 5000)
+    with pytest.raises(StoreIOError, match=r"layer 0 page 9 \(K stripe of kv_head 1\): short read"):
+        s.step(0, ids, q_dev)
+    for (layer, page), slot in s.h.pool.residents().items():       # promoted pages were all readable
+        assert page < 9 and s.h.pool.lookup((layer, page)) == slot
+    s.offload(0, ids)                                               # pwrite extends the file again
+    for _ in range(2):
+        rec, got = s.step(0, ids, q_dev)
+        check_step(s, 0, ids, q, q_dev, rec, got, 16, "after the read error")
+    assert s.h.diagnostic_summary().steps == 2
+    q_dev.close()
+    s.close()
+
+
+def test_argument_errors_queue_nothing(ctx, tmp_path, rng, monkeypatch) -> None:
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=4, tile=1, max_blocks=8,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    s.offload(0, [0, 1, 2])
+    q, q_dev = s.query()
+    launched: list = []
+    for module in (cm, hp):              # TiledAttention launches through cm, the Predictor through its import
+        monkeypatch.setattr(module, "launch_kernel", lambda func, *a: launched.append(func))
+    small = cm.DeviceBuffer(64)
+    for call, err, words in [
+        (lambda: s.step(0, [0, 1, 0, 2, 1], q_dev), HssError, r"seq_block_ids repeats block ids \[0, 1\]"),
+        (lambda: s.step(0, [0, 8], q_dev), HssError, r"seq_block_ids holds \[8\], out of range 0..7"),
+        (lambda: s.step(0, [[0, 1]], q_dev), HssError, "1-D"),
+        (lambda: s.step(0, [0.0], q_dev), TypeError, "seq_block_ids must hold ints"),
+        (lambda: s.step(1, [0], q_dev), HssError, "layer 1 is out of range: the model has 1 layers"),
+        (lambda: s.step(0, [0, 3], q_dev), StoreError, r"layer 0 blocks \[3\] were never offloaded"),
+        (lambda: s.step(0, [0], q_dev, q_pos=3, last_block_valid_slots=3),
+         HssError, r"last_block_valid_slots \(3\) disagrees with q_pos 3 .* = 4"),
+        (lambda: s.step(0, [0], q_dev, q_pos=-1), HssError, "q_pos must be >= 0"),
+        (lambda: s.step(0, [0], q_dev, last_block_valid_slots=2**31), HssError, "int32"),
+        (lambda: s.step(0, [0], small), HssError, "q_dev holds 64 bytes but 512 are needed"),
+        (lambda: s.h.attend_layer(ctx, 0, [0], q_dev, 0), HssError, "out_dev is a null pointer"),
+        (lambda: s.h.offload_block(ctx, 0, 3, q_dev, s.k[0, 0], s.v[0, 0, :8]), HssError, "v_host holds 2048 bytes"),
+        (lambda: s.h.offload_block(ctx, 0, 8, q_dev, s.k[0, 0], s.v[0, 0]), HssError, r"block 8 is out of range 0..7"),
+        (lambda: s.h.offload_block(ctx, -1, 0, q_dev, s.k[0, 0], s.v[0, 0]), HssError, "layer -1")]:
+        with pytest.raises(err, match=words):
+            call()
+    assert launched == [] and not s.h.store.page_valid(0, 3)
+    kpage = upload(s.k[0, 0], s.stream)
+    s.h.offload_block(ctx, 0, 3, kpage, s.k[0, 0], s.v[0, 0])          # the control: a good call launches
+    assert [getattr(f, "name", f) for f in launched] == ["kv_lowrank_project"] and s.h.store.page_valid(0, 3)
+    monkeypatch.undo()
+    kpage.close()
+    assert s.h.diagnostic_summary().steps == 0
+    s.h.attend_layer_on_stream_with_q_pos(s.stream, 0, [2, 0], q_dev, s.out, 7)
+    assert s.h.last_step.tiles[-1].last_block_valid_slots == 7 and s.h.last_step.tiles[-1].block_ids[-1] == 0
+    assert "resident" in repr(s.h)
+    s.close()
+    s.h.close()
+    assert s.h.closed and repr(s.h) == "HighSpeedSwap(closed)"
+    with pytest.raises(HssError, match="this HighSpeedSwap is closed"):
+        s.h.attend_layer(ctx, 0, [0], q_dev, small)
+    for b in (small, q_dev):
+        b.close()
+
+
+def test_new_on_stream_and_no_resident_set(ctx, tmp_path, rng) -> None:
+    """The original's constructor; with resident_blocks = 2*T every page streams."""
+    s = Setup(ctx, tmp_path, rng, "file", resident_blocks=4, tile=2, max_blocks=8,
+              dims=dict(num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=16))
+    s.h.close()
+    s.h = HighSpeedSwap.new_on_stream(ctx.stream, s.cfg, s.model)
+    assert s.h.resident_capacity == 0
+    ids = [4, 0, 6, 1, 7]
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    for _ in range(2):
+        rec, got = s.step(0, ids, q_dev, q_pos=4 * 16 + 9)
+        assert rec.hits == () and rec.promoted == () and all(t.streamed for t in rec.tiles)
+        check_step(s, 0, ids, q, q_dev, rec, got, 10, "stream only")
+    q_dev.close()
+    s.close()

@@ -1,0 +1,235 @@
+"""Tests for hss.swap.layout, .eviction, .pool and the disk block-id allocator (SPEC §7.1, §7.4, §7.5, §8.4).
+
+Pure host logic (layouts, rankings, free lists, refcounts) is checked against hand-computed values and,
+for the ranking, a brute-force comparator; the scratch pool's device addressing is checked against
+TiledAttention's strides, padded stripes included.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hss._driver import HssError
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.swap import DiskBlockAllocator, EvictionPolicy, GroupLayout, PoolExhausted, ScratchPool
+from helpers import BF16
+
+LLAMA = GroupLayout(num_blocks=64, num_kv_heads=8, block_size=16, head_dim=128)
+
+
+# -- GroupLayout -------------------------------------------------------------------------------
+def test_layout_sizes_and_offsets() -> None:
+    g = LLAMA
+    assert (g.group_bytes, g.group_stride, g.block_bytes) == (4096, 4096, 65536)
+    assert g.bytes_per_layer == 2 * 64 * 8 * 4096 and g.groups_per_layer == 64 * 16
+    assert g.group_offset(0, 0, 0) == 0
+    assert g.group_offset(3, 1, 5) == 3 * 65536 + 1 * 8 * 4096 + 5 * 4096
+    assert g.page_offset(7) == 7 * 65536
+    assert g.group_id(2, 3, 1, 5) == 2 * 1024 + 3 * 16 + 8 + 5
+    assert g.locate(0) == (0, 0) and g.locate(8 * 4096 + 4095) == (1, 0) and g.locate(65535) == (1, 7)
+    padded = GroupLayout(num_blocks=4, num_kv_heads=2, block_size=8, head_dim=128)     # 2 KiB stripes
+    assert (padded.group_bytes, padded.group_stride, padded.block_bytes) == (2048, 4096, 16384)
+    assert padded.group_offset(1, 1, 1) == 16384 + 2 * 4096 + 4096
+    odd = GroupLayout(num_blocks=1, num_kv_heads=1, block_size=3, head_dim=96, fs_block_size=512)
+    assert odd.group_bytes == 576 and odd.group_stride == 1024
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda: LLAMA.group_offset(64, 0, 0), r"page 64 is out of range"),
+    (lambda: LLAMA.group_offset(0, 2, 0), r"kind 2 must be 0 \(K\) or 1 \(V\)"),
+    (lambda: LLAMA.group_offset(0, 0, 8), r"kv_head 8 is out of range 0..7"),
+    (lambda: LLAMA.group_id(-1, 0, 0, 0), "layer must be >= 0"),
+    (lambda: LLAMA.locate(65536), "outside a 65536-byte page"),
+    (lambda: GroupLayout(0, 1, 1, 1), r"num_blocks must be >= 1"),
+    (lambda: GroupLayout(1, 1, 1, 1, fs_block_size=3000), "power of two")])
+def test_layout_errors(call, words: str) -> None:
+    with pytest.raises(HssError, match=words):
+        call()
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        GroupLayout(1, 1, 16.0, 1)
+
+
+def test_pack_page_layout_and_round_trip(rng) -> None:
+    g = GroupLayout(num_blocks=2, num_kv_heads=3, block_size=8, head_dim=64)    # 1 KiB stripes padded to 4 KiB
+    k = rng.standard_normal((8, 3, 64)).astype(np.float32).astype(BF16)
+    v = rng.standard_normal((8, 3, 64)).astype(np.float32).astype(BF16)
+    img = g.pack_page(k, v)
+    assert img.dtype == np.uint8 and img.nbytes == g.block_bytes
+    for kind, src in ((0, k), (1, v)):
+        for h in range(3):
+            at = g.group_offset(0, kind, h)
+            assert img[at:at + g.group_bytes].tobytes() == np.ascontiguousarray(src[:, h, :]).tobytes()
+            assert not img[at + g.group_bytes:at + g.group_stride].any(), "padding must be zero"
+    k2, v2 = g.unpack_page(img)
+    assert np.array_equal(k2.view(np.uint16), k.view(np.uint16))
+    assert np.array_equal(v2.view(np.uint16), v.view(np.uint16))
+    assert np.array_equal(g.pack_page(k.tobytes(), v.view(np.uint16)), img)      # bytes and uint16 views work too
+    with pytest.raises(HssError, match=r"k_host holds 3070 bytes but one page is .* = 3072 bytes "
+                                       r"\(\[tok, kv_head, dim\]\)"):
+        g.pack_page(k.reshape(-1)[:-1], v)
+    with pytest.raises(HssError, match="v_host must be C-contiguous"):
+        g.pack_page(k, np.asfortranarray(v.reshape(8, 192)))
+    with pytest.raises(TypeError, match="bytes-like"):
+        g.pack_page(k, 3.0)
+    with pytest.raises(HssError, match="a page image is 24576 bytes"):
+        g.unpack_page(img[:-1])
+
+
+# -- EvictionPolicy ----------------------------------------------------------------------------
+def policy(scores: list[float], accesses: list[int]) -> EvictionPolicy:
+    p = EvictionPolicy(len(scores))
+    p.last_score[:] = scores
+    p.last_access[:] = accesses
+    return p
+
+
+def test_rank_lowest_score_first_then_least_recent_then_slot() -> None:
+    p = policy([3.0, 1.0, 2.0, 1.0, 1.0], [5, 9, 1, 2, 2])
+    assert p.rank().tolist() == [3, 4, 1, 2, 0]
+    assert p.rank([3, 0]).tolist() == [4, 1, 2]                 # pinned slots are never candidates
+    assert p.rank(range(5)).tolist() == []
+    fresh = EvictionPolicy(3)                                   # -inf scores, access 0: slot order
+    assert fresh.rank().tolist() == [0, 1, 2]
+    assert EvictionPolicy(0).rank().tolist() == []
+
+
+def test_rank_nan_compares_equal_so_recency_places_it() -> None:
+    nan = float("nan")
+    # an old NaN goes before every more recent slot; a recent NaN after every older one
+    assert policy([1.0, nan, 3.0], [3, 1, 2]).rank().tolist() == [1, 0, 2]
+    assert policy([1.0, nan, 3.0], [1, 3, 2]).rank().tolist() == [0, 2, 1]
+    assert policy([nan, nan, 0.5], [7, 2, 5]).rank().tolist() == [1, 2, 0]
+    assert policy([nan, nan], [4, 4]).rank().tolist() == [0, 1]
+    # scores stay ordered among themselves whatever the NaNs do: a non-transitive comparator gets a fixed answer
+    assert policy([1.0, nan, 2.0], [3, 2, 1]).rank().tolist() == [1, 0, 2]
+    assert EvictionPolicy.yields_to(nan, 0.0) and EvictionPolicy.yields_to(0.0, nan)
+    assert EvictionPolicy.yields_to(1.0, 1.0) and EvictionPolicy.yields_to(1.0, 2.0)
+    assert not EvictionPolicy.yields_to(2.0, 1.0) and EvictionPolicy.yields_to(float("-inf"), -1e30)
+
+
+@given(st.lists(st.tuples(st.sampled_from([-1.0, 0.0, 0.5, 2.0, float("-inf")]), st.integers(0, 6)),
+                min_size=0, max_size=12), st.data())
+def test_rank_matches_the_comparator_without_nan(slots: list, data) -> None:
+    scores, accesses = [s for s, _ in slots], [a for _, a in slots]
+    p = policy(scores, accesses)
+    pinned = data.draw(st.lists(st.integers(0, max(len(slots) - 1, 0)), max_size=3)) if slots else []
+    want = sorted((i for i in range(len(slots)) if i not in pinned), key=lambda i: (scores[i], accesses[i], i))
+    assert p.rank(pinned).tolist() == want
+
+
+def test_touch_record_reset_and_epoch_wrap() -> None:
+    p = EvictionPolicy(4)
+    p.touch(2)
+    p.touch_many([0, 3])
+    assert p.last_access.tolist() == [2, 0, 1, 3] and p.epoch == 4
+    p.record_score(1, 0.25)
+    p.record_scores([0, 3], [2.0, -1.0])
+    assert p.last_score.tolist() == [2.0, 0.25, float("-inf"), -1.0]
+    assert p.rank().tolist() == [2, 3, 1, 0]
+    p.epoch = 2**64 - 1
+    p.touch_many([1, 2])
+    assert p.last_access[1] == 2**64 - 1 and p.last_access[2] == 0 and p.epoch == 1
+    p.touch(0)
+    assert p.epoch == 2
+    p.reset()
+    assert p.epoch == 1 and (p.last_access == 0).all() and np.isneginf(p.last_score).all()
+    with pytest.raises(HssError, match=r"slot 4 is out of range 0..3"):
+        p.touch(4)
+    with pytest.raises(HssError, match="slots must be in 0..3"):
+        p.rank([9])
+    with pytest.raises(HssError, match="num_slots must be >= 0"):
+        EvictionPolicy(-1)
+
+
+# -- ScratchPool -------------------------------------------------------------------------------
+@pytest.fixture
+def pool(ctx):
+    p = ScratchPool(GroupLayout(num_blocks=10, num_kv_heads=2, block_size=4, head_dim=64), 5, num_layers=3,
+                    reserved_slots=1, ctx=ctx)
+    yield p
+    p.close()
+
+
+def test_pool_fifo_assign_evict_invalidate_clear(pool: ScratchPool) -> None:
+    assert pool.poolable_slots == 4 and pool.free_slots() == [0, 1, 2, 3] and pool.free_count == 4
+    assert [pool.assign((0, p)) for p in (5, 6, 7, 8)] == [0, 1, 2, 3]
+    assert pool.assign((0, 6)) == 1                              # resident: its own slot
+    assert pool.lookup((0, 6)) == 1 and pool.lookup((1, 6)) is None and pool.key_of(3) == (0, 8)
+    assert pool.lookup_many(0, np.array([8, 9, 5])).tolist() == [3, -1, 0]
+    assert pool.assign((1, 0), candidates=[2, 1]) == 2          # first resident candidate is evicted
+    assert pool.lookup((0, 7)) is None and pool.residents() == {(0, 5): 0, (0, 6): 1, (1, 0): 2, (0, 8): 3}
+    assert pool.invalidate((0, 5)) == 0 and pool.invalidate((0, 5)) is None
+    assert pool.invalidate((0, 8)) == 3
+    assert pool.free_slots() == [0, 3]                            # invalidated slots go to the BACK
+    assert pool.assign((2, 9)) == 0 and pool.resident_count == 3
+    assert pool.put((2, 1), 1) == (0, 6)                          # put evicts the occupant
+    assert pool.put((2, 2), 3) is None and pool.free_count == 0
+    assert pool.invalidate_page(1) == [1] and pool.free_slots() == [1]
+    pool.clear()
+    assert pool.free_slots() == [0, 1, 2, 3] and pool.residents() == {} and pool.lookup((2, 9)) is None
+
+
+def test_pool_exhaustion_and_errors(pool: ScratchPool) -> None:
+    for p in range(4):
+        pool.assign((0, p))
+    with pytest.raises(PoolExhausted, match="no slot available and no eviction candidate is resident.*"
+                                            "raise HighSpeedSwapConfig.resident_blocks"):
+        pool.assign((0, 9), candidates=[])
+    pool.invalidate((0, 1))
+    pool.assign((0, 9))
+    with pytest.raises(PoolExhausted, match="no slot available"):
+        pool.assign((1, 9), candidates=[4, 7])                   # the reserved slot and junk never qualify
+    with pytest.raises(HssError, match=r"key \(layer 3, page 0\) is out of range"):
+        pool.lookup((3, 0))
+    with pytest.raises(TypeError, match=r"a key is \(layer, page\)"):
+        pool.lookup(3)
+    with pytest.raises(HssError, match="slot 4 is not a poolable slot"):
+        pool.put((1, 1), 4)
+    with pytest.raises(HssError, match="already resident"):
+        pool.put((0, 9), 0)
+    with pytest.raises(HssError, match="reserved_slots"):
+        ScratchPool(pool.layout, 2, reserved_slots=3)
+    with pytest.raises(TypeError, match="GroupLayout"):
+        ScratchPool((1, 2), 2)
+
+
+def test_pool_addresses_follow_tiled_attention_strides(ctx, pool: ScratchPool) -> None:
+    g = pool.layout
+    assert pool.slot_bytes == g.block_bytes == 2 * 2 * 4096 and pool.buffer.bytes == 5 * g.block_bytes
+    assert pool.slot_ptr(4) == pool.ptr + 4 * g.block_bytes              # reserved slots are addressable
+    assert pool.stripe_ptr(2, 1, 1) == pool.ptr + 2 * g.block_bytes + 3 * 4096
+    with pytest.raises(HssError, match="slot 5 is out of range"):
+        pool.slot_ptr(5)
+    # 512-byte stripes padded to 4 KiB: the kernel's strides come from the real stride, not the stripe size
+    with TiledAttention(ctx, TiledAttentionDims(1, 4, 2, 64, 4, 3)) as ta:
+        k, v, blk, tok, kvh = pool.attention_operands(ta)
+        assert (blk, tok, kvh) == (2 * 2 * 2048, 64, 2048) and k == pool.ptr and v == pool.ptr + 2 * 4096
+        elem = lambda slot, kind, h, t, d: k + 2 * (slot * blk + t * tok + h * kvh + d) + kind * (v - k)  # noqa: E731
+        assert elem(3, 1, 1, 2, 5) == pool.stripe_ptr(3, 1, 1) + 2 * (2 * 64 + 5)
+    pool.close()
+    pool.close()
+    assert pool.closed
+
+
+# -- DiskBlockAllocator ------------------------------------------------------------------------
+def test_disk_block_allocator() -> None:
+    a = DiskBlockAllocator(3)
+    assert a.free_count == 3 and a.active == 0
+    assert [a.alloc(), a.alloc()] == [0, 1]
+    a.inc_ref(0)
+    assert a.refcount(0) == 2 and a.dec_ref(0) is False and a.refcount(0) == 1
+    assert a.dec_ref(0) is True and a.free == [0] and a.active == 1 and a.free_count == 2
+    assert a.dec_ref(0) is False and a.refcount(0) == 0 and a.free == [0]   # saturates, no double free
+    with pytest.raises(HssError, match="inc_ref of disk block id 0, which is free"):
+        a.inc_ref(0)
+    with pytest.raises(HssError, match="disk block id 2 was never allocated"):
+        a.inc_ref(2)
+    assert a.dec_ref(1) is True and a.free == [0, 1]
+    assert [a.alloc(), a.alloc(), a.alloc(), a.alloc()] == [1, 0, 2, None]   # LIFO reuse, then the tail, then None
+    assert a.free_count == 0 and a.active == 3
+    assert DiskBlockAllocator(0).alloc() is None
+    assert math.isclose(a.refcount(2), 1)

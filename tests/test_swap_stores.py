@@ -1,0 +1,261 @@
+"""Tests for hss.swap.stores (SPEC §7.1-7.3): file layout at the SPEC's offsets, O_DIRECT and buffered paths,
+reads into device memory (runs, bounce-ring reuse, a thread pool), the validity bitmap, short reads and I/O
+errors naming layer / page / kind, and the host store's write-after-queued-read guard.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from hss import cuda_min as cm
+from hss._driver import HssError
+from hss.swap import FileStore, GroupLayout, HostStore, StoreError, StoreIOError, layer_path
+from helpers import BF16, download
+
+LAYOUT = GroupLayout(num_blocks=12, num_kv_heads=2, block_size=8, head_dim=64)   # 1 KiB stripes padded to 4 KiB
+LAYERS = 2
+
+
+def images(rng: np.random.Generator, n: int, layout: GroupLayout = LAYOUT) -> list[np.ndarray]:
+    shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return [layout.pack_page(rng.standard_normal(shape).astype(np.float32).astype(BF16),
+                             rng.standard_normal(shape).astype(np.float32).astype(BF16)) for _ in range(n)]
+
+
+def make(kind: str, tmp_path, ctx, **kw):
+    if kind == "host":
+        return HostStore(LAYOUT, LAYERS, ctx=ctx)
+    return FileStore(tmp_path / "kv", LAYOUT, LAYERS, ctx=ctx, **kw)
+
+
+STORES = [("host", {}), ("file", dict(direct=True)), ("file", dict(direct=False)),
+          ("file", dict(direct=None, qd=4, bounce_pages=3)), ("file", dict(direct=False, bounce_pages=2, qd=2))]
+IDS = ["host", "file-direct", "file-buffered", "file-auto-qd4-ring3", "file-buffered-ring2"]
+
+
+def read_back(store, stream, layer: int, pages: list[int], order: list[int] | None = None) -> np.ndarray:
+    """Read ``pages`` into slots ``order`` (default 0..n-1) of a poisoned device buffer; return all slots."""
+    bb = store.layout.block_bytes
+    n = len(pages)
+    order = list(range(n)) if order is None else order
+    dev = cm.DeviceBuffer(bb * max(order + [0]) + bb)
+    cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+    got = store.read_pages(stream, layer, pages, [dev.ptr + bb * o for o in order])
+    assert got == n * bb
+    out = download(dev, (dev.bytes // bb, bb), np.uint8, stream)
+    dev.close()
+    return out
+
+
+@pytest.mark.parametrize("kind,kw", STORES, ids=IDS)
+def test_round_trip_into_device(ctx, stream, rng, tmp_path, kind: str, kw: dict) -> None:
+    imgs = images(rng, 2 * 12)
+    with make(kind, tmp_path, ctx, **kw) as store:
+        for layer in range(LAYERS):
+            for page in range(12):
+                store.write_page(layer, page, imgs[layer * 12 + page])
+        pages = [3, 4, 5, 6, 0, 11, 10, 7, 8, 9]        # runs, a backward step, more pages than any bounce ring
+        out = read_back(store, stream, 1, pages)
+        for i, p in enumerate(pages):
+            assert np.array_equal(out[i], imgs[12 + p]), f"slot {i} (page {p})"
+        out = read_back(store, stream, 0, [2, 3, 4], order=[4, 0, 1])   # consecutive pages, scattered slots
+        assert [np.array_equal(out[o], imgs[p]) for o, p in ((4, 2), (0, 3), (1, 4))] == [True] * 3
+        assert (out[2:4] == 0xAB).all(), "slots that were not read must keep their poison"
+        for _ in range(3):                               # the ring is reused across calls
+            out = read_back(store, stream, 0, [1, 0])
+            assert np.array_equal(out[0], imgs[1]) and np.array_equal(out[1], imgs[0])
+        assert store.read_pages(stream, 0, [], []) == 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_file_layout_at_spec_offsets(ctx, stream, rng, tmp_path, direct: bool) -> None:
+    g = GroupLayout(num_blocks=5, num_kv_heads=3, block_size=16, head_dim=128)    # 4 KiB stripes, no padding
+    shape = (16, 3, 128)
+    k = rng.standard_normal(shape).astype(np.float32).astype(BF16)
+    v = rng.standard_normal(shape).astype(np.float32).astype(BF16)
+    with FileStore(tmp_path, g, 3, direct=direct, ctx=ctx) as store:
+        assert store.direct is direct
+        for layer in range(3):
+            path = layer_path(tmp_path, layer)
+            assert path.name == f"layer_{layer:05}.kv" and store.path(layer) == path
+            assert path.stat().st_size == g.bytes_per_layer == 2 * 5 * 3 * 4096        # preallocated
+        store.write_page(2, 3, g.pack_page(k, v))
+        group = b"\x5a" * g.group_bytes
+        store.write_group(1, 4, 1, 2, group)
+    raw = layer_path(tmp_path, 2).read_bytes()
+    for kind, src in ((0, k), (1, v)):
+        for h in range(3):
+            at = 3 * (2 * 3 * 4096) + kind * (3 * 4096) + h * 4096                    # SPEC §7.1
+            assert raw[at:at + 4096] == np.ascontiguousarray(src[:, h, :]).tobytes()
+    raw1 = layer_path(tmp_path, 1).read_bytes()
+    at = g.group_offset(4, 1, 2)
+    assert at == 4 * 24576 + 12288 + 8192 and raw1[at:at + 4096] == group
+
+
+def test_direct_auto_falls_back_when_the_filesystem_refuses(ctx, stream, rng, tmp_path, monkeypatch) -> None:
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(HssError, match=r"refuses O_DIRECT \(Invalid argument\); pass direct=False"):
+        FileStore(tmp_path / "a", LAYOUT, 2, direct=True, ctx=ctx)
+    with FileStore(tmp_path / "b", LAYOUT, 2, ctx=ctx) as store:
+        assert store.direct is False
+        img = images(rng, 1)[0]
+        store.write_page(1, 5, img)
+        assert np.array_equal(read_back(store, stream, 1, [5])[0], img)
+    monkeypatch.undo()
+    real_preadv = os.preadv
+
+    def probe_refused(fd, bufs, offset):                 # accepted at open, refused at the first read
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "preadv", probe_refused)
+    store = FileStore(tmp_path / "c", LAYOUT, 1, ctx=ctx)
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    assert store.direct is False
+    store.close()
+
+
+def test_validity_bitmap(ctx, stream, rng, tmp_path, monkeypatch) -> None:
+    img = images(rng, 1)[0]
+    with FileStore(tmp_path, LAYOUT, LAYERS, direct=False, ctx=ctx) as store:
+        sink = cm.DeviceBuffer(LAYOUT.block_bytes)
+        with pytest.raises(StoreError, match=r"layer 0 pages \[3\] were never written"):
+            store.read_pages(stream, 0, [3], [sink.ptr])
+        g = LAYOUT.group_bytes
+        for kind in (0, 1):
+            for h in range(2):
+                assert not store.page_valid(0, 3)
+                at = LAYOUT.group_offset(0, kind, h)
+                store.write_group(0, 3, kind, h, img[at:at + g])
+        assert store.page_valid(0, 3) and store.missing_pages(0, [3, 4]).tolist() == [4]
+        assert np.array_equal(read_back(store, stream, 0, [3])[0], img)
+
+        def failing(fd, data, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "pwrite", failing)
+        with pytest.raises(StoreIOError, match=r"layer 0 page 3 \(K stripe of kv_head 0\): write failed after 0 of "
+                                               r"16384 bytes .*No space left") as info:
+            store.write_page(0, 3, img)
+        assert info.value.errno == errno.ENOSPC and (info.value.layer, info.value.page) == (0, 3)
+        assert not store.page_valid(0, 3), "a failed write must not leave the page readable"
+        with pytest.raises(StoreIOError, match=r"page 3 \(V stripe of kv_head 1\): write failed"):
+            store.write_group(0, 3, 1, 1, b"\0" * g)
+        monkeypatch.undo()
+        real_pwrite, calls = os.pwrite, []
+
+        def partial(fd, data, off):                    # 5000 bytes land, then the device fills up
+            calls.append(off)
+            if len(calls) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, bytes(data)[:5000], off)
+
+        monkeypatch.setattr(os, "pwrite", partial)
+        with pytest.raises(StoreIOError, match=r"layer 1 page 2 \(K stripe of kv_head 1\): write failed after 5000 of "
+                                               r"16384 bytes"):
+            store.write_page(1, 2, img)
+        assert calls == [2 * 16384, 2 * 16384 + 5000] and not store.page_valid(1, 2)
+        monkeypatch.undo()
+        store.write_page(0, 3, img)
+        assert store.page_valid(0, 3)
+        store.invalidate_page(0, 3)
+        assert not store.page_valid(0, 3)
+        store.write_page(0, 3, img)
+        store.write_page(1, 3, img)
+        store.invalidate_block(3)
+        assert not store.page_valid(0, 3) and not store.page_valid(1, 3)
+        sink.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_write_and_read_argument_errors(ctx, stream, tmp_path, kind: str) -> None:
+    store = make(kind, tmp_path, ctx)
+    img = np.zeros(LAYOUT.block_bytes, np.uint8)
+    for call, err, words in [
+        (lambda: store.write_page(0, 0, img[:-1]), StoreError,
+         r"a page image is block_bytes = .* = 16384 bytes, got 16383"),
+        (lambda: store.write_page(2, 0, img), StoreError, "layer 2 is out of range: this store has 2 layers"),
+        (lambda: store.write_page(0, 12, img), StoreError, r"pages \[12\] are out of range 0..11"),
+        (lambda: store.write_group(0, 0, 0, 0, b"\0" * 4096), StoreError, "a group is .* = 1024 bytes, got 4096"),
+        (lambda: store.write_group(0, 0, 2, 0, b"\0" * 1024), HssError, "kind 2 must be 0"),
+        (lambda: store.read_pages(stream, 0, [0, 1], [0]), HssError, "2 pages but 1 destinations"),
+        (lambda: store.read_pages(stream, 0, [0.5], [0]), TypeError, "pages must be integers"),
+        (lambda: store.read_pages(stream, -1, [0], [0]), StoreError, "layer -1 is out of range")]:
+        with pytest.raises(err, match=words):
+            call()
+    store.close()
+    store.close()
+    with pytest.raises(HssError, match=f"this {type(store).__name__} is closed"):
+        store.write_page(0, 0, img)
+    if kind == "file":
+        with pytest.raises(HssError, match=r"qd \(65\) must be in 1..64"):
+            FileStore(tmp_path, LAYOUT, 1, qd=65)
+        with pytest.raises(TypeError, match="direct must be None"):
+            FileStore(tmp_path, LAYOUT, 1, direct="yes")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("cut,page,what", [(3 * 16384 + 8192 + 100, 3, r"V stripe of kv_head 0"),
+                                           (3 * 16384 + 4096, 3, r"K stripe of kv_head 1"),
+                                           (2 * 16384, 2, r"K stripe of kv_head 0")])
+def test_short_read_names_layer_page_and_kind(ctx, stream, rng, tmp_path, direct: bool, cut: int, page: int,
+                                              what: str) -> None:
+    imgs = images(rng, 5)
+    with FileStore(tmp_path, LAYOUT, LAYERS, direct=direct, ctx=ctx) as store:
+        for p in range(5):
+            store.write_page(1, p, imgs[p])
+        os.truncate(layer_path(tmp_path, 1), cut)
+        assert np.array_equal(read_back(store, stream, 1, [1])[0], imgs[1])            # before the cut: fine
+        sink = cm.DeviceBuffer(LAYOUT.block_bytes)
+        with pytest.raises(StoreIOError, match=rf"layer 1 page {page} \({what}\): short read: got \d+ of \d+ bytes "
+                                               rf"at offset \d+ of .*layer_00001.kv, which ends at {cut} bytes but "
+                                               rf"its layout needs {LAYOUT.bytes_per_layer} \(truncated\?\)") as info:
+            store.read_pages(stream, 1, [0, 1, 2, 3, 4], [sink.ptr] * 5)
+        sink.close()
+        assert info.value.layer == 1 and info.value.page == page and info.value.kind == what[0]
+
+
+def test_io_error_names_layer_page_and_kind(ctx, stream, rng, tmp_path, monkeypatch) -> None:
+    with FileStore(tmp_path, LAYOUT, LAYERS, direct=False, qd=3, ctx=ctx) as store:
+        for p in range(4):
+            store.write_page(0, p, images(rng, 1)[0])
+
+        def eio(fd, bufs, offset):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "preadv", eio)
+        sink = cm.DeviceBuffer(2 * LAYOUT.block_bytes)
+        with pytest.raises(StoreIOError, match=r"layer 0 page 2 \(K stripe of kv_head 0\): read failed after 0 of "
+                                               r"16384 bytes at offset 32768 .*Input/output error") as info:
+            store.read_pages(stream, 0, [2], [sink.ptr])
+        assert info.value.errno == errno.EIO
+        with pytest.raises(StoreIOError, match="layer 0 page 0"):
+            store.read_pages(stream, 0, [0, 2], [sink.ptr, sink.ptr + LAYOUT.block_bytes])   # two runs, thread pool
+        sink.close()
+
+
+def test_host_store_layout_and_write_after_queued_read(ctx, stream, rng) -> None:
+    """A write waits for queued copies out of the bytes it replaces: the device sees the OLD page (on the
+    emulator the copy only runs when something waits for it, so a missing guard shows)."""
+    old, new = images(rng, 2)
+    with HostStore(LAYOUT, LAYERS, ctx=ctx) as store:
+        assert store.buffer.bytes == LAYERS * LAYOUT.bytes_per_layer and store.kind == "host"
+        store.write_page(1, 7, old)
+        at = store.offset(1, 7)
+        assert at == LAYOUT.bytes_per_layer + 7 * LAYOUT.block_bytes
+        assert np.array_equal(store.buffer.array[at:at + LAYOUT.block_bytes], old)
+        dev = cm.DeviceBuffer(LAYOUT.block_bytes)
+        store.read_pages(stream, 1, [7], [dev.ptr])
+        store.write_page(1, 7, new)
+        assert np.array_equal(download(dev, LAYOUT.block_bytes, np.uint8, stream), old)
+        assert np.array_equal(store.buffer.array[at:at + LAYOUT.block_bytes], new)
+        dev.close()
