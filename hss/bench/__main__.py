@@ -33,20 +33,20 @@ def main(argv: list[str] | None = None) -> int:
         device = ctx.name
     stamp = datetime.date.today().isoformat()
     print(f"hss bench {stamp} on {device} ({status.kind})" + (" -- SMOKE: numbers are meaningless" if args.smoke else ""))
-    results, tables = {}, []
+    results = {}
     for suite in args.suites or SUITES:
         if suite not in SUITES:
             p.error(f"unknown suite {suite}; choose from {', '.join(SUITES)}")
+    for suite in args.suites or SUITES:
         mod = importlib.import_module(f"hss.bench.{suite}")
         # a suite with its own options runs with their defaults (python -m hss.bench.SUITE --help lists them)
         suite_args = mod.parse_args(["--smoke"] if args.smoke else []) if hasattr(mod, "parse_args") else args
-        rows = mod.run(suite_args)
-        results[suite] = rows
-        tables.append(f"### {suite} ({stamp}, {device})\n\n{mod.table(rows)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": stamp, "device": device, "driver": status.kind, "results": results}, f, indent=1)
-    print("\n\n".join(tables))
+        results[suite] = rows = mod.run(suite_args)
+        # each table as soon as its suite ends, so a run stopped by a time limit keeps what it measured
+        print(f"\n### {suite} ({stamp}, {device})\n\n{mod.table(rows)}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": stamp, "device": device, "driver": status.kind, "results": results}, f, indent=1)
     return 0
 
 
