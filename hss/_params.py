@@ -23,6 +23,16 @@ _RANGES = {"ptr": (0, 2**64 - 1), "i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 -
 _NUMPY_KINDS = {np.int32: "i32", np.uint32: "u32", np.int64: "i64", np.uint64: "ptr", np.float32: "f32"}
 
 
+def as_int(name: str, value: Any) -> int:
+    """``value`` as a Python int (ints and numpy integers; not bool, not float); errors name ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 def device_ptr(obj: Any) -> int:
     """The device address of an ``int``, ``DevicePtr``, ``DeviceBuffer`` or ``__cuda_array_interface__`` object."""
     if type(obj) is int:

@@ -13,7 +13,6 @@ pointers are ``int`` addresses, :class:`~hss.cuda_min.DeviceBuffer` objects or a
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,20 +21,12 @@ from hss._driver import HssError
 from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, PAGED_DECODE_ATTN_TILED,
                                    STEP_THREADS)
 from hss.ptx import load_module
+from hss._params import as_int
 
 __all__ = ["TiledAttentionDims", "TiledAttention"]
 
 NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
 _I32_MAX = 2**31 - 1
-
-
-def _int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -56,7 +47,7 @@ class TiledAttentionDims:
     def validate(self) -> None:
         """Raise :class:`HssError` naming the first field that the kernels cannot take."""
         for name in ("max_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "tile_capacity"):
-            v = _int(name, getattr(self, name))
+            v = as_int(name, getattr(self, name))
             if v <= 0:
                 raise HssError(f"TiledAttentionDims.{name} must be > 0 (got {v})")
         if self.num_q_heads % self.num_kv_heads:
@@ -188,7 +179,7 @@ class TiledAttention:
             raise HssError("this TiledAttention is closed")
 
     def _num_seqs(self, num_seqs: Any) -> int:
-        n = _int("num_seqs", num_seqs)
+        n = as_int("num_seqs", num_seqs)
         if not 0 <= n <= self.dims.max_seqs:
             raise HssError(f"num_seqs ({n}) must be in 0..max_seqs ({self.dims.max_seqs})")
         return n
@@ -207,7 +198,7 @@ class TiledAttention:
         Pass ``k_pool`` = the pool base and ``v_pool`` = base + ``v_offset`` elements (2*v_offset bytes).
         """
         d = self.dims
-        gs = d.stripe_bytes if group_stride_bytes is None else _int("group_stride_bytes", group_stride_bytes)
+        gs = d.stripe_bytes if group_stride_bytes is None else as_int("group_stride_bytes", group_stride_bytes)
         if gs % 2:
             raise HssError(f"group_stride_bytes ({gs}) must be even (a whole number of bf16 elements)")
         if gs < d.stripe_bytes:
@@ -260,12 +251,12 @@ class TiledAttention:
         n = self._num_seqs(num_seqs)
         strides = {"blk_stride": blk_stride, "tok_stride": tok_stride, "kvh_stride": kvh_stride}
         for name, value in strides.items():
-            v = _int(name, value)
+            v = as_int(name, value)
             if not 0 <= v < 2**62:
                 raise HssError(f"{name} ({v}) must be >= 0 (element strides of the pool; see paged_strides() "
                                "and scratch_pool_strides())")
             strides[name] = v
-        lbvs = _int("last_block_valid_slots", last_block_valid_slots)
+        lbvs = as_int("last_block_valid_slots", last_block_valid_slots)
         if not -2**31 <= lbvs <= _I32_MAX:
             raise HssError(f"last_block_valid_slots ({lbvs}) must fit in int32 (pass block_size for full pages)")
         rows = n * d.num_q_heads

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -15,7 +15,6 @@ parameter packs on every call, so one instance must not be used from several thr
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from hss import cuda_min
 from hss._driver import HssError
-from hss._params import device_ptr
+from hss._params import as_int, device_ptr
 from hss.cuda_min import (CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, launch_kernel,
                           memset_d8_async, stream_handle, stream_sync)
 from hss.kernels.predictor import (KV_LOWRANK_PROJECT, PREDICTOR_SCORE, Q_LOWRANK_PROJECT, lowrank_rows,
@@ -37,15 +36,6 @@ __all__ = ["PredictorDims", "Predictor", "preflight_a_g", "read_k_lr_slot", "A_G
 A_G_BUDGET_PERCENT = 95   # of free device memory; the rest is left for the scratch pool and tiled attention
 _I32_MAX = 2**31 - 1
 _GIB = float(1 << 30)
-
-
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, not bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -62,7 +52,7 @@ class PredictorDims:
 
     def validate(self) -> None:
         """Raise :class:`HssError` (``TypeError`` for non-ints) unless the kernels can run these dims."""
-        values = {f.name: _int(getattr(self, f.name), f.name) for f in dataclasses.fields(self)}
+        values = {f.name: as_int(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
         for name, v in values.items():
             if v < 1:
                 raise HssError(f"PredictorDims.{name} must be >= 1 (got {v})")
@@ -169,7 +159,7 @@ def _pointer(obj: Any, nbytes: int, name: str, align: int, holds: str) -> int:
 
 
 def _index(value: Any, name: str, hi: int, what: str) -> int:
-    v = _int(value, name)
+    v = as_int(name, value)
     if not 0 <= v < hi:
         raise HssError(f"{name} {v} is out of range: this Predictor has {hi} {what} (0..{hi - 1})")
     return v
@@ -202,7 +192,7 @@ class Predictor:
         if not isinstance(dims, PredictorDims):
             raise TypeError(f"dims must be a PredictorDims, got {type(dims).__name__}")
         dims.validate()
-        seed = _int(seed, "projection_seed")
+        seed = as_int("projection_seed", seed)
         if not 0 <= seed < 2**64:
             raise HssError(f"projection_seed must be a u64 (0 <= seed < 2**64), got {seed}")
         if ctx is not None:
@@ -315,8 +305,8 @@ class Predictor:
         bf16 (n consecutive A_g slots, or any buffer of that layout; inside A_g it must start on a slot
         and the n slots must stay inside A_g); scores_out: device ``[n]`` f32. n = 0 does nothing.
         """
-        d = self._live()
-        n = _int(n, "n")
+        self._live()
+        n = as_int("n", n)
         if not 0 <= n <= _I32_MAX:
             raise HssError(f"n ({n}) must be in 0..{_I32_MAX}")
         if n == 0:
@@ -346,8 +336,8 @@ class Predictor:
         """
         d = self._live()
         layer = _index(layer, "layer", d.num_layers, "layers")
-        first_block = _int(first_block, "first_block")
-        n = _int(n, "n")
+        first_block = as_int("first_block", first_block)
+        n = as_int("n", n)
         if first_block < 0 or n < 0 or first_block + n > d.max_blocks:
             raise HssError(f"blocks first_block .. first_block + n - 1 = {first_block} .. {first_block + n - 1} "
                            f"are outside this layer's 0 .. {d.max_blocks - 1} (max_blocks {d.max_blocks})")

@@ -10,12 +10,12 @@ are walked in order so that every sample consumes exactly the draws it consumed 
 from __future__ import annotations
 
 import math
-import operator
 import struct
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+from hss._params import as_int
 
 __all__ = ["PredictorShape", "build_projection", "fnv1a64_bf16"]
 
@@ -23,16 +23,6 @@ _U64_MASK = (1 << 64) - 1
 _MIN_BLOCKS = 64  # smallest keystream batch (ChaCha blocks of 8 u64 draws)
 _HEAD_DIM_MAX = 256
 _R_MAX = 128
-
-
-def _as_int(name: str, value: object) -> int:
-    """Return `value` as a Python int; bools and non-integers raise TypeError naming `name`."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int (got bool {value!r})")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})") from None
 
 
 @dataclass(frozen=True)
@@ -44,7 +34,7 @@ class PredictorShape:
 
     def __post_init__(self) -> None:
         for name, hi in (("head_dim", _HEAD_DIM_MAX), ("r", _R_MAX)):
-            v = _as_int(name, getattr(self, name))
+            v = as_int(name, getattr(self, name))
             if v <= 0:
                 raise ValueError(f"{name} must be > 0 (got {v})")
             if v > hi:
@@ -228,7 +218,7 @@ def build_projection(shape: PredictorShape, seed: int) -> np.ndarray:
     """
     if not isinstance(shape, PredictorShape):
         raise TypeError(f"shape must be a PredictorShape (got {type(shape).__name__})")
-    seed = _as_int("seed", seed)
+    seed = as_int("seed", seed)
     if not 0 <= seed <= _U64_MASK:
         raise ValueError(f"seed must be in [0, 2**64) (got {seed})")
     n = shape.head_dim * shape.r

@@ -5,7 +5,6 @@ Deterministic in m, so chunked and one-shot projections agree bit for bit on the
 from __future__ import annotations
 
 import ml_dtypes
-import numpy as np
 
 from hss.reference.linear import proj_dense
 from hss.reference.numerics import to_bf16

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hss._driver import HssError
-from hss.swap.layout import _int
+from hss._params import as_int
 
 __all__ = ["HighSpeedSwapConfig", "ModelDims", "DiskBlockAllocator", "HighSpeedSwapDiagnostic", "STORES"]
 
@@ -50,7 +50,7 @@ class HighSpeedSwapConfig:
         checks = (("bytes", 1, None), ("resident_blocks", 1, None), ("rank", 1, 128), ("qd", 1, 64),
                   ("projection_seed", 0, 2**64 - 1))
         for name, lo, hi in checks:
-            v = _int(f"HighSpeedSwapConfig.{name}", getattr(self, name))
+            v = as_int(f"HighSpeedSwapConfig.{name}", getattr(self, name))
             if v < lo or (hi is not None and v > hi):
                 span = f">= {lo}" if hi is None else f"in {lo}..{hi}"
                 raise HssError(f"HighSpeedSwapConfig.{name} must be {span} (got {v})")
@@ -70,8 +70,8 @@ class HighSpeedSwapConfig:
     def tile_blocks(self) -> int:
         """T: pages per streamed tile."""
         if self.stream_tile_blocks is None:
-            return max(1, _int("HighSpeedSwapConfig.resident_blocks", self.resident_blocks) // 4)
-        return _int("HighSpeedSwapConfig.stream_tile_blocks", self.stream_tile_blocks)
+            return max(1, as_int("HighSpeedSwapConfig.resident_blocks", self.resident_blocks) // 4)
+        return as_int("HighSpeedSwapConfig.stream_tile_blocks", self.stream_tile_blocks)
 
     @property
     def resident_capacity(self) -> int:
@@ -105,7 +105,7 @@ class ModelDims:
         for f in dataclasses.fields(self):
             if f.name == "model_fp":
                 continue
-            v = _int(f"ModelDims.{f.name}", getattr(self, f.name))
+            v = as_int(f"ModelDims.{f.name}", getattr(self, f.name))
             if not 1 <= v <= limits[f.name]:
                 raise HssError(f"ModelDims.{f.name} must be in 1..{limits[f.name]} (got {v})")
         if self.num_q_heads % self.num_kv_heads:
@@ -124,7 +124,7 @@ class DiskBlockAllocator:
     """
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = _int("capacity", capacity)
+        self.capacity = as_int("capacity", capacity)
         if self.capacity < 0:
             raise HssError(f"capacity must be >= 0 (got {self.capacity})")
         self.next_id = 0
@@ -144,7 +144,7 @@ class DiskBlockAllocator:
         return i
 
     def _id(self, block: int) -> int:
-        b = _int("block", block)
+        b = as_int("block", block)
         if not 0 <= b < self.next_id:
             raise HssError(f"disk block id {b} was never allocated (ids so far: 0..{self.next_id - 1})")
         return b

@@ -8,7 +8,6 @@ back to back; a scratch slot holds one page in the same layout. Pure arithmetic:
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,20 +15,12 @@ import ml_dtypes
 import numpy as np
 
 from hss._driver import HssError
+from hss._params import as_int
 
 __all__ = ["GroupLayout", "K", "V", "KIND_NAMES"]
 
 K, V = 0, 1
 KIND_NAMES = ("K", "V")
-
-
-def _int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, not bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 def _round_up(n: int, to: int) -> int:
@@ -53,7 +44,7 @@ class GroupLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_kv_heads", "block_size", "head_dim", "elem_bytes", "fs_block_size"):
-            if _int(name, getattr(self, name)) < 1:
+            if as_int(name, getattr(self, name)) < 1:
                 raise HssError(f"GroupLayout.{name} must be >= 1 (got {getattr(self, name)})")
         fs = self.fs_block_size
         if fs & (fs - 1):
@@ -86,7 +77,7 @@ class GroupLayout:
 
     # -- addresses -----------------------------------------------------------------------------
     def _check(self, page: int, kind: int, kv_head: int) -> tuple[int, int, int]:
-        page, kind, kv_head = _int("page", page), _int("kind", kind), _int("kv_head", kv_head)
+        page, kind, kv_head = as_int("page", page), as_int("kind", kind), as_int("kv_head", kv_head)
         if not 0 <= page < self.num_blocks:
             raise HssError(f"page {page} is out of range: a layer has {self.num_blocks} pages "
                            f"(0..{self.num_blocks - 1})")
@@ -109,7 +100,7 @@ class GroupLayout:
 
     def group_id(self, layer: int, page: int, kind: int, kv_head: int) -> int:
         """Dense id: layer*groups_per_layer + page*(2*nkv) + kind*nkv + kv_head."""
-        layer = _int("layer", layer)
+        layer = as_int("layer", layer)
         if layer < 0:
             raise HssError(f"layer must be >= 0 (got {layer})")
         page, kind, kv_head = self._check(page, kind, kv_head)
@@ -118,7 +109,7 @@ class GroupLayout:
 
     def locate(self, offset_in_page: int) -> tuple[int, int]:
         """(kind, kv_head) of the group holding byte ``offset_in_page`` of a page."""
-        g = _int("offset_in_page", offset_in_page) // self.group_stride
+        g = as_int("offset_in_page", offset_in_page) // self.group_stride
         if not 0 <= g < 2 * self.num_kv_heads:
             raise HssError(f"offset {offset_in_page} is outside a {self.block_bytes}-byte page")
         return g // self.num_kv_heads, g % self.num_kv_heads

@@ -52,7 +52,8 @@ from hss.attention import _pointer as _device_arg
 from hss.predictor import Predictor, PredictorDims
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
-from hss.swap.layout import GroupLayout, _int
+from hss._params import as_int
+from hss.swap.layout import GroupLayout
 from hss.swap.pool import ScratchPool
 from hss.swap.stores import BackingStore, FileStore, HostStore, StoreError
 
@@ -218,13 +219,13 @@ class HighSpeedSwap:
             raise HssError("this HighSpeedSwap is closed")
 
     def _layer(self, layer: Any) -> int:
-        v = _int("layer", layer)
+        v = as_int("layer", layer)
         if not 0 <= v < self.model.num_layers:
             raise HssError(f"layer {v} is out of range: the model has {self.model.num_layers} layers")
         return v
 
     def _block(self, block: Any) -> int:
-        v = _int("block", block)
+        v = as_int("block", block)
         if not 0 <= v < self.model.max_blocks_per_layer:
             raise HssError(f"block {v} is out of range 0..{self.model.max_blocks_per_layer - 1} "
                            "(ModelDims.max_blocks_per_layer)")
@@ -250,17 +251,17 @@ class HighSpeedSwap:
     def _lbvs(self, lbvs: Any, q_pos: Any) -> int:
         bs = self.model.block_size
         if q_pos is not None:
-            qp = _int("q_pos", q_pos)
+            qp = as_int("q_pos", q_pos)
             if qp < 0:
                 raise HssError(f"q_pos must be >= 0 (got {qp})")
             from_pos = qp % bs + 1
-            if lbvs is not None and _int("last_block_valid_slots", lbvs) != from_pos:
+            if lbvs is not None and as_int("last_block_valid_slots", lbvs) != from_pos:
                 raise HssError(f"last_block_valid_slots ({lbvs}) disagrees with q_pos {qp} (which gives "
                                f"q_pos % block_size + 1 = {from_pos}); pass one of them")
             return from_pos
         if lbvs is None:
             return bs
-        v = _int("last_block_valid_slots", lbvs)
+        v = as_int("last_block_valid_slots", lbvs)
         if not -2**31 <= v < 2**31:
             raise HssError(f"last_block_valid_slots ({v}) must fit in int32")
         return v

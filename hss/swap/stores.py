@@ -26,7 +26,8 @@ import numpy as np
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss.swap.layout import KIND_NAMES, GroupLayout, _int
+from hss._params import as_int
+from hss.swap.layout import KIND_NAMES, GroupLayout
 
 __all__ = ["BackingStore", "HostStore", "FileStore", "StoreError", "StoreIOError", "layer_path"]
 
@@ -85,17 +86,17 @@ class BackingStore:
     def __init__(self, layout: GroupLayout, num_layers: int, run_cap_bytes: int = 1 << 20) -> None:
         if not isinstance(layout, GroupLayout):
             raise TypeError(f"layout must be a GroupLayout, not {type(layout).__name__}")
-        nl = _int("num_layers", num_layers)
+        nl = as_int("num_layers", num_layers)
         if nl < 1:
             raise HssError(f"num_layers must be >= 1 (got {nl})")
         self.layout, self.num_layers = layout, nl
-        self.run_cap_pages = max(1, _int("run_cap_bytes", run_cap_bytes) // layout.block_bytes)
+        self.run_cap_pages = max(1, as_int("run_cap_bytes", run_cap_bytes) // layout.block_bytes)
         self._valid = np.zeros((nl, layout.num_blocks, 2 * layout.num_kv_heads), dtype=bool)
         self._closed = False
 
     # -- validity --------------------------------------------------------------------------------
     def _layer(self, layer: Any) -> int:
-        layer = _int("layer", layer)
+        layer = as_int("layer", layer)
         if not 0 <= layer < self.num_layers:
             raise StoreError(f"layer {layer} is out of range: this store has {self.num_layers} layers")
         return layer
@@ -273,7 +274,7 @@ class FileStore(BackingStore):
         super().__init__(layout, num_layers, run_cap_bytes)
         if direct not in (None, True, False):
             raise TypeError(f"direct must be None (auto), True or False, not {direct!r}")
-        qd, bounce_pages = _int("qd", qd), _int("bounce_pages", bounce_pages)
+        qd, bounce_pages = as_int("qd", qd), as_int("bounce_pages", bounce_pages)
         if not 1 <= qd <= 64:
             raise HssError(f"qd ({qd}) must be in 1..64")
         if bounce_pages < 1:
