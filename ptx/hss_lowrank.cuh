@@ -33,3 +33,25 @@ __device__ __forceinline__ void hss_lr_wait() {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();
 }
+
+// Thread (o, y)'s sequential fma chain over i = 0 .. head_dim-1 of xs[y][i] * P[i, o] (the original's order),
+// staging P through `ps` in chunks. The input rows must already be queued (hss_lr_copy); every thread of the
+// CTA calls this (it holds barriers); `active` threads accumulate.
+__device__ __forceinline__ float hss_lr_project(const __nv_bfloat16 (*xs)[HSS_LR_HEAD_DIM], __nv_bfloat16* ps,
+                                                const __nv_bfloat16* p, int head_dim, int r, int o, int y,
+                                                bool active, int tid, int nthreads) {
+    const int chunk = (HSS_LR_P_ELEMS / r) & ~7;   // P rows per chunk: 16-byte aligned chunk starts
+    float acc = 0.0f;
+    for (int i0 = 0; i0 < head_dim; i0 += chunk) {
+        const int n = min(chunk, head_dim - i0);
+        if (i0 > 0) __syncthreads();   // every thread is done with the previous chunk
+        hss_lr_copy(ps, 0, p + (size_t)i0 * r, 0, 1, n * r, tid, nthreads);
+        hss_lr_wait();   // the first wait also covers the input rows, queued together with P's first chunk
+        if (active) {
+            const __nv_bfloat16* x = xs[y] + i0;
+#pragma unroll 8
+            for (int i = 0; i < n; ++i) acc = fmaf(hss_bf16_to_f32(x[i]), hss_bf16_to_f32(ps[i * r + o]), acc);
+        }
+    }
+    return acc;
+}

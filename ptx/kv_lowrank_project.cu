@@ -28,18 +28,6 @@ kv_lowrank_project(const __nv_bfloat16* __restrict__ k_block, const __nv_bfloat1
     hss_lr_copy(xs[0], HSS_LR_HEAD_DIM, k_block + ((size_t)tok0 * num_kv_heads + h) * head_dim,
                 (size_t)num_kv_heads * head_dim, rows, head_dim, tid, nthreads);
     const bool active = o < r && y < rows;
-    const int chunk = (HSS_LR_P_ELEMS / r) & ~7;   // P rows per chunk: 16-byte aligned chunk starts
-    float acc = 0.0f;
-    for (int i0 = 0; i0 < head_dim; i0 += chunk) {
-        const int n = min(chunk, head_dim - i0);
-        if (i0 > 0) __syncthreads();   // every thread is done with the previous chunk
-        hss_lr_copy(ps, 0, p + (size_t)i0 * r, 0, 1, n * r, tid, nthreads);
-        hss_lr_wait();   // the first wait also covers the input rows, queued together with P's first chunk
-        if (active) {
-            const __nv_bfloat16* x = xs[y] + i0;
-#pragma unroll 8
-            for (int i = 0; i < n; ++i) acc = fmaf(hss_bf16_to_f32(x[i]), hss_bf16_to_f32(ps[i * r + o]), acc);
-        }
-    }
+    const float acc = hss_lr_project(xs, ps, p, head_dim, r, o, y, active, tid, nthreads);
     if (active) k_lr[((size_t)h * block_size + tok0 + y) * r + o] = hss_f32_to_bf16(acc);
 }
