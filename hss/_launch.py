@@ -51,6 +51,14 @@ class CudaFunction:
     def __repr__(self) -> str:
         return f"CudaFunction({self.name} in {self.module.name})"
 
+    def set_max_dynamic_shared(self, nbytes: int) -> None:
+        """Allow launches with up to ``nbytes`` of dynamic shared memory (the opt-in past 48 KiB;
+        cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+        self._ctx.make_current()
+        attr = api.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(api.cuFuncSetAttribute(self.handle, attr, int(nbytes)), "cuFuncSetAttribute",
+              f"{self.name}: {nbytes} bytes of dynamic shared memory")
+
 
 def _dim3(v: Any, what: str) -> tuple[int, int, int]:
     if isinstance(v, int):

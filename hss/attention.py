@@ -2,8 +2,12 @@
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
-Each tile is applied token by token with the original's f32 recurrence, so splitting the same pages
-into any tiles gives bit-identical results. Every call is asynchronous on the given stream.
+A tile is split into fixed 64-token chunks, each one's partial softmax state computed by its own CTA (all
+query heads of a kv head sharing the staged K/V), then merged in chunk order into the running state (SPEC
+§0 allows split and merge). A tile's result depends only on its token list: the same pages in the same
+tiles give the same bits whatever the pool layout, ``tile_capacity`` or the other sequences; another split
+into tiles rounds differently (both exact attention within SPEC §0). Every call is asynchronous on the
+given stream.
 
 Streams are ``int`` handles, :class:`~hss.cuda_min.CudaStream` objects or anything with
 ``__cuda_stream__``; a :class:`~hss.cuda_min.CudaCtx` in the stream position means its stream. Device
@@ -18,8 +22,9 @@ from typing import Any
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, PAGED_DECODE_ATTN_TILED,
-                                   STEP_THREADS)
+from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, MERGE_DIMS,
+                                   PAGED_DECODE_ATTN_MERGE, PAGED_DECODE_ATTN_TILED, STEP_THREADS, max_chunks,
+                                   step_grid_z, step_shared_bytes)
 from hss.ptx import load_module
 from hss._params import as_int
 
@@ -61,6 +66,9 @@ class TiledAttentionDims:
         if self.tile_capacity * self.block_size > _I32_MAX:
             raise HssError(f"TiledAttentionDims.tile_capacity * block_size ({self.tile_capacity} * {self.block_size}) "
                            f"must fit in int32: use smaller tiles")
+        if self.max_chunks > 65535:
+            raise HssError(f"TiledAttentionDims.tile_capacity * block_size ({self.tile_capacity} * {self.block_size}) "
+                           f"must be <= {65535 * 64} tokens (65535 chunks of 64 on grid.z): use smaller tiles")
         if self.max_seqs > _I32_MAX:
             raise HssError(f"TiledAttentionDims.max_seqs ({self.max_seqs}) must be < 2^31 (grid.x)")
 
@@ -68,6 +76,17 @@ class TiledAttentionDims:
     def gqa_ratio(self) -> int:
         """Query heads per KV head."""
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def max_chunks(self) -> int:
+        """64-token chunks (partial states per sequence and query head) of a full tile."""
+        return max_chunks(self.tile_capacity, self.block_size)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes of the partial states and merge counters a :class:`TiledAttention` allocates."""
+        rows = self.max_seqs * self.num_q_heads
+        return 4 * rows * (self.max_chunks * (self.head_dim + 2) + 1)
 
     @property
     def stripe_bytes(self) -> int:
@@ -114,11 +133,12 @@ def _pointer(obj: Any, name: str, align: int, nbytes: int | None, fix: str) -> i
 
 
 class TiledAttention:
-    """Running (m, l, o) state for up to ``dims.max_seqs`` sequences and the two kernels that use it.
+    """Running (m, l, o) state for up to ``dims.max_seqs`` sequences and the kernels that use it.
 
     ``TiledAttention(ctx, dims)`` (or ``TiledAttention.new(dims)``, the original's name) loads the PTX and
     allocates the state (m, l: f32 [max_seqs*num_q_heads]; o: f32 [max_seqs*num_q_heads, head_dim]; not
-    zeroed: ``begin_step`` initialises it). ``ctx`` None uses the current device's primary context.
+    zeroed: ``begin_step`` initialises it) and the split workspace (``dims.workspace_bytes``: one partial
+    state per 64-token chunk of a full tile). ``ctx`` None uses the current device's primary context.
     ``close()`` (or leaving a ``with`` block) frees everything once.
     """
 
@@ -131,20 +151,33 @@ class TiledAttention:
         try:
             step_mod = self._own(load_module("paged_decode_attn_tiled", ctx))
             fin_mod = self._own(load_module("attention_finalize", ctx))
-            self._step_fn = step_mod.function("paged_decode_attn_tiled")
+            self._step_fn = step_mod.function(PAGED_DECODE_ATTN_TILED.name)
+            self._merge_fn = step_mod.function(PAGED_DECODE_ATTN_MERGE.name)
             self._fin_fn = fin_mod.function("attention_finalize")
+            self._step_shared = step_shared_bytes(dims.head_dim)
+            self._sm_count = cm.multiprocessor_count(ctx)
+            if self._step_shared > 48 * 1024:
+                self._step_fn.set_max_dynamic_shared(self._step_shared)
             rows = dims.max_seqs * dims.num_q_heads
             self.m = self._own(cm.DeviceBuffer(4 * rows, ctx))
             self.l = self._own(cm.DeviceBuffer(4 * rows, ctx))
             self.o = self._own(cm.DeviceBuffer(4 * rows * dims.head_dim, ctx))
+            self._part_ml = self._own(cm.DeviceBuffer(4 * rows * dims.max_chunks * 2, ctx))
+            self._part_o = self._own(cm.DeviceBuffer(4 * rows * dims.max_chunks * dims.head_dim, ctx))
+            self._merge_count = self._own(cm.DeviceBuffer(4 * rows, ctx))
         except BaseException:
             self.close()
             raise
         d = dims
         # Prepared once; the hot path only refills the arguments that change per call.
         self._step_pack = PAGED_DECODE_ATTN_TILED.pack(
-            m=self.m.ptr, l=self.l.ptr, o=self.o.ptr, num_q_heads=d.num_q_heads, num_kv_heads=d.num_kv_heads,
-            head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity, gqa_ratio=d.gqa_ratio)
+            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, num_q_heads=d.num_q_heads,
+            num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity,
+            gqa_ratio=d.gqa_ratio, max_chunks=d.max_chunks)
+        self._merge_pack = PAGED_DECODE_ATTN_MERGE.pack(
+            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
+            merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, head_dim=d.head_dim,
+            block_size=d.block_size, tile_capacity=d.tile_capacity, max_chunks=d.max_chunks)
         self._fin_pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
                                                  head_dim=d.head_dim)
 
@@ -210,7 +243,7 @@ class TiledAttention:
     # -- the step ------------------------------------------------------------------------------
     def begin_step(self, stream: Any, num_seqs: int) -> None:
         """Start a decode step for ``num_seqs`` sequences on ``stream`` (or a CudaCtx's stream):
-        m := -inf, l := 0, o := 0 for their rows (three async memsets)."""
+        m := -inf, l := 0, o := 0 for their rows, merge counters := 0 (four async memsets)."""
         self.begin_step_on_stream(_stream(stream), num_seqs)
 
     def begin_step_on_stream(self, stream: Any, num_seqs: int) -> None:
@@ -224,11 +257,13 @@ class TiledAttention:
         cm.memset_d32_async(self.m, NEG_INF_BITS, rows, s)
         cm.memset_d32_async(self.l, 0, rows, s)
         cm.memset_d32_async(self.o, 0, rows * self.dims.head_dim, s)
+        cm.memset_d32_async(self._merge_count, 0, rows, s)   # the merge resets them; this guards a broken launch
 
     def step_tile(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, tile_block_counts: Any,
                   num_seqs: int, blk_stride: int, tok_stride: int, kvh_stride: int,
                   last_block_valid_slots: int) -> None:
-        """Apply one tile of KV pages to every sequence's running state (launch on ``stream``).
+        """Apply one tile of KV pages to every sequence's running state (two launches on ``stream``: the
+        split kernel, then the merge).
 
         ``q`` bf16 [num_seqs, num_q_heads, head_dim]; ``k_pool``/``v_pool`` bf16 pools whose element
         (page, tok, kv_head, d) is at page*blk_stride + tok*tok_stride + kv_head*kvh_stride + d (strides in
@@ -266,14 +301,21 @@ class TiledAttention:
         p.set(2, _pointer(v_pool, "v_pool", 2, None, "the bf16 V page pool"))
         p.set(3, _pointer(tile_blocks, "tile_blocks", 4, 4 * n * d.tile_capacity,
                           "i32 [num_seqs, tile_capacity] page ids"))
-        p.set(4, _pointer(tile_block_counts, "tile_block_counts", 4, 4 * n, "i32 [num_seqs] entry counts"))
+        counts = _pointer(tile_block_counts, "tile_block_counts", 4, 4 * n, "i32 [num_seqs] entry counts")
+        p.set(4, counts)
         p.set(14, strides["blk_stride"])
         p.set(15, strides["tok_stride"])
         p.set(16, strides["kvh_stride"])
         p.set(17, lbvs)
+        mp = self._merge_pack
+        mp.set(0, counts)
+        mp.set(12, lbvs)
         if n == 0:
             return
-        cm.launch_kernel(self._step_fn, (n, d.num_q_heads, 1), (STEP_THREADS, 1, 1), 0, s, p)
+        z = step_grid_z(d.max_chunks, n * d.num_kv_heads, self._sm_count)
+        cm.launch_kernel(self._step_fn, (n, d.num_kv_heads, z), (STEP_THREADS, 1, 1), self._step_shared, s, p)
+        cm.launch_kernel(self._merge_fn, (n, d.num_q_heads, -(-d.head_dim // MERGE_DIMS)), (STEP_THREADS, 1, 1), 0,
+                         s, mp)
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream``."""

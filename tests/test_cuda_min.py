@@ -268,6 +268,36 @@ def test_owners_free_exactly_once(ctx):
     del free0
 
 
+def test_batched_host_to_device_copies(ctx, stream, rng):
+    """Scattered pinned pieces into a device buffer in one batch; the batch keeps stream order."""
+    page = 4096
+    src = cm.PinnedBuffer(16 * page)
+    src.array[:] = rng.integers(0, 256, src.bytes, dtype=np.uint8)
+    order = [7, 2, 3, 11, 0]
+    sizes = [page, 2 * page, page, 3 * page, page]
+    with cm.DeviceBuffer(16 * page) as dev:
+        cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+        dsts, at = [], 0
+        for n in sizes:
+            dsts.append(dev.ptr + at)
+            at += n
+        cm.copy_h_to_d_batch_async(dsts, [src.ptr + p * page for p in order], sizes, stream)
+        got = np.empty(dev.bytes, np.uint8)
+        cm.copy_d_to_h_async(got, dev, dev.bytes, stream)
+        cm.stream_sync(stream)
+        want = np.concatenate([src.array[p * page:p * page + n] for p, n in zip(order, sizes)])
+        assert np.array_equal(got[:at], want) and (got[at:] == 0xAB).all()
+        with pytest.raises(HssError, match="2 destinations, 1 sources"):
+            cm.copy_h_to_d_batch_async(dsts[:2], [src.ptr], sizes[:2], stream)
+        with pytest.raises(HssError, match="sizes must be > 0"):
+            cm.copy_h_to_d_batch_async(dsts[:1], [src.ptr], [0], stream)
+        with pytest.raises(HssError, match="run past the end"):
+            cm.copy_h_to_d_batch_async([dev.ptr + 15 * page], [src.ptr], [2 * page], stream)
+        cm.copy_h_to_d_batch_async([], [], [], stream)   # nothing to do
+    src.close()
+    assert cm.multiprocessor_count(ctx) > 0
+
+
 def test_ctx_properties(ctx):
     major, minor = ctx.compute_capability
     assert major >= 7 and isinstance(ctx.name, str) and ctx.name

@@ -7,7 +7,8 @@ One sequence, 32 q / 8 kv heads, head_dim 128, block_size 16, pages in a shuffle
 is begin_step + one step_tile per tile + finalize, timed with CUDA events on one stream; SDPA
 (``torch.nn.functional.scaled_dot_product_attention`` on the same data, contiguous [1, heads, tokens, 128])
 is timed the same way on the same stream. Effective bandwidth = K and V bytes / time. Every tiling's
-output is checked bit for bit against the single tile, and against SDPA (max abs).
+output is compared with the single tile's (max abs; other tiles round differently) and the single tile's
+with SDPA (max abs).
 """
 from __future__ import annotations
 
@@ -114,9 +115,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             cm.copy_d_to_h_async(got, out, got.nbytes, stream)
             cm.stream_sync(stream)
             outputs[nt] = got
-            same = np.array_equal(got.view(np.uint16), outputs[tile_counts[0]].view(np.uint16))
+            diff = np.abs(got.astype(np.float32) - outputs[tile_counts[0]].astype(np.float32)).max()
             rows.append(dict(variant=f"hss tiled, {len(tiles)} tile(s) of <= {per} pages", us=us,
-                             **{"GB/s": kv_bytes / us / 1e3}, check="bitwise = 1 tile" if same else "DIFFERS"))
+                             **{"GB/s": kv_bytes / us / 1e3}, check=f"max abs vs first row {diff:.1e}"))
         rows += _sdpa(args, stream, q, k, v, order, outputs[tile_counts[0]], kv_bytes)
     finally:
         for obj in reversed(owned):

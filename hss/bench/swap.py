@@ -1,6 +1,6 @@
 """Benchmark: a decode step of one layer whose KV history lives in a backing store (HighSpeedSwap).
 
-    python -m hss.bench.swap [--tokens 32768,131072] [--resident 0.125] [--tile 64] [--iters 5] [--dir DIR]
+    python -m hss.bench.swap [--tokens 32768,131072] [--resident 0.125] [--tile 128] [--iters 5] [--dir DIR]
     python -m hss.bench.swap --smoke      tiny sizes, no PyTorch (runs on the CPU emulator in CI)
 
 One layer: 32 q / 8 kv heads, head_dim 128, block_size 16, pages 0..n-1 in token order. Per context length,
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--resident", type=float, default=0.125, help="fraction of the pages in the resident set")
-    p.add_argument("--tile", type=int, default=64, help="pages per streamed tile")
+    p.add_argument("--tile", type=int, default=128, help="pages per streamed tile")
     p.add_argument("--qd", type=int, default=8, help="FileStore reads in flight")
     p.add_argument("--dir", default=None, help="where FileStore puts its layer file (default: a temp dir)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per variant")

@@ -9,8 +9,8 @@ double: a kernel is proven only on a GPU.
 """
 from .driver import *  # noqa: F401,F403  (the driver-call surface)
 from .driver import S as state  # noqa: F401
-from .enums import (CUDA_MEMCPY2D, CUdevice_attribute, CUevent_flags, CUmemorytype,  # noqa: F401
-                    CUresult, CUstream_flags, CUstreamCaptureMode)
-from .launch import (EmulatorError, cuLaunchKernel, cuModuleGetFunction, cuModuleLoadData,  # noqa: F401
-                     cuModuleUnload)
+from .enums import (CUDA_MEMCPY2D, CUdevice_attribute, CUevent_flags, CUfunction_attribute,  # noqa: F401
+                    CUmemorytype, CUresult, CUstream_flags, CUstreamCaptureMode)
+from .launch import (EmulatorError, cuFuncSetAttribute, cuLaunchKernel, cuModuleGetFunction,  # noqa: F401
+                     cuModuleLoadData, cuModuleUnload)
 from .memory import MemoryFault  # noqa: F401

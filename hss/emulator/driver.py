@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .enums import (CUDA_MEMCPY2D, ERROR_STRINGS, CUdevice_attribute, CUmemorytype, CUresult,
+from .enums import (CUDA_MEMCPY2D, ERROR_STRINGS, CUdevice_attribute, CUdeviceptr, CUmemcpyAttributes,  # noqa: F401
+                    CUmemcpySrcAccessOrder, CUmemLocationType, CUmemorytype, CUresult,
                     CUstreamCaptureMode)
 from .memory import Arena, host_view
 from .streams import Event, Graph, GraphExec, Stream
@@ -289,6 +290,23 @@ def cuMemcpyHtoDAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
     return (R.CUDA_SUCCESS,)
 
 
+def cuMemcpyBatchAsync(dsts: Any, srcs: Any, sizes: Any, count: int, attrs: Any, attrs_idxs: Any, num_attrs: int,
+                       hstream: Any) -> tuple:
+    """Host-to-device batches only (what hss queues); each copy as cuMemcpyHtoDAsync, in order."""
+    from .enums import CUmemcpySrcAccessOrder as Order
+    count = int(count)
+    if not (len(dsts) == len(srcs) == len(sizes) == count) or count == 0 or int(num_attrs) != len(attrs) \
+            or not 1 <= len(attrs) <= count or list(attrs_idxs)[:1] != [0]:
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    if any(a.srcAccessOrder != Order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM for a in attrs):
+        return (R.CUDA_ERROR_NOT_SUPPORTED,)
+    for d, s, n in zip(dsts, srcs, sizes):
+        err = cuMemcpyHtoDAsync(int(d), int(s), int(n), hstream)[0]
+        if err:
+            return (err,)
+    return (R.CUDA_SUCCESS,)
+
+
 def cuMemcpyDtoHAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
     st, err = _stream_or_err(hstream)
     if err:
@@ -541,4 +559,5 @@ def cuGraphExecDestroy(hexec: Any) -> tuple:
 
 
 __all__ = [n for n in dir() if n.startswith("cu")] + [
-    "CUDA_MEMCPY2D", "CUmemorytype", "CUresult", "CUdevice_attribute", "CUstreamCaptureMode"]
+    "CUDA_MEMCPY2D", "CUmemorytype", "CUresult", "CUdevice_attribute", "CUstreamCaptureMode", "CUdeviceptr",
+    "CUmemcpyAttributes", "CUmemcpySrcAccessOrder", "CUmemLocationType"]

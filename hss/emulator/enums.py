@@ -71,6 +71,10 @@ class CUdevice_attribute(enum.IntEnum):
     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 
 
+class CUfunction_attribute(enum.IntEnum):
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
 class CUstream_flags(enum.IntEnum):
     CU_STREAM_DEFAULT = 0
     CU_STREAM_NON_BLOCKING = 1
@@ -105,3 +109,31 @@ class CUDA_MEMCPY2D:
         self.srcHost = self.dstHost = 0
         self.srcPitch = self.dstPitch = 0
         self.WidthInBytes = self.Height = 0
+
+
+class CUmemcpySrcAccessOrder(enum.IntEnum):
+    CU_MEMCPY_SRC_ACCESS_ORDER_INVALID = 0
+    CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+    CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL = 2
+    CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
+
+
+class CUmemLocationType(enum.IntEnum):
+    CU_MEM_LOCATION_TYPE_INVALID = 0
+    CU_MEM_LOCATION_TYPE_DEVICE = 1
+    CU_MEM_LOCATION_TYPE_HOST = 2
+
+
+class CUdeviceptr(int):
+    """A device address (the binding's wrapper type; an int here)."""
+
+
+class _Location:
+    def __init__(self) -> None:
+        self.type, self.id = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID, 0
+
+
+class CUmemcpyAttributes:
+    def __init__(self) -> None:
+        self.srcAccessOrder = CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_INVALID
+        self.srcLocHint, self.dstLocHint, self.flags = _Location(), _Location(), 0

@@ -22,6 +22,7 @@ MODULES: dict[int, "Module"] = {}
 FUNCTIONS: dict[int, "Function"] = {}
 MAX_PTX_ISA = (9, 0)           # what the emulated driver (13.0) understands
 DEVICE_CC = (9, 0)
+SHARED_DEFAULT, SHARED_OPTIN = 48 * 1024, 227 * 1024   # dynamic shared memory per block: default, opt-in limit
 _UNPACK = {"ptr": "<Q", "i32": "<i", "u32": "<I", "i64": "<q", "f32": "<f"}
 _SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
 
@@ -38,6 +39,7 @@ class Module:
 class Function:
     def __init__(self, handle: int, module: Module, name: str) -> None:
         self.handle, self.module, self.name = handle, module, name
+        self.max_dynamic_shared = SHARED_DEFAULT
 
 
 def _parse_ptx(image: Any) -> tuple[R, list[str], str]:
@@ -111,15 +113,28 @@ def _decode(decl: Any, address: int) -> SimpleNamespace:
     return args
 
 
-def _geometry_error(grid: tuple, block: tuple, shared: int) -> str | None:
+def cuFuncSetAttribute(f: Any, attrib: Any, value: int) -> tuple:
+    from .enums import CUfunction_attribute as A
+    fn = FUNCTIONS.get(int(f))
+    if fn is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    if int(attrib) != A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+        return (R.CUDA_ERROR_NOT_SUPPORTED,)
+    if not 0 <= int(value) <= SHARED_OPTIN:
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    fn.max_dynamic_shared = int(value)
+    return (R.CUDA_SUCCESS,)
+
+
+def _geometry_error(grid: tuple, block: tuple, shared: int, limit: int) -> str | None:
     if min(grid) < 1 or min(block) < 1:
         return "grid and block dimensions must be >= 1"
     if grid[0] > 2**31 - 1 or grid[1] > 65535 or grid[2] > 65535:
         return "grid exceeds (2^31-1, 65535, 65535)"
     if block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024:
         return "block exceeds 1024 threads"
-    if shared > 48 * 1024:
-        return "dynamic shared memory over 48 KiB without the opt-in attribute"
+    if shared > limit:
+        return "dynamic shared memory over the function's limit (48 KiB unless raised by cuFuncSetAttribute)"
     return None
 
 
@@ -133,7 +148,7 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
     if fn is None or st is None:
         return (R.CUDA_ERROR_INVALID_HANDLE,)
     grid, block, shared = (int(gx), int(gy), int(gz)), (int(bx), int(by), int(bz)), int(shared)
-    if _geometry_error(grid, block, shared):
+    if _geometry_error(grid, block, shared, fn.max_dynamic_shared):
         return (R.CUDA_ERROR_INVALID_VALUE,)
     from hss.kernels import DECLARATIONS, Launch
     decl = DECLARATIONS.get(fn.name)

@@ -1,5 +1,5 @@
-"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` and ``ptx/attention_finalize.cu`` and their emulation
-through :mod:`hss.reference.attention`.
+"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` (the split kernel and its merge) and
+``ptx/attention_finalize.cu``, their geometry, and their emulation through :mod:`hss.reference.attention`.
 
 The pools are addressed through page ids that live in device memory, so their extents are declared "to
 the end of the allocation" and the emulation bounds-checks every page it reads itself.
@@ -14,9 +14,37 @@ import numpy as np
 from hss.kernels import Launch, declare, f32
 from hss.reference import attention as ref
 
-STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)
+STEP_THREADS = 256       # block of paged_decode_attn_tiled and paged_decode_attn_merge (ptx/paged_decode_attn_tiled.cu)
 FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
+CHUNK_TOKENS = 64        # ATT_CHUNK: tokens per partial state (fixed: a tile's bits depend on it)
+MERGE_DIMS = 32          # head dims per merge CTA
+_HG = 4                  # ATT_HG: query heads per pass over a staged chunk
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernel's row width for ``head_dim``: 64, 128 or 256."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def step_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of paged_decode_attn_tiled (the kernel's Shape<HDP>::BYTES)."""
+    hdp = padded_head_dim(head_dim)
+    dpt = 4 if hdp == 256 else 2
+    rg = STEP_THREADS // (hdp // dpt)
+    return (2 * (2 * CHUNK_TOKENS * hdp * 2) + rg * _HG * hdp * 4 + _HG * hdp * 4 + CHUNK_TOKENS * _HG * 4
+            + _HG * (CHUNK_TOKENS + 1) * 4)
+
+
+def step_grid_z(max_chunks_: int, seqs_x_kv_heads: int, sm_count: int) -> int:
+    """CTAs per (sequence, kv head) of paged_decode_attn_tiled: about two per SM in all, at most one per chunk
+    (any value in 1..max_chunks gives the same bits)."""
+    return max(1, min(max_chunks_, -(-2 * sm_count // max(seqs_x_kv_heads, 1))))
+
+
+def max_chunks(tile_capacity: int, block_size: int) -> int:
+    """Partial states per (sequence, query head) a tile can need: ceil(tile_capacity*block_size / 64)."""
+    return max(1, -(-tile_capacity * block_size // CHUNK_TOKENS))
 
 
 def _bf16(view: np.ndarray) -> np.ndarray:
@@ -28,16 +56,33 @@ def _rows(a: SimpleNamespace) -> int:
 
 
 def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
-    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != 0:
-        return f"needs block ({STEP_THREADS}, 1, 1) and no dynamic shared memory"
-    if launch.grid[1:] != (a.num_q_heads, 1):
-        return f"grid must be (num_seqs, num_q_heads = {a.num_q_heads}, 1)"
     if not 0 < a.head_dim <= MAX_HEAD_DIM:
         return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
-    if a.num_kv_heads <= 0 or a.gqa_ratio <= 0 or a.num_kv_heads * a.gqa_ratio != a.num_q_heads:
-        return f"num_kv_heads ({a.num_kv_heads}) * gqa_ratio ({a.gqa_ratio}) must equal num_q_heads ({a.num_q_heads})"
+    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != step_shared_bytes(a.head_dim):
+        return (f"needs block ({STEP_THREADS}, 1, 1) and {step_shared_bytes(a.head_dim)} bytes of dynamic shared "
+                "memory")
     if a.block_size <= 0 or a.tile_capacity < 0:
         return "block_size must be > 0 and tile_capacity >= 0"
+    if a.max_chunks != max_chunks(a.tile_capacity, a.block_size):
+        return f"max_chunks must be ceil(tile_capacity*block_size/{CHUNK_TOKENS}) = " \
+               f"{max_chunks(a.tile_capacity, a.block_size)}"
+    if launch.grid[1] != a.num_kv_heads or not 1 <= launch.grid[2] <= a.max_chunks:
+        return f"grid must be (num_seqs, num_kv_heads = {a.num_kv_heads}, 1..max_chunks = {a.max_chunks})"
+    if a.num_kv_heads <= 0 or a.gqa_ratio <= 0 or a.num_kv_heads * a.gqa_ratio != a.num_q_heads:
+        return f"num_kv_heads ({a.num_kv_heads}) * gqa_ratio ({a.gqa_ratio}) must equal num_q_heads ({a.num_q_heads})"
+    return None
+
+
+def _check_merge(a: SimpleNamespace, launch: Launch) -> str | None:
+    if not 0 < a.head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
+    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != 0:
+        return f"needs block ({STEP_THREADS}, 1, 1) and no dynamic shared memory"
+    want = (a.num_q_heads, -(-a.head_dim // MERGE_DIMS))
+    if launch.grid[1:] != want:
+        return f"grid must be (num_seqs, num_q_heads, ceil(head_dim/{MERGE_DIMS})) = (num_seqs, {want[0]}, {want[1]})"
+    if a.block_size <= 0 or a.tile_capacity < 0 or a.max_chunks != max_chunks(a.tile_capacity, a.block_size):
+        return "block_size must be > 0, tile_capacity >= 0 and max_chunks ceil(tile_capacity*block_size/64)"
     return None
 
 
@@ -70,21 +115,41 @@ def _pool_rows(pool: np.ndarray, pages: np.ndarray, slots: np.ndarray, a: Simple
 
 
 def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
-    ns, nq, hd = launch.grid[0], a.num_q_heads, a.head_dim
+    ns, nq, hd, mc = launch.grid[0], a.num_q_heads, a.head_dim, a.max_chunks
     q = _bf16(a.q).reshape(ns, nq, hd)
     kpool, vpool = _bf16(a.k_pool), _bf16(a.v_pool)
     blocks = a.tile_blocks.view(np.int32).reshape(ns, a.tile_capacity)
     counts = a.tile_block_counts.view(np.int32)
-    m = f32(a.m).reshape(ns, nq)
-    l = f32(a.l).reshape(ns, nq)
-    o = f32(a.o).reshape(ns, nq, hd)
+    part_ml = f32(a.part_ml).reshape(ns, nq, mc, 2)
+    part_o = f32(a.part_o).reshape(ns, nq, mc, hd)
     for s in range(ns):
         pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
         if pages.size == 0:
             continue
         k = _pool_rows(kpool, pages, slots, a, "k_pool", s)
         v = _pool_rows(vpool, pages, slots, a, "v_pool", s)
-        m[s], l[s], o[s] = ref.step_tile(q[s], k, v, m[s], l[s], o[s], state_dtype=np.float32)
+        m, l, o = ref.chunk_partials(q[s], k, v, CHUNK_TOKENS)
+        c = m.shape[0]
+        part_ml[s, :, :c, 0], part_ml[s, :, :c, 1] = m.T, l.T
+        part_o[s, :, :c] = o.transpose(1, 0, 2)
+
+
+def _emulate_merge(a: SimpleNamespace, launch: Launch) -> None:
+    ns, nq, hd, mc = launch.grid[0], a.num_q_heads, a.head_dim, a.max_chunks
+    counts = a.tile_block_counts.view(np.int32)
+    part_ml = f32(a.part_ml).reshape(ns, nq, mc, 2)
+    part_o = f32(a.part_o).reshape(ns, nq, mc, hd)
+    m = f32(a.m).reshape(ns, nq)
+    l = f32(a.l).reshape(ns, nq)
+    o = f32(a.o).reshape(ns, nq, hd)
+    for s in range(ns):
+        n = min(max(int(counts[s]), 0), a.tile_capacity)
+        n_tok = 0 if n == 0 else (n - 1) * a.block_size + min(max(a.last_block_valid_slots, 0), a.block_size)
+        c = min(-(-n_tok // CHUNK_TOKENS), mc)
+        if c == 0:
+            continue
+        pm, pl = part_ml[s, :, :c, 0].T, part_ml[s, :, :c, 1].T
+        m[s], l[s], o[s] = ref.merge_partials(m[s], l[s], o[s], pm, pl, part_o[s, :, :c].transpose(1, 0, 2))
 
 
 def _check_finalize(a: SimpleNamespace, launch: Launch) -> str | None:
@@ -101,18 +166,33 @@ def _emulate_finalize(a: SimpleNamespace, launch: Launch) -> None:
     _bf16(a.out)[: rows * hd] = out.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(-1)
 
 
+def _parts(a: SimpleNamespace, per: int) -> int:
+    return 4 * _rows(a) * max(a.max_chunks, 0) * per
+
+
 PAGED_DECODE_ATTN_TILED = declare(
     "paged_decode_attn_tiled", "paged_decode_attn_tiled",
-    "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr m, ptr l, ptr o, "
+    "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, "
     "i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, i32 tile_capacity, i32 gqa_ratio, "
-    "i64 blk_stride, i64 tok_stride, i64 kvh_stride, i32 last_block_valid_slots",
+    "i32 max_chunks, i64 blk_stride, i64 tok_stride, i64 kvh_stride, i32 last_block_valid_slots",
     reads={"q": lambda a: 2 * _rows(a) * a.head_dim,
            "k_pool": lambda a: None, "v_pool": lambda a: None,           # page ids decide: checked per page
            "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
-           "tile_block_counts": lambda a: 4 * a.grid[0],
-           "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim},
-    writes={"m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim},
+           "tile_block_counts": lambda a: 4 * a.grid[0]},
+    writes={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, max(a.head_dim, 0))},
     emulate=_emulate_step, check=_check_step)
+
+PAGED_DECODE_ATTN_MERGE = declare(
+    "paged_decode_attn_tiled", "paged_decode_attn_merge",
+    "ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, ptr l, ptr o, ptr merge_count, i32 num_q_heads, "
+    "i32 head_dim, i32 block_size, i32 tile_capacity, i32 max_chunks, i32 last_block_valid_slots",
+    reads={"tile_block_counts": lambda a: 4 * a.grid[0],
+           "part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, max(a.head_dim, 0)),
+           "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim,
+           "merge_count": lambda a: 4 * _rows(a)},
+    writes={"m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim,
+            "merge_count": lambda a: 4 * _rows(a)},
+    emulate=_emulate_merge, check=_check_merge)
 
 ATTENTION_FINALIZE = declare(
     "attention_finalize", "attention_finalize", "ptr o, ptr l, ptr out, i32 num_q_heads, i32 head_dim",

@@ -1,5 +1,6 @@
-"""References for tiled decode attention (SPEC §6.3-6.5): the online-softmax tile step, finalize, and
-plain softmax attention.
+"""References for tiled decode attention (SPEC §6.3-6.5): the original's online-softmax tile step, the
+split + merge form the kernels compute (per-chunk partial states folded into the running state), finalize,
+and plain softmax attention.
 
 Shapes: ``q`` [num_q_heads, head_dim]; ``k``, ``v`` [num_tokens, num_kv_heads, head_dim] (the tokens in
 the order the kernel consumes them); q head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["logits", "step_tile", "finalize", "attention", "gather_tokens"]
+__all__ = ["logits", "step_tile", "chunk_partials", "merge_partials", "finalize", "attention", "gather_tokens"]
 
 
 def logits(q: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -48,6 +49,52 @@ def step_tile(q: np.ndarray, k: np.ndarray, v: np.ndarray, m: np.ndarray, l: np.
             o = rnd(o * s_old.reshape(nkv, -1, 1) + v[t][:, None, :] * s_new.reshape(nkv, -1, 1))
             m = rnd(m_new)
     return m, l, o.reshape(nq, hd)
+
+
+def _rounder(state_dtype: type | None):
+    return (lambda a: np.asarray(a).astype(state_dtype).astype(np.float64)) if state_dtype is not None else \
+        (lambda a: np.asarray(a, dtype=np.float64))
+
+
+def chunk_partials(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk: int, *,
+                   state_dtype: type | None = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Partial softmax states of consecutive ``chunk``-token pieces of ``k``/``v``.
+
+    Returns ``m`` [C, nq] (max logit of the chunk), ``l`` [C, nq] (sum of p = exp(x - m)) and ``o``
+    [C, nq, hd] (sum of p*v), C = ceil(num_tokens / chunk). With ``state_dtype`` (the device's float32), m is
+    rounded before p is formed and l, o are rounded once, as the kernel stores them.
+    """
+    x = logits(q, k)                                    # [N, nq]
+    nq, hd = np.shape(q)
+    n, nkv = np.shape(k)[:2]
+    rnd = _rounder(state_dtype)
+    vv = np.asarray(v, dtype=np.float64)
+    c = -(-n // chunk)
+    m, l, o = np.empty((c, nq)), np.empty((c, nq)), np.empty((c, nq, hd))
+    for i in range(c):
+        xs = x[i * chunk:(i + 1) * chunk]
+        m[i] = rnd(xs.max(axis=0))
+        p = np.exp(xs - m[i])
+        l[i] = rnd(p.sum(axis=0))
+        o[i] = rnd(np.einsum("nkg,nkd->kgd", p.reshape(-1, nkv, nq // nkv),
+                             vv[i * chunk:(i + 1) * chunk]).reshape(nq, hd))
+    return m, l, o
+
+
+def merge_partials(m: np.ndarray, l: np.ndarray, o: np.ndarray, pm: np.ndarray, pl: np.ndarray, po: np.ndarray,
+                   *, state_dtype: type | None = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fold partial states ``pm``/``pl`` [C, nq], ``po`` [C, nq, hd] into the running state ``(m, l, o)``:
+    M = max(m, pm), l' = l*exp(m - M) + sum_c pl_c*exp(pm_c - M), o' likewise. No chunks: the state as is."""
+    m = np.asarray(m, dtype=np.float64)
+    if len(pm) == 0:
+        return m, np.asarray(l, dtype=np.float64), np.asarray(o, dtype=np.float64)
+    rnd = _rounder(state_dtype)
+    big = np.maximum(m, np.max(pm, axis=0))
+    s_old = np.exp(m - big)                             # m = -inf (fresh state): 0
+    w = np.exp(np.asarray(pm, dtype=np.float64) - big)  # [C, nq]
+    l2 = rnd(np.asarray(l, dtype=np.float64) * s_old + (np.asarray(pl, dtype=np.float64) * w).sum(axis=0))
+    o2 = rnd(np.asarray(o, dtype=np.float64) * s_old[:, None] + np.einsum("cn,cnd->nd", w, np.asarray(po, np.float64)))
+    return rnd(big), l2, o2
 
 
 def finalize(l: np.ndarray, o: np.ndarray) -> np.ndarray:

@@ -10,17 +10,18 @@ The scratch pool (``resident_blocks`` page slots in HBM) is split in two:
 
 A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s`` and the copy stream ``c``:
 
-1. ``s`` waits for the previous step (``step_done``), then q_proj = project_q(q), scores of the layer's
+1. ``s`` waits for the previous step (``step_done``) and records ``go``; ``c`` waits for it (write-after-read:
+   the stream buffers may still be read by the previous step). The tiles follow from hits and misses alone
+   (hits = pages resident for this layer; misses stream in tiles of T, sequence order), so the reads of the
+   first two streamed tiles are queued on ``c`` at once. Then q_proj = project_q(q), scores of the layer's
    pages, D2H into pinned memory, and the **host waits for the scores** (the step's one planned host sync;
-   the original synchronized here too).
-2. Host plan: hits = pages resident for this layer; misses stream in tiles of T (sequence order). Misses are
+   the original synchronized here too) while those reads run.
+2. Host plan: misses are
    promoted into the resident set best score first: into free slots, then replacing the first-ranked
    resident (lowest score, then least recently touched) while that one ranks before the new page. A promoted
    page is copied (device to device, on ``s``) from its stream slot into its resident slot right after its
    tile is attended, so hits attended earlier in the step are never overwritten early.
-3. ``s`` records ``go``; ``c`` waits for it (write-after-read: the stream buffers may still be read by the
-   previous step; the host's score wait already implies this, the event keeps the order explicit). Block
-   tables go up in one copy; ``begin_step``; the resident tile is attended first.
+3. Block tables go up in one copy; ``begin_step``; the resident tile is attended first.
 4. Tile i's pages are read on ``c`` into buffer i % 2, which first waits for ``done[i % 2]`` (attention on
    tile i-2 finished), then records ``loaded[i % 2]``. ``s`` waits ``loaded[i % 2]``, attends tile i, does
    its promotions, records ``done[i % 2]``. Reads run two tiles ahead of attention.
@@ -364,15 +365,7 @@ class HighSpeedSwap:
                              "write failed): offload_block them before attending")
         if self._stepped:
             cm.stream_wait_event(s, self._ev_step_done)
-        scores = self._scores(s, layer, q, ids)
-        self._timer.collect(wait=False)
-
-        if hit_pos.size:
-            self.eviction.record_scores(slots[hit_pos], scores[hit_pos])
-            self.eviction.touch_many(slots[hit_pos])
-        plan = self._plan_promotions(scores, miss_pos)
-        tiles = self._tiles(ids, slots, hit_pos, miss_pos, lbvs)
-        self._upload_tables(s, tiles)
+        tiles = self._tiles(ids, slots, hit_pos, miss_pos, lbvs)     # the schedule needs hits and misses only
         promoted: list[tuple[int, int, int]] = []                 # (decision rank, block id, slot)
         evicted: list[tuple[int, tuple[int, int], int]] = []      # (decision rank, (layer, page), slot)
         self._ev_go.record(s)
@@ -400,11 +393,18 @@ class HighSpeedSwap:
             self._ev_loaded[i % 2].record(c)
 
         try:
+            for i in range(min(2, len(streamed))):   # the first reads run while the host waits for the scores
+                read(i)
+            scores = self._scores(s, layer, q, ids)
+            self._timer.collect(wait=False)
+            if hit_pos.size:
+                self.eviction.record_scores(slots[hit_pos], scores[hit_pos])
+                self.eviction.touch_many(slots[hit_pos])
+            plan = self._plan_promotions(scores, miss_pos)
+            self._upload_tables(s, tiles)
             ta.begin_step_on_stream(s, 1)
             if first:
                 attend(0, tiles[0])
-            for i in range(min(2, len(streamed))):
-                read(i)
             for i, tile in enumerate(streamed):
                 self._timer.begin(s)
                 cm.stream_wait_event(s, self._ev_loaded[i % 2])
