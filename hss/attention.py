@@ -22,7 +22,7 @@ from typing import Any
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, MERGE_DIMS,
+from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, MERGE_DIMS, MERGE_THREADS,
                                    PAGED_DECODE_ATTN_MERGE, PAGED_DECODE_ATTN_TILED, STEP_THREADS, max_chunks,
                                    step_grid_z, step_shared_bytes)
 from hss.ptx import load_module
@@ -148,6 +148,8 @@ class TiledAttention:
         dims.validate()
         self.dims = dims
         self._owned: list[Any] = []
+        self._fresh = 0   # sequences begin_step initialised lazily: the next tile's merge writes their state
+        self._counts_zeroed = False
         try:
             step_mod = self._own(load_module("paged_decode_attn_tiled", ctx))
             fin_mod = self._own(load_module("attention_finalize", ctx))
@@ -242,22 +244,28 @@ class TiledAttention:
 
     # -- the step ------------------------------------------------------------------------------
     def begin_step(self, stream: Any, num_seqs: int) -> None:
-        """Start a decode step for ``num_seqs`` sequences on ``stream`` (or a CudaCtx's stream):
-        m := -inf, l := 0, o := 0 for their rows, merge counters := 0 (four async memsets)."""
+        """Start a decode step for ``num_seqs`` sequences on ``stream`` (or a CudaCtx's stream): their state
+        becomes m = -inf, l = 0, o = 0. Nothing is queued here: the step's first ``step_tile`` (on the same
+        number of sequences) starts from that state without reading the buffers, else three memsets are
+        queued first on the stream of whichever call comes next (``step_tile`` or ``finalize``)."""
         self.begin_step_on_stream(_stream(stream), num_seqs)
 
     def begin_step_on_stream(self, stream: Any, num_seqs: int) -> None:
         """:meth:`begin_step` on an explicit stream."""
         self._live()
         s = cm.stream_handle(stream)
-        n = self._num_seqs(num_seqs)
-        if n == 0:
-            return
-        rows = n * self.dims.num_q_heads
-        cm.memset_d32_async(self.m, NEG_INF_BITS, rows, s)
-        cm.memset_d32_async(self.l, 0, rows, s)
-        cm.memset_d32_async(self.o, 0, rows * self.dims.head_dim, s)
-        cm.memset_d32_async(self._merge_count, 0, rows, s)   # the merge resets them; this guards a broken launch
+        self._fresh = self._num_seqs(num_seqs)
+        if self._fresh and not self._counts_zeroed:   # the merge leaves its counters at zero; they start there once
+            cm.memset_d32_async(self._merge_count, 0, self.dims.max_seqs * self.dims.num_q_heads, s)
+            self._counts_zeroed = True
+
+    def _initialise(self, s: int) -> None:
+        """Queue the initial state begin_step promised (when no step_tile writes it)."""
+        rows, self._fresh = self._fresh * self.dims.num_q_heads, 0
+        if rows:
+            cm.memset_d32_async(self.m, NEG_INF_BITS, rows, s)
+            cm.memset_d32_async(self.l, 0, rows, s)
+            cm.memset_d32_async(self.o, 0, rows * self.dims.head_dim, s)
 
     def step_tile(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, tile_block_counts: Any,
                   num_seqs: int, blk_stride: int, tok_stride: int, kvh_stride: int,
@@ -312,9 +320,13 @@ class TiledAttention:
         mp.set(12, lbvs)
         if n == 0:
             return
+        if self._fresh and self._fresh != n:
+            self._initialise(s)
+        mp.set(13, 1 if self._fresh else 0)
+        self._fresh = 0
         z = step_grid_z(d.max_chunks, n * d.num_kv_heads, self._sm_count)
         cm.launch_kernel(self._step_fn, (n, d.num_kv_heads, z), (STEP_THREADS, 1, 1), self._step_shared, s, p)
-        cm.launch_kernel(self._merge_fn, (n, d.num_q_heads, -(-d.head_dim // MERGE_DIMS)), (STEP_THREADS, 1, 1), 0,
+        cm.launch_kernel(self._merge_fn, (n, d.num_q_heads, -(-d.head_dim // MERGE_DIMS)), (MERGE_THREADS, 1, 1), 0,
                          s, mp)
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
@@ -329,6 +341,8 @@ class TiledAttention:
         n = self._num_seqs(num_seqs)
         out = _pointer(output, "output", 2, 2 * n * d.num_q_heads * d.head_dim,
                        "bf16 [num_seqs, num_q_heads, head_dim]")
+        if self._fresh:
+            self._initialise(s)
         if n == 0:
             return
         self._fin_pack.set(2, out)

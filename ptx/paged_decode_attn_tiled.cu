@@ -30,11 +30,12 @@
 //   about two CTAs per SM), block (256,1,1), dynamic shared memory Shape<HDP>::BYTES (76 KiB at head_dim 128:
 //   the host raises the function's 48 KiB limit). CTAs with no chunk of the tile return at once.
 // paged_decode_attn_merge(tile_block_counts, part_ml, part_o, m, l, o, merge_count, num_q_heads, head_dim,
-//     block_size, tile_capacity, max_chunks, last_block_valid_slots)
-//   m, l f32 [num_seqs*num_q_heads], o f32 [num_seqs*num_q_heads, head_dim] (read then written);
+//     block_size, tile_capacity, max_chunks, last_block_valid_slots, fresh)
+//   m, l f32 [num_seqs*num_q_heads], o f32 [num_seqs*num_q_heads, head_dim] (read then written; fresh != 0:
+//   not read, taken as the initial state m = -inf, l = 0, o = 0, which is what begin_step asked for);
 //   merge_count u32 [num_seqs*num_q_heads], zero between launches (the last CTA of a row resets it).
-//   Launch: grid (num_seqs, num_q_heads, ceil(head_dim/32)), block (256,1,1), no dynamic shared memory.
-//   A sequence whose tile has no tokens keeps its state.
+//   Launch: grid (num_seqs, num_q_heads, ceil(head_dim/32)), block (1024,1,1), no dynamic shared memory.
+//   A sequence whose tile has no tokens keeps its state (fresh: gets the initial state).
 // head_dim <= 256 (any value; rows are padded to 64, 128 or 256 in shared memory). Loads are 16-byte cp.async
 // when the pools, strides and head_dim allow it, else 2-byte loads; both stage the same values.
 #include "hss_common.cuh"
@@ -43,6 +44,8 @@
 #define ATT_CHUNK 64   // tokens per chunk (fixed: the result of a tile depends on it)
 #define ATT_HG 4       // query heads served per pass over the staged chunk
 #define ATT_MAX_HD 256
+#define ATT_STAGES 3   // chunks in flight per CTA (the one computed and the next two)
+#define MERGE_THREADS 1024
 
 namespace {
 
@@ -57,7 +60,7 @@ struct Shape {
     static constexpr int SC = ATT_CHUNK + 1;        // logits row pitch (padded against bank conflicts)
     // shared memory layout, in bytes: two stages of (K, V) chunks, then the per-chunk work arrays
     static constexpr int STAGE = 2 * ATT_CHUNK * HDP * 2;         // bf16 K [CHUNK][HDP] then V [CHUNK][HDP]
-    static constexpr int RED = 2 * STAGE;                         // f32 [RG][HG][HDP]
+    static constexpr int RED = ATT_STAGES * STAGE;                // f32 [RG][HG][HDP]
     static constexpr int QS = RED + RG * ATT_HG * HDP * 4;        // f32 [HG][HDP]
     static constexpr int PS = QS + ATT_HG * HDP * 4;              // f32 [CHUNK][HG]
     static constexpr int SCS = PS + ATT_CHUNK * ATT_HG * 4;       // f32 [HG][SC]
@@ -289,21 +292,21 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
     const int hd = a.hd;
     const int n_chunks = (a.n_tok + ATT_CHUNK - 1) / ATT_CHUNK;
 
-    // This CTA's chunks: blockIdx.z, + gridDim.z, ...; chunk i+1 is staged while chunk i is computed.
+    // This CTA's chunks: blockIdx.z, + gridDim.z, ...; chunks i+1 and i+2 are staged while chunk i is computed
+    // (a ring of ATT_STAGES buffers; a buffer is refilled only after the barrier that ends its chunk).
+    const int z = gridDim.z;
+    auto buffer = [&](int it) { return reinterpret_cast<unsigned short*>(smem + (it % ATT_STAGES) * S::STAGE); };
     int c = blockIdx.z;
-    stage<HDP>(a, c, reinterpret_cast<unsigned short*>(smem));
-    for (int it = 0; c < n_chunks; c += gridDim.z, ++it) {
-        const unsigned short* ks = reinterpret_cast<const unsigned short*>(smem + (it & 1) * S::STAGE);
-        const unsigned short* vs = ks + ATT_CHUNK * HDP;
-        if (c + (int)gridDim.z < n_chunks)
-            stage<HDP>(a, c + gridDim.z, reinterpret_cast<unsigned short*>(smem + ((it + 1) & 1) * S::STAGE));
-        else
-            cp_commit();   // an empty group keeps the count: wait<1> below always means "chunk c has landed"
-        cp_wait<1>();
+    stage<HDP>(a, c, buffer(0));
+    if (c + z < n_chunks) stage<HDP>(a, c + z, buffer(1));
+    else cp_commit();
+    for (int it = 0; c < n_chunks; c += z, ++it) {
+        if (c + 2 * z < n_chunks) stage<HDP>(a, c + 2 * z, buffer(it + 2));
+        else cp_commit();   // empty groups keep the count: wait<2> always means "chunk c has landed"
+        cp_wait<2>();
+        const unsigned short* ks = buffer(it);
         const int n = min(ATT_CHUNK, a.n_tok - c * ATT_CHUNK);
-        float* part_ml = a.part_ml + 2LL * c;
-        float* part_o = a.part_o + (long long)c * hd;
-        chunk<HDP>(a, ks, vs, n, part_ml, part_o, red, smem);
+        chunk<HDP>(a, ks, ks + ATT_CHUNK * HDP, n, a.part_ml + 2LL * c, a.part_o + (long long)c * hd, red, smem);
     }
 }
 
@@ -350,12 +353,13 @@ paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
 paged_decode_attn_merge(const int* __restrict__ tile_block_counts, const float* __restrict__ part_ml,
                         const float* __restrict__ part_o, float* __restrict__ m_state, float* __restrict__ l_state,
                         float* __restrict__ o_state, unsigned* __restrict__ merge_count, int num_q_heads, int head_dim,
-                        int block_size, int tile_capacity, int max_chunks, int last_block_valid_slots) {
-    __shared__ float wmax[ATT_THREADS / 32], wl[ATT_THREADS / 32], wo[ATT_THREADS / 32][32];
+                        int block_size, int tile_capacity, int max_chunks, int last_block_valid_slots, int fresh) {
+    constexpr int W = MERGE_THREADS / 32;
+    __shared__ float wmax[W], wl[W], wo[W][32];
     const int seq = blockIdx.x, qh = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (head_dim <= 0 || head_dim > ATT_MAX_HD) return;
@@ -363,27 +367,36 @@ paged_decode_attn_merge(const int* __restrict__ tile_block_counts, const float* 
     const int n_tok = tile_tokens(tile_block_counts, seq, tile_capacity, block_size, last_block_valid_slots,
                                   n_blocks, last_slots);
     const int n_chunks = min((n_tok + ATT_CHUNK - 1) / ATT_CHUNK, max_chunks);
-    if (n_chunks <= 0) return;   // nothing attended: the state stays as it is
-
     const long long row = (long long)seq * num_q_heads + qh;
+    const int d = blockIdx.z * 32 + lane;
+    if (n_chunks <= 0) {   // nothing attended: the state stays as it is (a fresh state is written)
+        if (fresh && warp == 0) {
+            if (d < head_dim) o_state[row * head_dim + d] = 0.0f;
+            if (blockIdx.z == 0 && lane == 0) {
+                m_state[row] = -INFINITY;
+                l_state[row] = 0.0f;
+            }
+        }
+        return;
+    }
+
     const float* ml = part_ml + row * 2LL * max_chunks;
     const float* po = part_o + row * (long long)max_chunks * head_dim;
-    const float m_old = m_state[row], l_old = l_state[row];
+    const float m_old = fresh ? -INFINITY : m_state[row], l_old = fresh ? 0.0f : l_state[row];
 
     float mx = -INFINITY;
-    for (int c = tid; c < n_chunks; c += ATT_THREADS) mx = fmaxf(mx, ml[2 * c]);
+    for (int c = tid; c < n_chunks; c += MERGE_THREADS) mx = fmaxf(mx, ml[2 * c]);
     mx = hss_warp_max(mx);
     if (lane == 0) wmax[warp] = mx;
     __syncthreads();
     float M = m_old;
 #pragma unroll
-    for (int w = 0; w < ATT_THREADS / 32; ++w) M = fmaxf(M, wmax[w]);
+    for (int w = 0; w < W; ++w) M = fmaxf(M, wmax[w]);
 
-    // warp w folds chunks w, w+8, ... (in order); lane = one dim of this CTA's 32-dim slice
-    const int d = blockIdx.z * 32 + lane;
+    // warp w folds chunks w, w+W, ... (in order); lane = one dim of this CTA's 32-dim slice
     float acc = 0.0f, lacc = 0.0f;
-#pragma unroll 8
-    for (int c = warp; c < n_chunks; c += ATT_THREADS / 32) {
+#pragma unroll 16
+    for (int c = warp; c < n_chunks; c += W) {
         const float2 mlc = *reinterpret_cast<const float2*>(ml + 2 * c);
         const float w = __expf(mlc.x - M);
         lacc = fmaf(mlc.y, w, lacc);
@@ -395,12 +408,15 @@ paged_decode_attn_merge(const int* __restrict__ tile_block_counts, const float* 
     if (warp == 0) {
         float tot = wo[0][lane], ltot = wl[0];
 #pragma unroll
-        for (int w = 1; w < ATT_THREADS / 32; ++w) {
+        for (int w = 1; w < W; ++w) {
             tot += wo[w][lane];
             ltot += wl[w];
         }
         const float s_old = __expf(m_old - M);   // m_old = -inf (fresh state): 0
-        if (d < head_dim) o_state[row * head_dim + d] = fmaf(o_state[row * head_dim + d], s_old, tot);
+        if (d < head_dim) {
+            const float o_old = fresh ? 0.0f : o_state[row * head_dim + d];
+            o_state[row * head_dim + d] = fmaf(o_old, s_old, tot);
+        }
         // m and l are read by every dim slice of this row: the last slice to finish writes them
         if (lane == 0) {
             __threadfence();

@@ -382,6 +382,32 @@ def test_empty_sequence_and_interop(ctx, stream, rng) -> None:
         b.close()
 
 
+def test_begin_step_state_without_a_matching_tile(ctx, stream, rng) -> None:
+    """begin_step's state is written by the step's first tile when it covers the same sequences, else by
+    memsets before the next call: a step with no tile, or a first tile over fewer sequences."""
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tile_capacity=3)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 4, "unit")
+    out = poisoned(2 * 2 * 4 * 64, stream)
+    for buf in (ta.m, ta.l, ta.o):
+        cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
+    ta.begin_step(stream, 2)
+    ta.finalize(stream, out, 2)                                  # no tile at all
+    assert (download(out, 2 * 4 * 64, np.uint16, stream) == 0).all()
+    assert (download(ta.m, 8, np.uint32, stream) == 0xFF800000).all()
+    sched = schedule([np.array([3, 1, 2])], 3, 3, 16, 16)
+    tb, cn = upload(sched[0][0], stream), upload(sched[0][1], stream)
+    for buf in (ta.m, ta.l, ta.o):
+        cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
+    ta.begin_step(stream, 2)
+    ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, 1, *pool.strides, 16)   # one of the two
+    ta.finalize(stream, out, 2)
+    got = download(out, (2, 4, 64), BF16, stream)
+    assert_close(got[:1].astype(np.float64), reference(q[:1], pool, consumed(sched, 1, 16)), "bf16", (2,), "seq 0")
+    assert (got[1].view(np.uint16) == 0).all()
+    for b in (tb, cn, out, ta, pool):
+        b.close()
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> dict:
     gqa = draw(st.integers(1, 8))

@@ -19,6 +19,8 @@ FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
 CHUNK_TOKENS = 64        # ATT_CHUNK: tokens per partial state (fixed: a tile's bits depend on it)
 MERGE_DIMS = 32          # head dims per merge CTA
+MERGE_THREADS = 1024     # block of paged_decode_attn_merge
+STAGES = 3               # ATT_STAGES: staged chunks per CTA
 _HG = 4                  # ATT_HG: query heads per pass over a staged chunk
 
 
@@ -32,7 +34,7 @@ def step_shared_bytes(head_dim: int) -> int:
     hdp = padded_head_dim(head_dim)
     dpt = 4 if hdp == 256 else 2
     rg = STEP_THREADS // (hdp // dpt)
-    return (2 * (2 * CHUNK_TOKENS * hdp * 2) + rg * _HG * hdp * 4 + _HG * hdp * 4 + CHUNK_TOKENS * _HG * 4
+    return (STAGES * (2 * CHUNK_TOKENS * hdp * 2) + rg * _HG * hdp * 4 + _HG * hdp * 4 + CHUNK_TOKENS * _HG * 4
             + _HG * (CHUNK_TOKENS + 1) * 4)
 
 
@@ -76,8 +78,8 @@ def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
 def _check_merge(a: SimpleNamespace, launch: Launch) -> str | None:
     if not 0 < a.head_dim <= MAX_HEAD_DIM:
         return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
-    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != 0:
-        return f"needs block ({STEP_THREADS}, 1, 1) and no dynamic shared memory"
+    if launch.block != (MERGE_THREADS, 1, 1) or launch.shared != 0:
+        return f"needs block ({MERGE_THREADS}, 1, 1) and no dynamic shared memory"
     want = (a.num_q_heads, -(-a.head_dim // MERGE_DIMS))
     if launch.grid[1:] != want:
         return f"grid must be (num_seqs, num_q_heads, ceil(head_dim/{MERGE_DIMS})) = (num_seqs, {want[0]}, {want[1]})"
@@ -146,6 +148,8 @@ def _emulate_merge(a: SimpleNamespace, launch: Launch) -> None:
         n = min(max(int(counts[s]), 0), a.tile_capacity)
         n_tok = 0 if n == 0 else (n - 1) * a.block_size + min(max(a.last_block_valid_slots, 0), a.block_size)
         c = min(-(-n_tok // CHUNK_TOKENS), mc)
+        if a.fresh:   # the state begin_step asked for, not what the buffers hold
+            m[s], l[s], o[s] = -np.inf, 0.0, 0.0
         if c == 0:
             continue
         pm, pl = part_ml[s, :, :c, 0].T, part_ml[s, :, :c, 1].T
@@ -185,7 +189,7 @@ PAGED_DECODE_ATTN_TILED = declare(
 PAGED_DECODE_ATTN_MERGE = declare(
     "paged_decode_attn_tiled", "paged_decode_attn_merge",
     "ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, ptr l, ptr o, ptr merge_count, i32 num_q_heads, "
-    "i32 head_dim, i32 block_size, i32 tile_capacity, i32 max_chunks, i32 last_block_valid_slots",
+    "i32 head_dim, i32 block_size, i32 tile_capacity, i32 max_chunks, i32 last_block_valid_slots, i32 fresh",
     reads={"tile_block_counts": lambda a: 4 * a.grid[0],
            "part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, max(a.head_dim, 0)),
            "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim,

@@ -17,8 +17,8 @@ MODULE = "qsa_indexer"   # the prefill kernels are part of the qsa_indexer PTX m
 
 BF16 = ml_dtypes.bfloat16
 SCORE_TILE = 64                                   # qsa_score_rows: rows x blocks per CTA
-TC_ROWS, TC_BLOCKS, TC_HEADS, TC_HD = 16, 64, 4, 128   # qsa_score_rows_tc: CTA rows, chunk blocks, hard-coded shape
-TC_CHUNKS_PER_CTA = 8                             # default run of 64-block chunks per TC CTA (grid.y choice)
+TC_ROWS, TC_BLOCKS, TC_HEADS, TC_HD = 32, 64, 4, 128   # qsa_score_rows_tc: CTA rows, chunk blocks, hard-coded shape
+TC_CHUNKS_PER_CTA = 16                            # default run of 64-block chunks per TC CTA: 1024 blocks (grid.y)
 ATTN_THREADS, ATTN_HEAD_GROUP = 256, 4            # qsa_prefill_attn: 8 warps, query heads per CTA
 ATTN_TC_THREADS, ATTN_TC_HD, ATTN_TC_MAX_GROUP = 64, (64, 128, 256), 16   # qsa_prefill_attn_tc
 
@@ -43,37 +43,11 @@ def score_rows_geometry(rows: int, n_blocks: int) -> Geometry:
 
 
 def score_rows_tc_geometry(rows: int, n_blocks: int, chunk_groups: int | None = None) -> Geometry:
-    """grid.y = ``chunk_groups`` (default: runs of TC_CHUNKS_PER_CTA chunks); any value in
-    [1, ceil(n_blocks/64)] is valid, ceil(n_blocks/64) being the original's one-chunk-per-CTA grid."""
+    """grid (ceil(rows/32), ``chunk_groups``, 1): grid.y defaults to runs of TC_CHUNKS_PER_CTA 64-block chunks;
+    any value in [1, ceil(n_blocks/64)] is valid, ceil(n_blocks/64) being one chunk per CTA."""
     chunks = max(_cdiv(n_blocks, TC_BLOCKS), 1)
     gy = chunk_groups if chunk_groups is not None else _cdiv(chunks, TC_CHUNKS_PER_CTA)
     return Geometry((_cdiv(rows, TC_ROWS), max(1, min(gy, chunks)), 1), (256, 1, 1), 0)
-
-
-class TcVariant(NamedTuple):
-    """Geometry of an exploration variant of qsa_score_rows_tc (ptx/qsa_prefill.cuh says what each changes)."""
-    rows: int      # score rows per CTA (grid.x = ceil(rows / this))
-    blocks: int    # blocks per chunk (grid.y runs over chunks)
-    threads: int
-    shared: int    # dynamic shared bytes (over 48 KiB needs the opt-in function attribute)
-
-
-# Same signature, outputs and bound as qsa_score_rows_tc; only the geometry differs.
-TC_VARIANTS = {
-    "qsa_score_rows_tc_x1": TcVariant(16, 64, 256, 0),          # separate hi / lo accumulators
-    "qsa_score_rows_tc_x2": TcVariant(16, 128, 256, 98304),     # 128-block chunks, dynamic smem
-    "qsa_score_rows_tc_x3": TcVariant(32, 64, 256, 0),          # heads reduced in registers, 32 rows / CTA
-    "qsa_score_rows_tc_x4": TcVariant(64, 64, 512, 0),          # as x3 with 16 warps, 64 rows / CTA
-}
-
-
-def score_rows_tc_variant_geometry(name: str, rows: int, n_blocks: int, chunk_groups: int | None = None) -> Geometry:
-    """As :func:`score_rows_tc_geometry` for variant ``name``: grid.y = ``chunk_groups`` (default: runs of
-    TC_CHUNKS_PER_CTA * 64 blocks), any value in [1, ceil(n_blocks / its chunk)]."""
-    v = TC_VARIANTS[name]
-    chunks = max(_cdiv(n_blocks, v.blocks), 1)
-    gy = chunk_groups if chunk_groups is not None else _cdiv(chunks, TC_CHUNKS_PER_CTA * TC_BLOCKS // v.blocks)
-    return Geometry((_cdiv(rows, v.rows), max(1, min(gy, chunks)), 1), (v.threads, 1, 1), v.shared)
 
 
 def prefill_attn_geometry(rows: int, nq: int, nkv: int, hd: int) -> Geometry:
@@ -197,43 +171,19 @@ def _check_score_tc(a: SimpleNamespace, launch: Launch) -> str | None:
         return f"n_blocks ({a.n_blocks}) exceeds score_stride ({a.score_stride})"
     chunks = max(_cdiv(a.n_blocks, TC_BLOCKS), 1)
     if launch.grid[0] != _cdiv(a.rows, TC_ROWS) or not 1 <= launch.grid[1] <= chunks or launch.grid[2] != 1:
-        return f"needs grid (ceil(rows/16) = {_cdiv(a.rows, TC_ROWS)}, 1..{chunks}, 1)"
+        return f"needs grid (ceil(rows/{TC_ROWS}) = {_cdiv(a.rows, TC_ROWS)}, 1..{chunks}, 1)"
     if launch.block != (256, 1, 1):
         return "needs block (256, 1, 1)"
     return None
 
 
-QSA_SCORE_ROWS_TC_SIGNATURE = ("ptr q, ptr block_keys, ptr scores, u32 first_pos, u32 score_stride, u32 ratio, "
-                               "u32 n_blocks, u32 rows")
 QSA_SCORE_ROWS_TC = declare(
-    MODULE, "qsa_score_rows_tc", QSA_SCORE_ROWS_TC_SIGNATURE,
+    MODULE, "qsa_score_rows_tc",
+    "ptr q, ptr block_keys, ptr scores, u32 first_pos, u32 score_stride, u32 ratio, u32 n_blocks, u32 rows",
     reads={"q": lambda a: 4 * a.rows * TC_HEADS * TC_HD if a.n_blocks else 0,
            "block_keys": lambda a: 2 * _scorable(a) * TC_HD},
     writes={"scores": _score_writes},
     emulate=_emulate_score_tc, check=_check_score_tc)
-
-
-def _check_score_tc_variant(name: str, a: SimpleNamespace, launch: Launch) -> str | None:
-    if a.ratio == 0:
-        return "ratio must be positive"
-    if a.n_blocks > a.score_stride:
-        return f"n_blocks ({a.n_blocks}) exceeds score_stride ({a.score_stride})"
-    v = TC_VARIANTS[name]
-    chunks = max(_cdiv(a.n_blocks, v.blocks), 1)
-    if launch.grid[0] != _cdiv(a.rows, v.rows) or not 1 <= launch.grid[1] <= chunks or launch.grid[2] != 1:
-        return f"needs grid (ceil(rows/{v.rows}) = {_cdiv(a.rows, v.rows)}, 1..{chunks}, 1)"
-    if launch.block != (v.threads, 1, 1):
-        return f"needs block ({v.threads}, 1, 1)"
-    if launch.shared < v.shared:
-        return f"needs {v.shared} bytes of dynamic shared memory"
-    return None
-
-
-QSA_SCORE_ROWS_TC_VARIANTS = {
-    name: declare(MODULE, name, QSA_SCORE_ROWS_TC_SIGNATURE, reads=QSA_SCORE_ROWS_TC.reads,
-                  writes=QSA_SCORE_ROWS_TC.writes, emulate=_emulate_score_tc,
-                  check=lambda a, launch, name=name: _check_score_tc_variant(name, a, launch))
-    for name in TC_VARIANTS}
 
 
 # -- qsa_prefill_attn / qsa_prefill_attn_tc -----------------------------------------------------------
