@@ -25,16 +25,18 @@
 // qsa_score_rows_tc(q, block_keys, scores, first_pos, score_stride, ratio, n_blocks, rows)   [SPEC §12.7]
 //   Same shapes and outputs as qsa_score_rows with n_heads = 4 and hd = 128 hard-coded. Split q:
 //   q = hi + lo (hi = bf16(q), lo = bf16(q - f32(hi)), ~17 significant bits), keys bf16, f32 accumulation
-//   in mma.sync.m16n8k16 (hi pass then lo pass into one accumulator), relu per head, heads summed in order
-//   0..3, x rsqrtf(128). DEVIATION (SPEC §0 allows it): `rows` is an extra trailing parameter and every row
-//   is bounds-checked, so q and scores need only `rows` rows (no rounding up to 16; memcheck-clean).
-//   Grid (ceil(rows/16), Y, 1) for any Y >= 1 (CTA y takes a contiguous run of ceil(ceil(n_blocks/64)/Y)
-//   64-block chunks; Y = ceil(n_blocks/64) is the original's grid), block (256, 1, 1), static smem 48 KB.
-//   CTA: 16 rows; warp w computes head w%4 for 32 of the chunk's 64 blocks, its A fragments (q hi/lo,
-//   16 rows x 128) held in registers for the whole CTA; 64-block key chunks double-buffered in smem
-//   with cp.async; relu'd per-head tiles summed across the 4 head warps through smem in fixed order.
-//   qsa_score_rows_tc_x1 .. _x4 (same parameters, outputs and bound; exploration variants measured by
-//   hss/bench/_tc_variants.py): what each changes and its geometry are stated above each entry below.
+//   in mma.sync.m16n8k16 (per k16 step: hi then lo into one accumulator), relu per head, heads summed in
+//   f32 as (h0 + h2) + (h1 + h3), x rsqrtf(128). Entry (r, b), b < n_blocks: -1e30 if b >= complete_r =
+//   (first_pos + r + 1) / ratio, else that sum; b >= n_blocks and rows >= `rows` are never written; keys are
+//   read only below min(n_blocks, complete of the CTA's last row). DEVIATION (SPEC §0 allows it): `rows` is
+//   an extra trailing parameter and every row is bounds-checked (q rows past it read as zeros, their scores
+//   not stored), so q and scores need only `rows` rows, not the original's rounding up to 16 (nor to the
+//   32-row CTA tile here). Grid (ceil(rows/32), Y, 1) for any Y in [1, ceil(n_blocks/64)] (CTA y
+//   takes a contiguous run of ceil(ceil(n_blocks/64)/Y) 64-block chunks), block (256, 1, 1), static smem
+//   48 KB (3 key stages). CTA: 32 rows; warp w's m16 fragment rows are its 4 score rows x 4 heads, its A
+//   fragments (q hi/lo) held in registers for the whole CTA, all 64 blocks of a chunk per warp; the heads
+//   are reduced in registers (one shuffle), no smem reduction; 64-block key chunks in a 3-stage cp.async
+//   ring with one barrier per chunk.
 //
 // qsa_prefill_attn(q, k_cache, v_cache, block_table, lists, attn_out, first_pos, topk, ratio,
 //                  block_size, nq, nkv, hd, inv_sqrt_d)                                          [SPEC §12.8]
@@ -300,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(256) qsa_score_rows(
 }
 
 // ------------------------------------------------------------------------------------------------
-// qsa_score_rows_tc (tensor cores, split q) and its speed variants
+// qsa_score_rows_tc (tensor cores, split q)
 // ------------------------------------------------------------------------------------------------
 // The hd order inside each 32-dim group is permuted identically for A (q) and B (keys) so that a lane's
 // fragments for two consecutive k16 steps are one contiguous 8-element run: lane (g, c) of k-pair m uses
@@ -308,8 +310,10 @@ extern "C" __global__ void __launch_bounds__(256) qsa_score_rows(
 // is invariant under a permutation of its index, so the result is the plain q . k.
 #define QSP_TC_H 4
 #define QSP_TC_HD 128
-#define QSP_TC_BM 16
-#define QSP_TC_BN 64
+#define QSP_TC_WARPS 8
+#define QSP_TC_BM (4 * QSP_TC_WARPS)   // score rows per CTA: 4 per warp
+#define QSP_TC_BN 64                   // blocks per key chunk
+#define QSP_TC_STAGES 3                // key chunks in flight in the cp.async ring
 
 // A fragments (hi, lo) of k16 steps 0..7 for fragment rows g (q row ra, head ha) and g + 8 (row rb, head hb);
 // rows >= rows read as zeros.
@@ -340,161 +344,22 @@ __device__ __forceinline__ void qsp_tc_load_a(const float* __restrict__ q, unsig
     }
 }
 
-// Chunks of BN blocks, CTA y's contiguous run [cb, ce) and the part [cb, cl) that needs compute.
-struct QspTcRun {
-    unsigned kb_lim, cb, ce, cl;
-};
-__device__ __forceinline__ bool qsp_tc_run(unsigned bn, unsigned r0, unsigned bm, unsigned first_pos, unsigned ratio,
-                                           unsigned n_blocks, unsigned rows, QspTcRun& run) {
-    const unsigned r_end = min(r0 + bm, rows);
-    run.kb_lim = min(n_blocks, (first_pos + r_end) / ratio);   // blocks any row of the tile scores
-    const unsigned nchunks = (n_blocks + bn - 1) / bn;
-    const unsigned per = (nchunks + gridDim.y - 1) / gridDim.y;
-    run.cb = blockIdx.y * per;
-    if (run.cb >= nchunks) return false;
-    run.ce = min(run.cb + per, nchunks);
-    run.cl = max(run.cb, min(run.ce, (run.kb_lim + bn - 1) / bn));
-    return true;
-}
-
-// Chunks [cl, ce) lie past every row's complete count: all masked.
-__device__ __forceinline__ void qsp_tc_masked_tail(float* __restrict__ scores, unsigned score_stride, unsigned n_blocks,
-                                                   unsigned rows, unsigned r0, unsigned bm, unsigned bn,
-                                                   const QspTcRun& run) {
-    for (unsigned ci = run.cl; ci < run.ce; ++ci) {
-        for (unsigned idx = threadIdx.x; idx < bm * bn; idx += blockDim.x) {
-            const unsigned r = r0 + idx / bn, b = ci * bn + idx % bn;
-            if (r < rows && b < n_blocks) scores[(size_t)r * score_stride + b] = QSP_MASKED;
-        }
-    }
-}
-
-// One CTA of qsa_score_rows_tc (BN = 64, SEP = false) or of its variants x1 (SEP) and x2 (BN = 128): 16 rows,
-// 8 warps; warp w computes head w%4 for the BN/2 blocks (w/4)*BN/2 .. of each chunk, 4 n-tiles at a time, its
-// A fragments held in registers for the whole CTA; key chunks double-buffered in smem (ks: [2][BN*16] uint4,
-// block n's 16-byte piece ch at ch ^ ((n & 1) << 2), conflict-free LDS.128) with cp.async; relu'd per-head
-// tiles summed across the 4 head warps through smem (red: [4 heads][16 rows][BN], 8-float segment s of row r
-// at s ^ (r & 7)) in fixed order. SEP: hi and lo products accumulate apart (twice the independent mma chains)
-// and are added (hi + lo) before relu.
-template <int BN, bool SEP>
-__device__ __forceinline__ void qsp_score_tc_body(const float* __restrict__ q, const __nv_bfloat16* __restrict__ block_keys,
-                                                  float* __restrict__ scores, unsigned first_pos, unsigned score_stride,
-                                                  unsigned ratio, unsigned n_blocks, unsigned rows, uint4* ks,
-                                                  float* red) {
-    constexpr unsigned NJ = BN / 16;        // n-tiles per warp per chunk
-    constexpr unsigned PIECES = BN * 16;    // 16-byte key pieces per chunk
-    const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u, g = lane >> 2, c = lane & 3u;
-    const unsigned h = warp & 3u, nh = warp >> 2;
-    const unsigned r0 = blockIdx.x * QSP_TC_BM;
-    if (ratio == 0 || n_blocks == 0 || r0 >= rows) return;   // uniform per CTA
-    QspTcRun run;
-    if (!qsp_tc_run(BN, r0, QSP_TC_BM, first_pos, ratio, n_blocks, rows, run)) return;
-    const unsigned kb_lim = run.kb_lim, cb = run.cb, cl = run.cl;
-    const float scale = rsqrtf((float)QSP_TC_HD);
-
-    if (cb < cl) {
-        uint32_t ahi[8][4], alo[8][4];   // A fragments of head h, rows r0 .. r0+15, k16 steps 0..7
-        qsp_tc_load_a(q, r0 + g, h, r0 + g + 8, h, rows, c, ahi, alo);
-        auto issue = [&](unsigned chunk, unsigned stage) {   // BN blocks x 16 pieces, BN/16 per thread
-#pragma unroll
-            for (unsigned i = 0; i < PIECES / 256; ++i) {
-                const unsigned p = tid + 256u * i, n = p >> 4, ch = p & 15u, b = chunk * BN + n;
-                uint4* dst = &ks[stage * PIECES + n * 16 + (ch ^ ((n & 1u) << 2))];
-                if (b < kb_lim) qsp_cp_async16(dst, block_keys + (size_t)b * QSP_TC_HD + ch * 8);
-                else *dst = make_uint4(0u, 0u, 0u, 0u);   // past the scorable blocks: zeros
-            }
-        };
-        issue(cb, 0);
-        qsp_cp_commit();
-        if (cb + 1 < cl) issue(cb + 1, 1);
-        qsp_cp_commit();
-        for (unsigned ci = cb; ci < cl; ++ci) {
-            const unsigned st = (ci - cb) & 1u;
-            const uint4* kst = ks + st * PIECES;
-            qsp_cp_wait<1>();   // this thread's copies of chunk ci have landed
-            __syncthreads();    // everyone's have; red is free again
-#pragma unroll
-            for (unsigned jg = 0; jg < NJ; jg += 4) {
-                float acc[4][4], acl[4][4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[j][e] = acl[j][e] = 0.f;
-                float(&lo)[4][4] = SEP ? acl : acc;
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const unsigned n = nh * (BN / 2) + (jg + j) * 8 + g;
-                        const uint4 w = kst[n * 16 + ((4u * m + c) ^ ((n & 1u) << 2))];
-                        qsp_mma16816(acc[j], ahi[2 * m], w.x, w.y);
-                        qsp_mma16816(lo[j], alo[2 * m], w.x, w.y);
-                        qsp_mma16816(acc[j], ahi[2 * m + 1], w.z, w.w);
-                        qsp_mma16816(lo[j], alo[2 * m + 1], w.z, w.w);
-                    }
-                }
-                if (SEP) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[j][e] += acl[j][e];
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {   // rows g and g + 8 share the swizzle (g + 8) & 7 == g
-                    const unsigned off = (((nh * NJ + jg + j) ^ g) << 3) + 2 * c;
-                    *reinterpret_cast<float2*>(&red[(h * QSP_TC_BM + g) * BN + off]) =
-                        make_float2(fmaxf(acc[j][0], 0.f), fmaxf(acc[j][1], 0.f));
-                    *reinterpret_cast<float2*>(&red[(h * QSP_TC_BM + g + 8) * BN + off]) =
-                        make_float2(fmaxf(acc[j][2], 0.f), fmaxf(acc[j][3], 0.f));
-                }
-            }
-            __syncthreads();   // red complete; ks[st] no longer read
-            if (ci + 2 < cl) issue(ci + 2, st);
-            qsp_cp_commit();
-#pragma unroll
-            for (unsigned i = 0; i < BN / 64; ++i) {
-                const unsigned idx = tid + 256u * i, row = idx / (BN / 4), q4 = (idx % (BN / 4)) * 4;
-                const unsigned off = (((q4 >> 3) ^ (row & 7u)) << 3) + (q4 & 7u);
-                const unsigned r = r0 + row, b = ci * BN + q4;
-                if (r < rows && b < n_blocks) {
-                    float v[4];
-                    const float4 s0 = *reinterpret_cast<const float4*>(&red[(0 * QSP_TC_BM + row) * BN + off]);
-                    const float4 s1 = *reinterpret_cast<const float4*>(&red[(1 * QSP_TC_BM + row) * BN + off]);
-                    const float4 s2 = *reinterpret_cast<const float4*>(&red[(2 * QSP_TC_BM + row) * BN + off]);
-                    const float4 s3 = *reinterpret_cast<const float4*>(&red[(3 * QSP_TC_BM + row) * BN + off]);
-                    v[0] = ((s0.x + s1.x) + s2.x) + s3.x;
-                    v[1] = ((s0.y + s1.y) + s2.y) + s3.y;
-                    v[2] = ((s0.z + s1.z) + s2.z) + s3.z;
-                    v[3] = ((s0.w + s1.w) + s2.w) + s3.w;
-                    qsp_store4(scores, (size_t)r * score_stride, b, n_blocks, (first_pos + r + 1) / ratio, v, scale);
-                }
-            }
-        }
-    }
-    qsp_tc_masked_tail(scores, score_stride, n_blocks, rows, r0, QSP_TC_BM, BN, run);
-}
-
-#define QSP_TC_ARGS                                                                                               \
-    const float* __restrict__ q, const __nv_bfloat16* __restrict__ block_keys, float* __restrict__ scores,        \
-        unsigned first_pos, unsigned score_stride, unsigned ratio, unsigned n_blocks, unsigned rows
-#define QSP_TC_PASS q, block_keys, scores, first_pos, score_stride, ratio, n_blocks, rows
-
-// The shipped scorer (its code kept verbatim while the variants are measured; it is qsp_score_tc_body<64, false>
-// with the tail loop specialised). Grid (ceil(rows/16), Y, 1), Y in [1, ceil(n_blocks/64)], block (256, 1, 1),
-// static smem 48 KB (keys 2 x 16 KB, red 16 KB).
-extern "C" __global__ void __launch_bounds__(256, 2) qsa_score_rows_tc(
+// No cross-warp head reduction: a warp's 16 fragment rows are 4 score rows x 4 heads, fragment row g = (head
+// g/4, row g%4) and g + 8 = (head 2 + g/4, row g%4), so a lane's accumulator holds heads {g/4, 2 + g/4} of one
+// score row and lane ^ 16 the other two: relu, add in registers, one shuffle per pair of n-tiles. Warp w owns
+// rows r0 + 4w .. r0 + 4w + 3 and takes all 64 blocks (8 n-tiles) of every chunk; key chunks arrive in a
+// 3-stage cp.async ring (one barrier per chunk). Rows past `rows` are bounds-checked (q read as zeros, scores
+// not written), so q and scores need only `rows` rows, not a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * QSP_TC_WARPS, 2) qsa_score_rows_tc(
     const float* __restrict__ q, const __nv_bfloat16* __restrict__ block_keys, float* __restrict__ scores,
     unsigned first_pos, unsigned score_stride, unsigned ratio, unsigned n_blocks, unsigned rows) {
+    constexpr unsigned PIECES = QSP_TC_BN * 16, NT = 32 * QSP_TC_WARPS;   // 16-byte key pieces per chunk
     // key chunk: [block n][16-byte piece ch] at piece ch ^ ((n & 1) << 2) (conflict-free LDS.128)
-    __shared__ __align__(128) uint4 ks[2][QSP_TC_BN * 16];
-    // relu'd per-head tiles: [head][row][64 cols], 8-float segment s of row r stored at s ^ (r & 7)
-    __shared__ __align__(16) float red[QSP_TC_H][QSP_TC_BM][QSP_TC_BN];
+    __shared__ __align__(128) uint4 ks[QSP_TC_STAGES * PIECES];
     const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u, g = lane >> 2, c = lane & 3u;
-    const unsigned h = warp & 3u, nh = warp >> 2;
     const unsigned r0 = blockIdx.x * QSP_TC_BM;
     if (ratio == 0 || n_blocks == 0 || r0 >= rows) return;   // uniform per CTA
-    const unsigned r_end = min(r0 + QSP_TC_BM, rows);
-    const unsigned kb_lim = min(n_blocks, (first_pos + r_end) / ratio);
+    const unsigned kb_lim = min(n_blocks, (first_pos + min(r0 + QSP_TC_BM, rows)) / ratio);   // any row scores
     const unsigned nchunks = (n_blocks + QSP_TC_BN - 1) / QSP_TC_BN;
     const unsigned per = (nchunks + gridDim.y - 1) / gridDim.y;
     const unsigned cb = blockIdx.y * per;
@@ -504,147 +369,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) qsa_score_rows_tc(
     const float scale = rsqrtf((float)QSP_TC_HD);
 
     if (cb < cl) {
-        uint32_t ahi[8][4], alo[8][4];   // A fragments of head h, rows r0 .. r0+15, k16 steps 0..7
-        {
-            const unsigned ra = r0 + g, rb = r0 + g + 8;
-            const float* qa = q + ((size_t)ra * QSP_TC_H + h) * QSP_TC_HD + 8 * c;
-            const float* qb = q + ((size_t)rb * QSP_TC_H + h) * QSP_TC_HD + 8 * c;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                float xa[8], xb[8];
-#pragma unroll
-                for (int e = 0; e < 8; e += 4) {
-                    float4 fa = make_float4(0.f, 0.f, 0.f, 0.f), fb = fa;
-                    if (ra < rows) fa = *reinterpret_cast<const float4*>(qa + 32 * m + e);
-                    if (rb < rows) fb = *reinterpret_cast<const float4*>(qb + 32 * m + e);
-                    xa[e] = fa.x; xa[e + 1] = fa.y; xa[e + 2] = fa.z; xa[e + 3] = fa.w;
-                    xb[e] = fb.x; xb[e + 1] = fb.y; xb[e + 2] = fb.z; xb[e + 3] = fb.w;
-                }
-                qsp_split2(xa[0], xa[1], ahi[2 * m][0], alo[2 * m][0]);
-                qsp_split2(xb[0], xb[1], ahi[2 * m][1], alo[2 * m][1]);
-                qsp_split2(xa[2], xa[3], ahi[2 * m][2], alo[2 * m][2]);
-                qsp_split2(xb[2], xb[3], ahi[2 * m][3], alo[2 * m][3]);
-                qsp_split2(xa[4], xa[5], ahi[2 * m + 1][0], alo[2 * m + 1][0]);
-                qsp_split2(xb[4], xb[5], ahi[2 * m + 1][1], alo[2 * m + 1][1]);
-                qsp_split2(xa[6], xa[7], ahi[2 * m + 1][2], alo[2 * m + 1][2]);
-                qsp_split2(xb[6], xb[7], ahi[2 * m + 1][3], alo[2 * m + 1][3]);
-            }
-        }
-        auto issue = [&](unsigned chunk, unsigned stage) {   // 64 blocks x 16 pieces, 4 per thread
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const unsigned p = tid + 256u * i, n = p >> 4, ch = p & 15u, b = chunk * QSP_TC_BN + n;
-                uint4* dst = &ks[stage][n * 16 + (ch ^ ((n & 1u) << 2))];
-                if (b < kb_lim) qsp_cp_async16(dst, block_keys + (size_t)b * QSP_TC_HD + ch * 8);
-                else *dst = make_uint4(0u, 0u, 0u, 0u);   // past the scorable blocks: zeros
-            }
-        };
-        issue(cb, 0);
-        qsp_cp_commit();
-        if (cb + 1 < cl) issue(cb + 1, 1);
-        qsp_cp_commit();
-        for (unsigned ci = cb; ci < cl; ++ci) {
-            const unsigned st = (ci - cb) & 1u;
-            qsp_cp_wait<1>();   // this thread's copies of chunk ci have landed
-            __syncthreads();    // everyone's have; red is free again
-            float acc[4][4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned n = nh * 32 + j * 8 + g;
-                    const uint4 w = ks[st][n * 16 + ((4u * m + c) ^ ((n & 1u) << 2))];
-                    qsp_mma16816(acc[j], ahi[2 * m], w.x, w.y);
-                    qsp_mma16816(acc[j], alo[2 * m], w.x, w.y);
-                    qsp_mma16816(acc[j], ahi[2 * m + 1], w.z, w.w);
-                    qsp_mma16816(acc[j], alo[2 * m + 1], w.z, w.w);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {   // rows g and g + 8 share the swizzle (g + 8) & 7 == g
-                const unsigned off = (((nh * 4 + j) ^ g) << 3) + 2 * c;
-                *reinterpret_cast<float2*>(&red[h][g][off]) = make_float2(fmaxf(acc[j][0], 0.f), fmaxf(acc[j][1], 0.f));
-                *reinterpret_cast<float2*>(&red[h][g + 8][off]) = make_float2(fmaxf(acc[j][2], 0.f), fmaxf(acc[j][3], 0.f));
-            }
-            __syncthreads();   // red complete; ks[st] no longer read
-            if (ci + 2 < cl) issue(ci + 2, st);
-            qsp_cp_commit();
-            {
-                const unsigned row = tid >> 4, q4 = (tid & 15u) * 4, off = (((q4 >> 3) ^ (row & 7u)) << 3) + (q4 & 7u);
-                const unsigned r = r0 + row, b = ci * QSP_TC_BN + q4;
-                if (r < rows && b < n_blocks) {
-                    float v[4];
-                    const float4 s0 = *reinterpret_cast<const float4*>(&red[0][row][off]);
-                    const float4 s1 = *reinterpret_cast<const float4*>(&red[1][row][off]);
-                    const float4 s2 = *reinterpret_cast<const float4*>(&red[2][row][off]);
-                    const float4 s3 = *reinterpret_cast<const float4*>(&red[3][row][off]);
-                    v[0] = ((s0.x + s1.x) + s2.x) + s3.x;
-                    v[1] = ((s0.y + s1.y) + s2.y) + s3.y;
-                    v[2] = ((s0.z + s1.z) + s2.z) + s3.z;
-                    v[3] = ((s0.w + s1.w) + s2.w) + s3.w;
-                    qsp_store4(scores, (size_t)r * score_stride, b, n_blocks, (first_pos + r + 1) / ratio, v, scale);
-                }
-            }
-        }
-    }
-    for (unsigned ci = cl; ci < ce; ++ci) {   // chunks past every row's complete count: all masked
-        for (unsigned idx = tid; idx < QSP_TC_BM * QSP_TC_BN; idx += 256u) {
-            const unsigned r = r0 + (idx >> 6), b = ci * QSP_TC_BN + (idx & 63u);
-            if (r < rows && b < n_blocks) scores[(size_t)r * score_stride + b] = QSP_MASKED;
-        }
-    }
-}
-
-// Variant x1 (exploration): as qsa_score_rows_tc with hi and lo accumulated apart. Same geometry and smem.
-extern "C" __global__ void __launch_bounds__(256, 2) qsa_score_rows_tc_x1(QSP_TC_ARGS) {
-    __shared__ __align__(128) uint4 ks[2 * QSP_TC_BN * 16];
-    __shared__ __align__(16) float red[QSP_TC_H * QSP_TC_BM * QSP_TC_BN];
-    qsp_score_tc_body<QSP_TC_BN, true>(QSP_TC_PASS, ks, red);
-}
-
-// Variant x2 (exploration): 128-block chunks (one barrier pair per 128 blocks). Grid (ceil(rows/16), Y, 1),
-// Y in [1, ceil(n_blocks/128)], block (256, 1, 1), DYNAMIC smem 96 KB (keys 2 x 32 KB, red 32 KB; needs
-// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES >= 98304 before launch).
-#define QSP_TC_X2_BN 128
-extern "C" __global__ void __launch_bounds__(256, 2) qsa_score_rows_tc_x2(QSP_TC_ARGS) {
-    uint4* ks = reinterpret_cast<uint4*>(qsp_dynsmem);
-    float* red = reinterpret_cast<float*>(ks + 2 * QSP_TC_X2_BN * 16);
-    qsp_score_tc_body<QSP_TC_X2_BN, false>(QSP_TC_PASS, ks, red);
-}
-
-// Variants x3 / x4 (exploration): no cross-warp head reduction. A warp's 16 fragment rows are 4 score rows x 4
-// heads: fragment row g = (head g/4, row g%4), g + 8 = (head 2 + g/4, row g%4), so a lane's accumulator
-// holds heads {g/4, 2 + g/4} of one score row and lane ^ 16 the other two: relu, add in registers, one
-// shuffle per pair of n-tiles. CTA = WARPS warps x 4 rows; every warp takes all 64 blocks (8 n-tiles) of a
-// chunk; key chunks in a 3-stage cp.async ring (one barrier per chunk). Heads summed as (h0 + h2) + (h1 + h3).
-#define QSP_TC4_STAGES 3
-template <int WARPS>
-__device__ __forceinline__ void qsp_score_tc4_body(const float* __restrict__ q, const __nv_bfloat16* __restrict__ block_keys,
-                                                   float* __restrict__ scores, unsigned first_pos, unsigned score_stride,
-                                                   unsigned ratio, unsigned n_blocks, unsigned rows, uint4* ks) {
-    constexpr unsigned BM = 4 * WARPS, BN = QSP_TC_BN, PIECES = BN * 16, NT = 32 * WARPS;
-    const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31u, g = lane >> 2, c = lane & 3u;
-    const unsigned r0 = blockIdx.x * BM;
-    if (ratio == 0 || n_blocks == 0 || r0 >= rows) return;   // uniform per CTA
-    QspTcRun run;
-    if (!qsp_tc_run(BN, r0, BM, first_pos, ratio, n_blocks, rows, run)) return;
-    const unsigned cb = run.cb, cl = run.cl;
-    const float scale = rsqrtf((float)QSP_TC_HD);
-
-    if (cb < cl) {
         auto issue = [&](unsigned chunk, unsigned stage) {
             // kb_lim recomputed from the parameters (keeping it live costs a spill at 128 registers)
-            const unsigned kb_lim = min(n_blocks, (first_pos + min(blockIdx.x * BM + BM, rows)) / ratio);
+            const unsigned lim = min(n_blocks, (first_pos + min(blockIdx.x * QSP_TC_BM + QSP_TC_BM, rows)) / ratio);
 #pragma unroll
             for (unsigned i = 0; i < PIECES / NT; ++i) {
-                const unsigned p = tid + NT * i, n = p >> 4, ch = p & 15u, b = chunk * BN + n;
+                const unsigned p = tid + NT * i, n = p >> 4, ch = p & 15u, b = chunk * QSP_TC_BN + n;
                 uint4* dst = &ks[stage * PIECES + n * 16 + (ch ^ ((n & 1u) << 2))];
-                if (b < kb_lim) qsp_cp_async16(dst, block_keys + (size_t)b * QSP_TC_HD + ch * 8);
-                else *dst = make_uint4(0u, 0u, 0u, 0u);
+                if (b < lim) qsp_cp_async16(dst, block_keys + (size_t)b * QSP_TC_HD + ch * 8);
+                else *dst = make_uint4(0u, 0u, 0u, 0u);   // past the scorable blocks: zeros
             }
         };
         issue(cb, 0);   // the first two chunks fly while q is loaded and split
@@ -685,9 +418,9 @@ __device__ __forceinline__ void qsp_score_tc4_body(const float* __restrict__ q, 
                     s0[e] = fmaxf(acc[2 * p][e], 0.f) + fmaxf(acc[2 * p][e + 2], 0.f);
                     s1[e] = fmaxf(acc[2 * p + 1][e], 0.f) + fmaxf(acc[2 * p + 1][e + 2], 0.f);
                 }
-                const unsigned b = ci * BN + (2 * p + hi_half) * 8 + 2 * c;
+                const unsigned b = ci * QSP_TC_BN + (2 * p + hi_half) * 8 + 2 * c;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
+                for (int e = 0; e < 2; ++e) {   // (h0 + h2) + (h1 + h3)
                     const float other = __shfl_xor_sync(QSP_FULL, hi_half ? s0[e] : s1[e], 16);
                     const float mine = hi_half ? s1[e] : s0[e];
                     const float lo_heads = hi_half ? other : mine, hi_heads = hi_half ? mine : other;
@@ -703,31 +436,22 @@ __device__ __forceinline__ void qsp_score_tc4_body(const float* __restrict__ q, 
                 }
             }
             {   // chunk ci + 2 into chunk ci - 1's stage (free since this iteration's barrier), with acc dead
-                const unsigned nst = st >= QSP_TC4_STAGES - 2 ? st + 2 - QSP_TC4_STAGES : st + 2;
+                const unsigned nst = st >= QSP_TC_STAGES - 2 ? st + 2 - QSP_TC_STAGES : st + 2;
                 if (ci + 2 < cl) issue(ci + 2, nst);
                 qsp_cp_commit();
             }
-            st = st + 1 == QSP_TC4_STAGES ? 0u : st + 1;
+            st = st + 1 == QSP_TC_STAGES ? 0u : st + 1;
         }
     }
-    qsp_tc_masked_tail(scores, score_stride, n_blocks, rows, r0, BM, BN, run);
+    // Chunks past every row's complete count: all masked. Stride blockDim.x, not NT: a constant stride gets
+    // this loop unrolled, which spills at 128 registers.
+    for (unsigned ci = cl; ci < ce; ++ci) {
+        for (unsigned idx = tid; idx < QSP_TC_BM * QSP_TC_BN; idx += blockDim.x) {
+            const unsigned r = r0 + idx / QSP_TC_BN, b = ci * QSP_TC_BN + idx % QSP_TC_BN;
+            if (r < rows && b < n_blocks) scores[(size_t)r * score_stride + b] = QSP_MASKED;
+        }
+    }
 }
-
-// Variant x3 (exploration): 32 rows per CTA. Grid (ceil(rows/32), Y, 1), Y in [1, ceil(n_blocks/64)], block
-// (256, 1, 1), static smem 48 KB (3 key stages).
-extern "C" __global__ void __launch_bounds__(256, 2) qsa_score_rows_tc_x3(QSP_TC_ARGS) {
-    __shared__ __align__(128) uint4 ks[QSP_TC4_STAGES * QSP_TC_BN * 16];
-    qsp_score_tc4_body<8>(QSP_TC_PASS, ks);
-}
-
-// Variant x4 (exploration): 64 rows per CTA (16 warps; half x3's L2 key traffic, one CTA per SM). Grid
-// (ceil(rows/64), Y, 1), Y in [1, ceil(n_blocks/64)], block (512, 1, 1), static smem 48 KB.
-extern "C" __global__ void __launch_bounds__(512, 1) qsa_score_rows_tc_x4(QSP_TC_ARGS) {
-    __shared__ __align__(128) uint4 ks[QSP_TC4_STAGES * QSP_TC_BN * 16];
-    qsp_score_tc4_body<16>(QSP_TC_PASS, ks);
-}
-#undef QSP_TC_ARGS
-#undef QSP_TC_PASS
 
 // ------------------------------------------------------------------------------------------------
 // qsa_prefill_attn (general path)
