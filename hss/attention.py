@@ -315,6 +315,19 @@ class TiledAttention:
         p.set(15, strides["tok_stride"])
         p.set(16, strides["kvh_stride"])
         p.set(17, lbvs)
+        self._launch(s, n, counts, lbvs)
+
+    def _next_tile(self, s: int, tile_blocks: int, tile_block_counts: int, last_block_valid_slots: int) -> None:
+        """Another tile of ONE sequence with the q, pools and strides of the last ``step_tile`` (hss.swap's hot
+        loop: those were checked there); only the tile's table, count and last_block_valid_slots change."""
+        p = self._step_pack
+        p.set(3, tile_blocks)
+        p.set(4, tile_block_counts)
+        p.set(17, last_block_valid_slots)
+        self._launch(s, 1, tile_block_counts, last_block_valid_slots)
+
+    def _launch(self, s: int, n: int, counts: int, lbvs: int) -> None:
+        d = self.dims
         mp = self._merge_pack
         mp.set(0, counts)
         mp.set(12, lbvs)
@@ -325,7 +338,8 @@ class TiledAttention:
         mp.set(13, 1 if self._fresh else 0)
         self._fresh = 0
         z = step_grid_z(d.max_chunks, n * d.num_kv_heads, self._sm_count)
-        cm.launch_kernel(self._step_fn, (n, d.num_kv_heads, z), (STEP_THREADS, 1, 1), self._step_shared, s, p)
+        cm.launch_kernel(self._step_fn, (n, d.num_kv_heads, z), (STEP_THREADS, 1, 1), self._step_shared, s,
+                         self._step_pack)
         cm.launch_kernel(self._merge_fn, (n, d.num_q_heads, -(-d.head_dim // MERGE_DIMS)), (MERGE_THREADS, 1, 1), 0,
                          s, mp)
 

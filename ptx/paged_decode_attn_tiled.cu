@@ -158,6 +158,15 @@ __device__ __forceinline__ void stage(const Args& a, int c, unsigned short* ks) 
     cp_commit();
 }
 
+// Query heads h0 .. h0+HG-1 of the kv head as f32 [HG][HDP] (zero past gqa_ratio and head_dim).
+template <int HDP>
+__device__ __forceinline__ void load_q(const Args& a, int h0, float* qs) {
+    for (int i = threadIdx.x; i < ATT_HG * HDP; i += ATT_THREADS) {
+        const int h = i / HDP, d = i % HDP;
+        qs[i] = (h0 + h < a.g && d < a.hd) ? __uint_as_float((unsigned)__ldg(a.q + (h0 + h) * a.hd + d) << 16) : 0.0f;
+    }
+}
+
 // One chunk's partial states for every query head of the kv head (K and V staged in ks, vs).
 template <int HDP>
 __device__ __forceinline__ void chunk(const Args& a, const unsigned short* ks, const unsigned short* vs, int n,
@@ -171,10 +180,7 @@ __device__ __forceinline__ void chunk(const Args& a, const unsigned short* ks, c
     const int hd = a.hd;
     const float scale = rsqrtf((float)hd);
     for (int h0 = 0; h0 < a.g; h0 += ATT_HG) {
-        for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
-            const int h = i / HDP, d = i % HDP;
-            qs[i] = (h0 + h < a.g && d < hd) ? __uint_as_float((unsigned)__ldg(a.q + (h0 + h) * hd + d) << 16) : 0.0f;
-        }
+        if (a.g > ATT_HG) load_q<HDP>(a, h0, qs);   // one head group: loaded once per CTA (run)
         __syncthreads();   // everyone's copies of the chunk have landed; qs is written
 
         // Logits: warp w takes rows 8w..8w+7; lane holds dims [E*lane, E*lane+E) of each row and head. The
@@ -298,6 +304,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
     auto buffer = [&](int it) { return reinterpret_cast<unsigned short*>(smem + (it % ATT_STAGES) * S::STAGE); };
     int c = blockIdx.z;
     stage<HDP>(a, c, buffer(0));
+    if (a.g <= ATT_HG) load_q<HDP>(a, 0, reinterpret_cast<float*>(smem + S::QS));   // read by every chunk
     if (c + z < n_chunks) stage<HDP>(a, c + z, buffer(1));
     else cp_commit();
     for (int it = 0; c < n_chunks; c += z, ++it) {

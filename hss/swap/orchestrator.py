@@ -375,8 +375,10 @@ class HighSpeedSwap:
         tables, counts = self._tables_dev.ptr, self._counts_dev.ptr
 
         def attend(row: int, tile: TileRecord) -> None:
-            ta.step_tile_on_stream(s, q, kp, vp, tables + 4 * row * cap, counts + 4 * row, 1, blk, tok, kvh,
-                                   tile.last_block_valid_slots)
+            if row == 0:   # checks q, the pool and the strides once per step
+                ta.step_tile_on_stream(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile.last_block_valid_slots)
+            else:
+                ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile.last_block_valid_slots)
 
         streamed = [t for t in tiles if t.streamed]
         first = len(tiles) - len(streamed)
