@@ -156,7 +156,7 @@ class TiledAttention:
             self._step_fn = step_mod.function(PAGED_DECODE_ATTN_TILED.name)
             self._merge_fn = step_mod.function(PAGED_DECODE_ATTN_MERGE.name)
             self._fin_fn = fin_mod.function("attention_finalize")
-            self._step_shared = step_shared_bytes(dims.head_dim, dims.gqa_ratio)
+            self._step_shared = step_shared_bytes(dims.head_dim)
             self._sm_count = cm.multiprocessor_count(ctx)
             if self._step_shared > 48 * 1024:
                 self._step_fn.set_max_dynamic_shared(self._step_shared)

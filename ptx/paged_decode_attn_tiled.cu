@@ -27,9 +27,8 @@
 //                     max_chunks, head_dim]: written for the tile's chunks only
 //   max_chunks = ceil(tile_capacity*block_size / 64) (the partial arrays' row stride).
 //   Launch: grid (num_seqs, num_kv_heads, Z), 1 <= Z <= max_chunks (any Z gives the same bits; the host picks
-//   about ATT_MIN_CTAS CTAs per SM), block (256,1,1), dynamic shared memory Shape<HDP>::BYTES_ALIASED when
-//   gqa_ratio <= 4 (68 KiB at head_dim 128), else Shape<HDP>::BYTES (the host raises the function's 48 KiB
-//   limit). CTAs with no chunk of the tile return at once.
+//   about two CTAs per SM), block (256,1,1), dynamic shared memory Shape<HDP>::BYTES (76 KiB at head_dim 128:
+//   the host raises the function's 48 KiB limit). CTAs with no chunk of the tile return at once.
 // paged_decode_attn_merge(tile_block_counts, part_ml, part_o, m, l, o, merge_count, num_q_heads, head_dim,
 //     block_size, tile_capacity, max_chunks, last_block_valid_slots, fresh)
 //   m, l f32 [num_seqs*num_q_heads], o f32 [num_seqs*num_q_heads, head_dim] (read then written; fresh != 0:
@@ -45,12 +44,7 @@
 #define ATT_CHUNK 64   // tokens per chunk (fixed: the result of a tile depends on it)
 #define ATT_HG 4       // query heads served per pass over the staged chunk
 #define ATT_MAX_HD 256
-#ifndef ATT_STAGES
-#define ATT_STAGES 2   // chunks in flight per CTA (the one computed and the next)
-#endif
-#ifndef ATT_MIN_CTAS
-#define ATT_MIN_CTAS 3 // CTAs per SM the registers are held to (shared memory allows 3 at head_dim 128, gqa <= 4)
-#endif
+#define ATT_STAGES 3   // chunks in flight per CTA (the one computed and the next two)
 #define MERGE_THREADS 1024
 
 namespace {
@@ -64,18 +58,13 @@ struct Shape {
     static constexpr int RG = ATT_THREADS / TPR;    // P.V: row groups (8, 4, 4)
     static constexpr int RPG = ATT_CHUNK / RG;      // P.V: rows per group
     static constexpr int SC = ATT_CHUNK + 1;        // logits row pitch (padded against bank conflicts)
-    // shared memory layout, in bytes: the ring of (K, V) chunk stages, the per-chunk work arrays, then (only
-    // when gqa_ratio > HG) the P.V row-group sums; with one head group those go into the K rows of the chunk
-    // being computed, which are dead by then (BYTES_ALIASED).
+    // shared memory layout, in bytes: two stages of (K, V) chunks, then the per-chunk work arrays
     static constexpr int STAGE = 2 * ATT_CHUNK * HDP * 2;         // bf16 K [CHUNK][HDP] then V [CHUNK][HDP]
-    static constexpr int QS = ATT_STAGES * STAGE;                 // f32 [HG][HDP]
+    static constexpr int RED = ATT_STAGES * STAGE;                // f32 [RG][HG][HDP]
+    static constexpr int QS = RED + RG * ATT_HG * HDP * 4;        // f32 [HG][HDP]
     static constexpr int PS = QS + ATT_HG * HDP * 4;              // f32 [CHUNK][HG]
     static constexpr int SCS = PS + ATT_CHUNK * ATT_HG * 4;       // f32 [HG][SC]
-    static constexpr int RED = SCS + ATT_HG * SC * 4;             // f32 [RG][HG][HDP]
-    static constexpr int BYTES_ALIASED = RED;
-    static constexpr int BYTES = RED + RG * ATT_HG * HDP * 4;
-    static_assert(RG * ATT_HG * HDP * 4 <= ATT_CHUNK * HDP * 2 && BYTES_ALIASED < BYTES,
-                  "row-group sums fit in a chunk's K rows");
+    static constexpr int BYTES = SCS + ATT_HG * SC * 4;
     static_assert(BYTES <= 227 * 1024, "shared memory per CTA");
 };
 
@@ -305,6 +294,7 @@ __device__ __forceinline__ void chunk(const Args& a, const unsigned short* ks, c
 template <int HDP>
 __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
     using S = Shape<HDP>;
+    float* red = reinterpret_cast<float*>(smem + S::RED);
     const int hd = a.hd;
     const int n_chunks = (a.n_tok + ATT_CHUNK - 1) / ATT_CHUNK;
 
@@ -321,8 +311,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
         if (c + 2 * z < n_chunks) stage<HDP>(a, c + 2 * z, buffer(it + 2));
         else cp_commit();   // empty groups keep the count: wait<2> always means "chunk c has landed"
         cp_wait<2>();
-        unsigned short* ks = buffer(it);
-        float* red = a.g <= ATT_HG ? reinterpret_cast<float*>(ks) : reinterpret_cast<float*>(smem + S::RED);
+        const unsigned short* ks = buffer(it);
         const int n = min(ATT_CHUNK, a.n_tok - c * ATT_CHUNK);
         chunk<HDP>(a, ks, ks + ATT_CHUNK * HDP, n, a.part_ml + 2LL * c, a.part_o + (long long)c * hd, red, smem);
     }
@@ -330,7 +319,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_MIN_CTAS)
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
 paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K_pool,
                         const __nv_bfloat16* __restrict__ V_pool, const int* __restrict__ tile_blocks,
                         const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,

@@ -20,8 +20,7 @@ MAX_HEAD_DIM = 256
 CHUNK_TOKENS = 64        # ATT_CHUNK: tokens per partial state (fixed: a tile's bits depend on it)
 MERGE_DIMS = 32          # head dims per merge CTA
 MERGE_THREADS = 1024     # block of paged_decode_attn_merge
-STAGES = 2               # ATT_STAGES: staged chunks per CTA
-CTAS_PER_SM = 3          # ATT_MIN_CTAS: the grid aims at this many CTAs per SM
+STAGES = 3               # ATT_STAGES: staged chunks per CTA
 _HG = 4                  # ATT_HG: query heads per pass over a staged chunk
 
 
@@ -30,20 +29,19 @@ def padded_head_dim(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def step_shared_bytes(head_dim: int, gqa_ratio: int) -> int:
-    """Dynamic shared memory of paged_decode_attn_tiled (the kernel's Shape<HDP>::BYTES_ALIASED when
-    gqa_ratio <= 4, else Shape<HDP>::BYTES)."""
+def step_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of paged_decode_attn_tiled (the kernel's Shape<HDP>::BYTES)."""
     hdp = padded_head_dim(head_dim)
     dpt = 4 if hdp == 256 else 2
     rg = STEP_THREADS // (hdp // dpt)
-    aliased = STAGES * (2 * CHUNK_TOKENS * hdp * 2) + _HG * hdp * 4 + CHUNK_TOKENS * _HG * 4 + _HG * (CHUNK_TOKENS + 1) * 4
-    return aliased if gqa_ratio <= _HG else aliased + rg * _HG * hdp * 4
+    return (STAGES * (2 * CHUNK_TOKENS * hdp * 2) + rg * _HG * hdp * 4 + _HG * hdp * 4 + CHUNK_TOKENS * _HG * 4
+            + _HG * (CHUNK_TOKENS + 1) * 4)
 
 
 def step_grid_z(max_chunks_: int, seqs_x_kv_heads: int, sm_count: int) -> int:
-    """CTAs per (sequence, kv head) of paged_decode_attn_tiled: about CTAS_PER_SM per SM in all, at most one per
-    chunk (any value in 1..max_chunks gives the same bits)."""
-    return max(1, min(max_chunks_, -(-CTAS_PER_SM * sm_count // max(seqs_x_kv_heads, 1))))
+    """CTAs per (sequence, kv head) of paged_decode_attn_tiled: about two per SM in all, at most one per chunk
+    (any value in 1..max_chunks gives the same bits)."""
+    return max(1, min(max_chunks_, -(-2 * sm_count // max(seqs_x_kv_heads, 1))))
 
 
 def max_chunks(tile_capacity: int, block_size: int) -> int:
@@ -62,9 +60,9 @@ def _rows(a: SimpleNamespace) -> int:
 def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
     if not 0 < a.head_dim <= MAX_HEAD_DIM:
         return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
-    want = step_shared_bytes(a.head_dim, a.gqa_ratio)
-    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != want:
-        return f"needs block ({STEP_THREADS}, 1, 1) and {want} bytes of dynamic shared memory"
+    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != step_shared_bytes(a.head_dim):
+        return (f"needs block ({STEP_THREADS}, 1, 1) and {step_shared_bytes(a.head_dim)} bytes of dynamic shared "
+                "memory")
     if a.block_size <= 0 or a.tile_capacity < 0:
         return "block_size must be > 0 and tile_capacity >= 0"
     if a.max_chunks != max_chunks(a.tile_capacity, a.block_size):
