@@ -2,8 +2,9 @@
 
 Outputs are compared with plain float64 softmax attention over exactly the tokens the tile schedule
 consumes, computed from the staged bf16 pool and query; every bound is shown to bite (one token dropped
-from the reference must fail it). Any split of the same pages into tiles must give the single tile's
-bits. The finalize output and the m/l/o state are NaN-poisoned before every run, and rows past num_seqs
+from the reference must fail it). A tile's result depends only on its tokens: the same schedule gives the
+same bits whatever the pool layout, tile_capacity, grid or other sequences; another split into tiles only has
+to meet the bound. The finalize output and the m/l/o state are NaN-poisoned before every run, and rows past num_seqs
 must keep their poison. On the emulator shapes are capped so the file runs in seconds.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
 
 Every tile is recorded (:class:`StepRecord`): the ordered slots, the block ids they hold and the
 last_block_valid_slots each tile was applied with. Replaying the same block ids in the same tiles with
-in-HBM :class:`~hss.attention.TiledAttention` gives the same bits (the kernel is a token-sequential recurrence).
+in-HBM :class:`~hss.attention.TiledAttention` gives the same bits (a tile's result depends only on its token list).
 The last page of ``seq_block_ids`` is always the last entry of its tile, which alone gets the caller's
 last_block_valid_slots.
 
