@@ -119,42 +119,21 @@ struct Args {
     bool vec;
 };
 
-// Pieces (16 bytes of one staged row) each thread copies per chunk on the vector path.
-template <int HDP>
-struct Pieces {
-    static constexpr int PPR = HDP / 8;                          // pieces per staged row
-    static constexpr int PER = ATT_CHUNK * PPR / ATT_THREADS;    // per thread (2, 4, 8): piece j = tid + 256 j
-};
-
-// The page ids of this thread's pieces of chunk c (0 past the tile or past the CTA's chunks). Loaded one
-// iteration ahead of their use, so the page-table lookup never waits in front of the copies.
-template <int HDP>
-__device__ __forceinline__ void fetch_pages(const Args& a, int c, int n_chunks, int (&id)[Pieces<HDP>::PER]) {
-    using P = Pieces<HDP>;
-    const int t0 = c * ATT_CHUNK, n = c < n_chunks ? min(ATT_CHUNK, a.n_tok - t0) : 0;
-#pragma unroll
-    for (int j = 0; j < P::PER; ++j) {
-        const int r = (threadIdx.x + ATT_THREADS * j) / P::PPR;
-        id[j] = (a.vec && r < n) ? __ldg(a.blocks + (t0 + r) / a.bs) : 0;
-    }
-}
-
 // Stage chunk c's K and V rows (one cp.async group): rows past the tile and dims >= head_dim are zero.
-// `id`: this thread's page ids from fetch_pages (vector path).
 template <int HDP>
-__device__ __forceinline__ void stage(const Args& a, int c, const int (&id)[Pieces<HDP>::PER], unsigned short* ks) {
-    using P = Pieces<HDP>;
-    constexpr int PPR = P::PPR;
+__device__ __forceinline__ void stage(const Args& a, int c, unsigned short* ks) {
+    constexpr int PPR = HDP / 8;   // 16-byte pieces per staged row
     unsigned short* vs = ks + ATT_CHUNK * HDP;
     const int tid = threadIdx.x, t0 = c * ATT_CHUNK, n = min(ATT_CHUNK, a.n_tok - t0);
     if (a.vec) {
 #pragma unroll
-        for (int j = 0; j < P::PER; ++j) {
-            const int p = tid + ATT_THREADS * j, r = p / PPR, pc = p % PPR;
+        for (int p = tid; p < ATT_CHUNK * PPR; p += ATT_THREADS) {
+            const int r = p / PPR, pc = p % PPR;
             uint4* dk = reinterpret_cast<uint4*>(ks + r * HDP + pc * 8);
             uint4* dv = reinterpret_cast<uint4*>(vs + r * HDP + pc * 8);
             if (r < n && pc * 8 < a.hd) {
-                const long long off = (long long)id[j] * a.blk + (long long)((t0 + r) % a.bs) * a.tok + pc * 8;
+                const int t = t0 + r;
+                const long long off = (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + pc * 8;
                 cp_async16(dk, a.k + off);
                 cp_async16(dv, a.v + off);
             } else {
@@ -324,18 +303,13 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
     const int z = gridDim.z;
     auto buffer = [&](int it) { return reinterpret_cast<unsigned short*>(smem + (it % ATT_STAGES) * S::STAGE); };
     int c = blockIdx.z;
-    int id0[Pieces<HDP>::PER], id1[Pieces<HDP>::PER], ids[Pieces<HDP>::PER];
-    fetch_pages<HDP>(a, c, n_chunks, id0);
-    fetch_pages<HDP>(a, c + z, n_chunks, id1);
-    fetch_pages<HDP>(a, c + 2 * z, n_chunks, ids);
-    stage<HDP>(a, c, id0, buffer(0));
+    stage<HDP>(a, c, buffer(0));
     if (a.g <= ATT_HG) load_q<HDP>(a, 0, reinterpret_cast<float*>(smem + S::QS));   // read by every chunk
-    if (c + z < n_chunks) stage<HDP>(a, c + z, id1, buffer(1));
+    if (c + z < n_chunks) stage<HDP>(a, c + z, buffer(1));
     else cp_commit();
     for (int it = 0; c < n_chunks; c += z, ++it) {
-        if (c + 2 * z < n_chunks) stage<HDP>(a, c + 2 * z, ids, buffer(it + 2));
+        if (c + 2 * z < n_chunks) stage<HDP>(a, c + 2 * z, buffer(it + 2));
         else cp_commit();   // empty groups keep the count: wait<2> always means "chunk c has landed"
-        fetch_pages<HDP>(a, c + 3 * z, n_chunks, ids);   // used next iteration; its latency hides behind chunk c
         cp_wait<2>();
         const unsigned short* ks = buffer(it);
         const int n = min(ATT_CHUNK, a.n_tok - c * ATT_CHUNK);
