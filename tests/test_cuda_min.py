@@ -298,6 +298,33 @@ def test_batched_host_to_device_copies(ctx, stream, rng):
     assert cm.multiprocessor_count(ctx) > 0
 
 
+def test_batched_copies_fall_back_where_the_driver_has_no_batch_call(ctx, stream, rng):
+    page = 4096
+    src = cm.PinnedBuffer(4 * page)
+    src.array[:] = rng.integers(0, 256, src.bytes, dtype=np.uint8)
+    saved = dict(cm._batch_attrs)
+    cm._batch_attrs.clear()
+    try:
+        with cm.DeviceBuffer(4 * page) as dev:
+            halves = ([dev.ptr + 2 * page, dev.ptr], [src.ptr, src.ptr + 2 * page], [2 * page, 2 * page])
+            with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED"):
+                cm.copy_h_to_d_batch_async(*halves, stream)          # one call per copy instead
+            assert list(cm._batch_attrs.values()) == [None]          # and so from now on in this context
+            cm.copy_h_to_d_batch_async(*halves, stream)
+            got = np.empty(dev.bytes, np.uint8)
+            cm.copy_d_to_h_async(got, dev, dev.bytes, stream)
+            cm.stream_sync(stream)
+            assert np.array_equal(got, np.concatenate([src.array[2 * page:], src.array[:2 * page]]))
+            cm._batch_attrs.clear()
+            with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE"):
+                with pytest.raises(CudaError, match="cuMemcpyBatchAsync.*CUDA_ERROR_INVALID_VALUE"):
+                    cm.copy_h_to_d_batch_async(*halves, stream)
+    finally:
+        cm._batch_attrs.clear()
+        cm._batch_attrs.update(saved)
+        src.close()
+
+
 def test_ctx_properties(ctx):
     major, minor = ctx.compute_capability
     assert major >= 7 and isinstance(ctx.name, str) and ctx.name
