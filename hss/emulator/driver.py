@@ -293,12 +293,11 @@ def cuMemcpyHtoDAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
 def cuMemcpyBatchAsync(dsts: Any, srcs: Any, sizes: Any, count: int, attrs: Any, attrs_idxs: Any, num_attrs: int,
                        hstream: Any) -> tuple:
     """Host-to-device batches only (what hss queues); each copy as cuMemcpyHtoDAsync, in order."""
-    from .enums import CUmemcpySrcAccessOrder as Order
     count = int(count)
     if not (len(dsts) == len(srcs) == len(sizes) == count) or count == 0 or int(num_attrs) != len(attrs) \
             or not 1 <= len(attrs) <= count or list(attrs_idxs)[:1] != [0]:
         return (R.CUDA_ERROR_INVALID_VALUE,)
-    if any(a.srcAccessOrder != Order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM for a in attrs):
+    if any(a.srcAccessOrder != CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM for a in attrs):
         return (R.CUDA_ERROR_NOT_SUPPORTED,)
     for d, s, n in zip(dsts, srcs, sizes):
         err = cuMemcpyHtoDAsync(int(d), int(s), int(n), hstream)[0]

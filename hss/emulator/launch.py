@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .driver import S, _needs_ctx, enqueue, stream_of
+from .enums import CUfunction_attribute
 from .enums import CUresult as R
 from .memory import MemoryFault
 
@@ -114,11 +115,10 @@ def _decode(decl: Any, address: int) -> SimpleNamespace:
 
 
 def cuFuncSetAttribute(f: Any, attrib: Any, value: int) -> tuple:
-    from .enums import CUfunction_attribute as A
     fn = FUNCTIONS.get(int(f))
     if fn is None:
         return (R.CUDA_ERROR_INVALID_HANDLE,)
-    if int(attrib) != A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+    if int(attrib) != CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
         return (R.CUDA_ERROR_NOT_SUPPORTED,)
     if not 0 <= int(value) <= SHARED_OPTIN:
         return (R.CUDA_ERROR_INVALID_VALUE,)

@@ -14,7 +14,7 @@ import numpy as np
 from hss.kernels import Launch, declare, f32
 from hss.reference import attention as ref
 
-STEP_THREADS = 256       # block of paged_decode_attn_tiled and paged_decode_attn_merge (ptx/paged_decode_attn_tiled.cu)
+STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)
 FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
 CHUNK_TOKENS = 64        # ATT_CHUNK: tokens per partial state (fixed: a tile's bits depend on it)
@@ -88,6 +88,12 @@ def _check_merge(a: SimpleNamespace, launch: Launch) -> str | None:
     return None
 
 
+def _tile_token_count(count: int, capacity: int, block_size: int, last_valid: int) -> int:
+    """Tokens one sequence's tile consumes (the kernels' tile_tokens)."""
+    n = min(max(int(count), 0), capacity)
+    return 0 if n == 0 else (n - 1) * block_size + min(max(int(last_valid), 0), block_size)
+
+
 def _tile_tokens(blocks: np.ndarray, count: int, block_size: int, last_valid: int) -> tuple[np.ndarray, np.ndarray]:
     """(page id, slot) of every token one sequence's tile consumes, in order."""
     n = min(max(int(count), 0), blocks.size)
@@ -145,8 +151,7 @@ def _emulate_merge(a: SimpleNamespace, launch: Launch) -> None:
     l = f32(a.l).reshape(ns, nq)
     o = f32(a.o).reshape(ns, nq, hd)
     for s in range(ns):
-        n = min(max(int(counts[s]), 0), a.tile_capacity)
-        n_tok = 0 if n == 0 else (n - 1) * a.block_size + min(max(a.last_block_valid_slots, 0), a.block_size)
+        n_tok = _tile_token_count(counts[s], a.tile_capacity, a.block_size, a.last_block_valid_slots)
         c = min(-(-n_tok // CHUNK_TOKENS), mc)
         if a.fresh:   # the state begin_step asked for, not what the buffers hold
             m[s], l[s], o[s] = -np.inf, 0.0, 0.0
