@@ -2,9 +2,10 @@
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
-A tile is split into fixed 64-token chunks, each one's partial softmax state computed by its own CTA (all
-query heads of a kv head sharing the staged K/V), then merged in chunk order into the running state (SPEC
-§0 allows split and merge). A tile's result depends only on its token list: the same pages in the same
+A tile is split into fixed 512-token units, each one's partial softmax state computed by one CTA (its 8
+warps each streaming their own rows, 4 query heads of a kv head sharing the staged K/V), then folded in unit
+order into the running state by the last CTA to finish, in the same launch (SPEC §0 allows split and
+merge). A tile's result depends only on its token list: the same pages in the same
 tiles give the same bits whatever the pool layout, ``tile_capacity`` or the other sequences; another split
 into tiles rounds differently (both exact attention within SPEC §0). Every call is asynchronous on the
 given stream.
@@ -22,15 +23,17 @@ from typing import Any
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, MERGE_DIMS, MERGE_THREADS,
-                                   PAGED_DECODE_ATTN_MERGE, PAGED_DECODE_ATTN_TILED, STEP_THREADS, max_chunks,
-                                   step_grid_z, step_shared_bytes)
+from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, PAGED_DECODE_ATTN_TILED,
+                                   STEP_THREADS, UNIT_TOKENS, head_groups, max_units, padded_head_dim, step_grid_z,
+                                   step_shared_bytes)
 from hss.ptx import load_module
 from hss._params import as_int
 
 __all__ = ["TiledAttentionDims", "TiledAttention"]
 
 NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
+# parameter indices of paged_decode_attn_tiled that change per call (see its declaration)
+_Q, _K, _V, _TABLE, _COUNTS, _OUT, _BLK, _TOK, _KVH, _LBVS, _FRESH = 0, 1, 2, 3, 4, 10, 19, 20, 21, 22, 23
 _I32_MAX = 2**31 - 1
 
 
@@ -61,14 +64,16 @@ class TiledAttentionDims:
         if self.head_dim > MAX_HEAD_DIM:
             raise HssError(f"TiledAttentionDims.head_dim ({self.head_dim}) must be <= {MAX_HEAD_DIM} "
                            "(the kernel's per-row limit)")
-        if self.num_q_heads > 65535:
-            raise HssError(f"TiledAttentionDims.num_q_heads ({self.num_q_heads}) must be <= 65535 (grid.y)")
+        if self.num_q_heads > 65535 or self.num_kv_heads * head_groups(self.gqa_ratio) > 65535:
+            raise HssError(f"TiledAttentionDims.num_q_heads ({self.num_q_heads}) must be <= 65535, and num_kv_heads "
+                           f"* ceil(gqa_ratio/4) too (grid.y)")
         if self.tile_capacity * self.block_size > _I32_MAX:
             raise HssError(f"TiledAttentionDims.tile_capacity * block_size ({self.tile_capacity} * {self.block_size}) "
                            f"must fit in int32: use smaller tiles")
-        if self.max_chunks > 65535:
+        if self.max_units > 65535:
             raise HssError(f"TiledAttentionDims.tile_capacity * block_size ({self.tile_capacity} * {self.block_size}) "
-                           f"must be <= {65535 * 64} tokens (65535 chunks of 64 on grid.z): use smaller tiles")
+                           f"must be <= {65535 * UNIT_TOKENS} tokens (65535 units of {UNIT_TOKENS} on grid.z): use "
+                           "smaller tiles")
         if self.max_seqs > _I32_MAX:
             raise HssError(f"TiledAttentionDims.max_seqs ({self.max_seqs}) must be < 2^31 (grid.x)")
 
@@ -78,15 +83,20 @@ class TiledAttentionDims:
         return self.num_q_heads // self.num_kv_heads
 
     @property
-    def max_chunks(self) -> int:
-        """64-token chunks (partial states per sequence and query head) of a full tile."""
-        return max_chunks(self.tile_capacity, self.block_size)
+    def max_units(self) -> int:
+        """512-token units (partial states per sequence and query head) of a full tile."""
+        return max_units(self.tile_capacity, self.block_size)
+
+    @property
+    def merge_counters(self) -> int:
+        """Fold counters: one per (sequence, kv head, group of 4 query heads)."""
+        return self.max_seqs * self.num_kv_heads * head_groups(self.gqa_ratio)
 
     @property
     def workspace_bytes(self) -> int:
-        """Device bytes of the partial states and merge counters a :class:`TiledAttention` allocates."""
+        """Device bytes of the partial states and fold counters a :class:`TiledAttention` allocates."""
         rows = self.max_seqs * self.num_q_heads
-        return 4 * rows * (self.max_chunks * (self.head_dim + 2) + 1)
+        return 4 * (rows * self.max_units * (padded_head_dim(self.head_dim) + 2) + self.merge_counters)
 
     @property
     def stripe_bytes(self) -> int:
@@ -138,7 +148,7 @@ class TiledAttention:
     ``TiledAttention(ctx, dims)`` (or ``TiledAttention.new(dims)``, the original's name) loads the PTX and
     allocates the state (m, l: f32 [max_seqs*num_q_heads]; o: f32 [max_seqs*num_q_heads, head_dim]; not
     zeroed: ``begin_step`` initialises it) and the split workspace (``dims.workspace_bytes``: one partial
-    state per 64-token chunk of a full tile). ``ctx`` None uses the current device's primary context.
+    state per 512-token unit of a full tile). ``ctx`` None uses the current device's primary context.
     ``close()`` (or leaving a ``with`` block) frees everything once.
     """
 
@@ -154,7 +164,6 @@ class TiledAttention:
             step_mod = self._own(load_module("paged_decode_attn_tiled", ctx))
             fin_mod = self._own(load_module("attention_finalize", ctx))
             self._step_fn = step_mod.function(PAGED_DECODE_ATTN_TILED.name)
-            self._merge_fn = step_mod.function(PAGED_DECODE_ATTN_MERGE.name)
             self._fin_fn = fin_mod.function("attention_finalize")
             self._step_shared = step_shared_bytes(dims.head_dim)
             self._sm_count = cm.multiprocessor_count(ctx)
@@ -164,22 +173,20 @@ class TiledAttention:
             self.m = self._own(cm.DeviceBuffer(4 * rows, ctx))
             self.l = self._own(cm.DeviceBuffer(4 * rows, ctx))
             self.o = self._own(cm.DeviceBuffer(4 * rows * dims.head_dim, ctx))
-            self._part_ml = self._own(cm.DeviceBuffer(4 * rows * dims.max_chunks * 2, ctx))
-            self._part_o = self._own(cm.DeviceBuffer(4 * rows * dims.max_chunks * dims.head_dim, ctx))
-            self._merge_count = self._own(cm.DeviceBuffer(4 * rows, ctx))
+            self._part_ml = self._own(cm.DeviceBuffer(4 * rows * dims.max_units * 2, ctx))
+            self._part_o = self._own(cm.DeviceBuffer(4 * rows * dims.max_units * padded_head_dim(dims.head_dim), ctx))
+            self._merge_count = self._own(cm.DeviceBuffer(4 * dims.merge_counters, ctx))
         except BaseException:
             self.close()
             raise
         d = dims
         # Prepared once; the hot path only refills the arguments that change per call.
         self._step_pack = PAGED_DECODE_ATTN_TILED.pack(
-            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, num_q_heads=d.num_q_heads,
-            num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity,
-            gqa_ratio=d.gqa_ratio, max_chunks=d.max_chunks)
-        self._merge_pack = PAGED_DECODE_ATTN_MERGE.pack(
-            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
-            merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, head_dim=d.head_dim,
-            block_size=d.block_size, tile_capacity=d.tile_capacity, max_chunks=d.max_chunks)
+            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr, out=0,
+            merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, num_kv_heads=d.num_kv_heads,
+            head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity, gqa_ratio=d.gqa_ratio,
+            max_units=d.max_units)
+        self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
         self._fin_pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
                                                  head_dim=d.head_dim)
 
@@ -256,7 +263,7 @@ class TiledAttention:
         s = cm.stream_handle(stream)
         self._fresh = self._num_seqs(num_seqs)
         if self._fresh and not self._counts_zeroed:   # the merge leaves its counters at zero; they start there once
-            cm.memset_d32_async(self._merge_count, 0, self.dims.max_seqs * self.dims.num_q_heads, s)
+            cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)
             self._counts_zeroed = True
 
     def _initialise(self, s: int) -> None:
@@ -269,9 +276,8 @@ class TiledAttention:
 
     def step_tile(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, tile_block_counts: Any,
                   num_seqs: int, blk_stride: int, tok_stride: int, kvh_stride: int,
-                  last_block_valid_slots: int) -> None:
-        """Apply one tile of KV pages to every sequence's running state (two launches on ``stream``: the
-        split kernel, then the merge).
+                  last_block_valid_slots: int, output: Any = None) -> None:
+        """Apply one tile of KV pages to every sequence's running state (one launch on ``stream``).
 
         ``q`` bf16 [num_seqs, num_q_heads, head_dim]; ``k_pool``/``v_pool`` bf16 pools whose element
         (page, tok, kv_head, d) is at page*blk_stride + tok*tok_stride + kv_head*kvh_stride + d (strides in
@@ -280,13 +286,17 @@ class TiledAttention:
         device clamps them to 0..tile_capacity; page ids are not checked). Every entry contributes
         block_size tokens except each sequence's last entry of this tile, which contributes
         min(last_block_valid_slots, block_size) (0 or less: nothing).
+
+        ``output`` (optional) bf16 [num_seqs, num_q_heads, head_dim]: the same launch also writes what
+        :meth:`finalize` would write after this tile (same bits), so a step whose last tile passes it needs no
+        finalize. The state is kept either way: more tiles may follow.
         """
         self.step_tile_on_stream(_stream(stream), q, k_pool, v_pool, tile_blocks, tile_block_counts, num_seqs,
-                                 blk_stride, tok_stride, kvh_stride, last_block_valid_slots)
+                                 blk_stride, tok_stride, kvh_stride, last_block_valid_slots, output)
 
     def step_tile_on_stream(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any,
                             tile_block_counts: Any, num_seqs: int, blk_stride: int, tok_stride: int,
-                            kvh_stride: int, last_block_valid_slots: int) -> None:
+                            kvh_stride: int, last_block_valid_slots: int, output: Any = None) -> None:
         """:meth:`step_tile` on an explicit stream."""
         self._live()
         d = self.dims
@@ -303,45 +313,43 @@ class TiledAttention:
         if not -2**31 <= lbvs <= _I32_MAX:
             raise HssError(f"last_block_valid_slots ({lbvs}) must fit in int32 (pass block_size for full pages)")
         rows = n * d.num_q_heads
+        out = 0 if output is None else _pointer(output, "output", 2, 2 * rows * d.head_dim,
+                                                 "bf16 [num_seqs, num_q_heads, head_dim]")
         p = self._step_pack
-        p.set(0, _pointer(q, "q", 2, 2 * rows * d.head_dim, "bf16 [num_seqs, num_q_heads, head_dim]"))
-        p.set(1, _pointer(k_pool, "k_pool", 2, None, "the bf16 K page pool"))
-        p.set(2, _pointer(v_pool, "v_pool", 2, None, "the bf16 V page pool"))
-        p.set(3, _pointer(tile_blocks, "tile_blocks", 4, 4 * n * d.tile_capacity,
-                          "i32 [num_seqs, tile_capacity] page ids"))
-        counts = _pointer(tile_block_counts, "tile_block_counts", 4, 4 * n, "i32 [num_seqs] entry counts")
-        p.set(4, counts)
-        p.set(14, strides["blk_stride"])
-        p.set(15, strides["tok_stride"])
-        p.set(16, strides["kvh_stride"])
-        p.set(17, lbvs)
-        self._launch(s, n, counts, lbvs)
+        p.set(_Q, _pointer(q, "q", 2, 2 * rows * d.head_dim, "bf16 [num_seqs, num_q_heads, head_dim]"))
+        p.set(_K, _pointer(k_pool, "k_pool", 2, None, "the bf16 K page pool"))
+        p.set(_V, _pointer(v_pool, "v_pool", 2, None, "the bf16 V page pool"))
+        p.set(_TABLE, _pointer(tile_blocks, "tile_blocks", 4, 4 * n * d.tile_capacity,
+                               "i32 [num_seqs, tile_capacity] page ids"))
+        p.set(_COUNTS, _pointer(tile_block_counts, "tile_block_counts", 4, 4 * n, "i32 [num_seqs] entry counts"))
+        p.set(_BLK, strides["blk_stride"])
+        p.set(_TOK, strides["tok_stride"])
+        p.set(_KVH, strides["kvh_stride"])
+        p.set(_LBVS, lbvs)
+        self._launch(s, n, out)
 
-    def _next_tile(self, s: int, tile_blocks: int, tile_block_counts: int, last_block_valid_slots: int) -> None:
+    def _next_tile(self, s: int, tile_blocks: int, tile_block_counts: int, last_block_valid_slots: int,
+                   output: int = 0) -> None:
         """Another tile of ONE sequence with the q, pools and strides of the last ``step_tile`` (hss.swap's hot
-        loop: those were checked there); only the tile's table, count and last_block_valid_slots change."""
+        loop: those were checked there); only the tile's table, count, last_block_valid_slots and output
+        (an address or 0) change."""
         p = self._step_pack
-        p.set(3, tile_blocks)
-        p.set(4, tile_block_counts)
-        p.set(17, last_block_valid_slots)
-        self._launch(s, 1, tile_block_counts, last_block_valid_slots)
+        p.set(_TABLE, tile_blocks)
+        p.set(_COUNTS, tile_block_counts)
+        p.set(_LBVS, last_block_valid_slots)
+        self._launch(s, 1, output)
 
-    def _launch(self, s: int, n: int, counts: int, lbvs: int) -> None:
-        d = self.dims
-        mp = self._merge_pack
-        mp.set(0, counts)
-        mp.set(12, lbvs)
+    def _launch(self, s: int, n: int, out: int) -> None:
         if n == 0:
             return
         if self._fresh and self._fresh != n:
             self._initialise(s)
-        mp.set(13, 1 if self._fresh else 0)
+        p = self._step_pack
+        p.set(_OUT, out)
+        p.set(_FRESH, 1 if self._fresh else 0)
         self._fresh = 0
-        z = step_grid_z(d.max_chunks, n * d.num_kv_heads, self._sm_count)
-        cm.launch_kernel(self._step_fn, (n, d.num_kv_heads, z), (STEP_THREADS, 1, 1), self._step_shared, s,
-                         self._step_pack)
-        cm.launch_kernel(self._merge_fn, (n, d.num_q_heads, -(-d.head_dim // MERGE_DIMS)), (MERGE_THREADS, 1, 1), 0,
-                         s, mp)
+        z = step_grid_z(self.dims.max_units, n * self._grid_y, self._sm_count)
+        cm.launch_kernel(self._step_fn, (n, self._grid_y, z), (STEP_THREADS, 1, 1), self._step_shared, s, p)
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream``."""

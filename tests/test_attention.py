@@ -112,8 +112,9 @@ class Result:
         return [self.out.view(np.uint16), self.m.view(np.uint32), self.l.view(np.uint32), self.o.view(np.uint32)]
 
 
-def run(ta: TiledAttention, stream, q_dev, pool: Pool, sched: list, num_seqs: int) -> Result:
-    """Poison everything, then begin_step, one step_tile per tile, finalize; read back all max_seqs rows."""
+def run(ta: TiledAttention, stream, q_dev, pool: Pool, sched: list, num_seqs: int, fused: bool = False) -> Result:
+    """Poison everything, then begin_step, one step_tile per tile, finalize (fused: the last step_tile writes
+    the output instead); read back all max_seqs rows."""
     d = ta.dims
     for buf in (ta.m, ta.l, ta.o):
         cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
@@ -121,11 +122,14 @@ def run(ta: TiledAttention, stream, q_dev, pool: Pool, sched: list, num_seqs: in
     out = poisoned(2 * rows * d.head_dim, stream)
     keep = [out]
     ta.begin_step(stream, num_seqs)
-    for blocks, counts, lbvs in sched:
+    for i, (blocks, counts, lbvs) in enumerate(sched):
         tb, cn = upload(blocks[:num_seqs], stream), upload(counts[:num_seqs], stream)
         keep += [tb, cn]
-        ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, num_seqs, *pool.strides, lbvs)
-    ta.finalize(stream, out, num_seqs)
+        last = fused and i == len(sched) - 1
+        ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, num_seqs, *pool.strides, lbvs,
+                     output=out if last else None)
+    if not (fused and sched):
+        ta.finalize(stream, out, num_seqs)
     res = Result(download(out, (d.max_seqs, d.num_q_heads, d.head_dim), BF16, stream),
                  download(ta.m, rows, np.float32, stream), download(ta.l, rows, np.float32, stream),
                  download(ta.o, (rows, d.head_dim), np.float32, stream))
@@ -171,7 +175,7 @@ def same_bits(a: Result, b: Result, what: str) -> None:
     ("num_kv_heads", 6, r"num_q_heads \(32\) must be a multiple of num_kv_heads \(6\)"),
     ("head_dim", 257, r"head_dim \(257\) must be <= 256"), ("max_seqs", 0, r"max_seqs must be > 0"),
     ("block_size", -1, r"block_size must be > 0"), ("tile_capacity", 0, r"tile_capacity must be > 0"),
-    ("tile_capacity", 300_000, r"must be <= 4194240 tokens \(65535 chunks"),
+    ("tile_capacity", 3_000_000, r"must be <= 33553920 tokens \(65535 units"),
     ("num_q_heads", 65536 * 8, "grid.y"), ("tile_capacity", 2**28, "must fit in int32")])
 def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
     with pytest.raises(HssError, match=words):
@@ -181,8 +185,10 @@ def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
 def test_dims_types_and_ratio() -> None:
     ORIGINAL.validate()
     assert ORIGINAL.gqa_ratio == 4 and ORIGINAL.stripe_bytes == 4096
-    assert ORIGINAL.max_chunks == 4 and ORIGINAL.workspace_bytes == 4 * 32 * (4 * 130 + 1)
-    assert replace(ORIGINAL, tile_capacity=5, block_size=13).max_chunks == 2              # ceil(65 / 64)
+    assert ORIGINAL.max_units == 1 and ORIGINAL.workspace_bytes == 4 * (32 * 1 * (128 + 2) + 8)
+    assert replace(ORIGINAL, tile_capacity=50, block_size=13).max_units == 2             # ceil(650 / 512)
+    assert replace(ORIGINAL, num_kv_heads=2).merge_counters == 2 * 4                      # 16 q heads per kv head
+    assert replace(ORIGINAL, head_dim=72).workspace_bytes == 4 * (32 * (128 + 2) + 8)     # rows padded to 128
     with pytest.raises(TypeError, match="head_dim must be an int"):
         replace(ORIGINAL, head_dim=128.0).validate()
     with pytest.raises(TypeError, match="got bool"):
@@ -274,7 +280,7 @@ def test_bad_arguments_raise_before_any_launch(ctx, stream, launches: list) -> N
         ta.finalize(stream, out, 0)
         assert launches == []
         step()                              # the control: the same call with good arguments launches
-        assert launches == ["paged_decode_attn_tiled", "paged_decode_attn_merge"]
+        assert launches == ["paged_decode_attn_tiled"]
 
 
 # -- the kernels against the reference ---------------------------------------------------------
@@ -379,7 +385,19 @@ def test_empty_sequence_and_interop(ctx, stream, rng) -> None:
     with pytest.raises(HssError, match="output must be contiguous"):
         ta.finalize(stream, Tensor(out, (3, 4, 128), "<V2", strides=(2048, 4, 2)), 3)
     ta.finalize(stream, Tensor(out, (3, 4, 128), "<V2", strides=(1024, 256, 2)), 3)   # contiguous strides
-    for b in (tb, cn, out, ta, pool):
+    # the same step with the output written by its tile: the same bits, the empty sequence's 0 included
+    fused = poisoned(2 * 3 * 4 * 128, stream)
+    with pytest.raises(HssError, match="output holds 64 bytes"):
+        ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, 3, *pool.strides, 16, output=cm.DeviceBuffer(64))
+    ta.begin_step(stream, 3)
+    ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, 3, *pool.strides, 16, output=fused)
+    assert np.array_equal(download(fused, 3 * 4 * 128, np.uint16, stream), got.view(np.uint16).reshape(-1))
+    # an empty tile after a full one: the state is kept, and its output is that state's
+    empty = upload(np.zeros(3, np.int32), stream)
+    cm.memset_d8_async(fused, 0xFF, fused.bytes, stream)
+    ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, empty, 3, *pool.strides, 16, output=fused)
+    assert np.array_equal(download(fused, 3 * 4 * 128, np.uint16, stream), got.view(np.uint16).reshape(-1))
+    for b in (tb, cn, out, fused, empty, ta, pool):
         b.close()
 
 
@@ -441,11 +459,12 @@ def test_shapes(ctx, stream, rng, case: dict) -> None:
     check(single, q, pool, consumed(one, ns, dims.block_size), ns, f"one tile: {what}")
     tiled = run(ta, stream, q_dev, pool, many, ns)
     check(tiled, q, pool, consumed(many, ns, dims.block_size), ns, what)
+    same_bits(run(ta, stream, q_dev, pool, many, ns, fused=True), tiled, f"output of the last tile vs finalize: {what}")
     # the same tiles through a TiledAttention of twice the capacity, sequences reversed, another grid: the same
     # bits per sequence
     wide = replace(dims, tile_capacity=2 * cap)
     with TiledAttention(ctx, wide) as ta2:
-        ta2._sm_count = 1   # one CTA per (sequence, kv head) walks every chunk: any grid.z gives the same bits
+        ta2._sm_count = 1   # one CTA per (sequence, kv head, head group) walks every unit: any grid.z, same bits
         rev = schedule(pages[::-1], case["tile"], 2 * cap, dims.block_size, case["last_valid"])
         q_rev = upload(np.ascontiguousarray(q[:ns][::-1]), stream)
         again = run(ta2, stream, q_rev, pool, rev, ns)

@@ -8,9 +8,9 @@ all in one run:
 
 * pinned H2D bandwidth (a pinned buffer -> device, CUDA events) and device copy bandwidth (K and V copied
   device to device; bytes read + written per second);
-* in-HBM tiled attention (begin_step, one tile over the NHD pool, finalize; events): time, K+V bytes / time,
-  and that as a fraction of the copy bandwidth; PyTorch SDPA decode on the same data (skipped with a note
-  without torch);
+* in-HBM tiled attention (begin_step, one tile over the NHD pool that writes the output; events): time,
+  K+V bytes / time, and that as a fraction of the copy bandwidth; PyTorch SDPA decode on the same data
+  (skipped with a note without torch);
 * a HighSpeedSwap step from a HostStore and from a FileStore (resident set = ``--resident`` of the pages,
   streamed tiles of ``--tile`` pages): host wall time per step (attend_layer + stream sync, after the
   resident set settled), hit rate, bytes read, device stall on reads, and the floor
@@ -145,8 +145,7 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
 
         def attend() -> None:
             ta.begin_step(stream, 1)
-            ta.step_tile(stream, q_dev, k_dev, v_dev, table, count, 1, *ta.paged_strides(), bs)
-            ta.finalize(stream, hbm_out, 1)
+            ta.step_tile(stream, q_dev, k_dev, v_dev, table, count, 1, *ta.paged_strides(), bs, output=hbm_out)
         us = _event_us(stream, attend, args.iters, args.warmup)
         frac = kv_bytes / us / 1e3 / copy_bw
         rows.append(dict(row("in-HBM tiled attention (1 tile)", us, kv_bytes / us / 1e3,

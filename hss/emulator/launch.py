@@ -176,6 +176,9 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
                 continue
             addr = getattr(args, pname)
             what = f"{fn.name} parameter {pname}"
+            if addr == 0 and (r, w) != (None, None) and not (r or w):   # optional pointer left null: untouched
+                setattr(bound, pname, None)
+                continue
             if r is None and w is None:     # data-dependent extent: the whole rest of the allocation
                 alloc = S.arena.find(addr)
                 if alloc is None:

@@ -1,4 +1,4 @@
-"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` (the split kernel and its merge) and
+"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` (split, per-unit partials and the fold, one launch) and
 ``ptx/attention_finalize.cu``, their geometry, and their emulation through :mod:`hss.reference.attention`.
 
 The pools are addressed through page ids that live in device memory, so their extents are declared "to
@@ -17,11 +17,9 @@ from hss.reference import attention as ref
 STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)
 FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
-CHUNK_TOKENS = 64        # ATT_CHUNK: tokens per partial state (fixed: a tile's bits depend on it)
-MERGE_DIMS = 32          # head dims per merge CTA
-MERGE_THREADS = 1024     # block of paged_decode_attn_merge
-STAGES = 3               # ATT_STAGES: staged chunks per CTA
-_HG = 4                  # ATT_HG: query heads per pass over a staged chunk
+UNIT_TOKENS = 512        # ATT_UNIT: tokens per partial state (fixed: a tile's bits depend on it)
+STAGES = 3               # ATT_STAGES: staged 8-row steps per warp
+HEAD_GROUP = 4           # ATT_HG: query heads per CTA
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -30,23 +28,26 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def step_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of paged_decode_attn_tiled (the kernel's Shape<HDP>::BYTES)."""
-    hdp = padded_head_dim(head_dim)
-    dpt = 4 if hdp == 256 else 2
-    rg = STEP_THREADS // (hdp // dpt)
-    return (STAGES * (2 * CHUNK_TOKENS * hdp * 2) + rg * _HG * hdp * 4 + _HG * hdp * 4 + CHUNK_TOKENS * _HG * 4
-            + _HG * (CHUNK_TOKENS + 1) * 4)
+    """Dynamic shared memory of paged_decode_attn_tiled: 8 warps x STAGES steps of (K, V) bf16 [8][HDP], plus
+    1536 bytes of per-warp softmax rows and unit-end states (the kernel's Shape<HDP>::BYTES)."""
+    return 8 * STAGES * (2 * 8 * padded_head_dim(head_dim) * 2) + 1536
 
 
-def step_grid_z(max_chunks_: int, seqs_x_kv_heads: int, sm_count: int) -> int:
-    """CTAs per (sequence, kv head) of paged_decode_attn_tiled: about two per SM in all, at most one per chunk
-    (any value in 1..max_chunks gives the same bits)."""
-    return max(1, min(max_chunks_, -(-2 * sm_count // max(seqs_x_kv_heads, 1))))
+def head_groups(gqa_ratio: int) -> int:
+    """CTAs per (sequence, kv head) along grid.y: one per HEAD_GROUP query heads."""
+    return -(-gqa_ratio // HEAD_GROUP)
 
 
-def max_chunks(tile_capacity: int, block_size: int) -> int:
-    """Partial states per (sequence, query head) a tile can need: ceil(tile_capacity*block_size / 64)."""
-    return max(1, -(-tile_capacity * block_size // CHUNK_TOKENS))
+def step_grid_z(max_units_: int, ctas_yx: int, sm_count: int) -> int:
+    """CTAs per (sequence, kv head, head group) of paged_decode_attn_tiled: about two per SM in all, at most one
+    per unit, and the units of a full tile spread evenly (any value in 1..max_units gives the same bits)."""
+    z = max(1, min(max_units_, -(-2 * sm_count // max(ctas_yx, 1))))
+    return -(-max_units_ // -(-max_units_ // z))
+
+
+def max_units(tile_capacity: int, block_size: int) -> int:
+    """Partial states per (sequence, query head) a tile can need: ceil(tile_capacity*block_size / 512)."""
+    return max(1, -(-tile_capacity * block_size // UNIT_TOKENS))
 
 
 def _bf16(view: np.ndarray) -> np.ndarray:
@@ -65,26 +66,14 @@ def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
                 "memory")
     if a.block_size <= 0 or a.tile_capacity < 0:
         return "block_size must be > 0 and tile_capacity >= 0"
-    if a.max_chunks != max_chunks(a.tile_capacity, a.block_size):
-        return f"max_chunks must be ceil(tile_capacity*block_size/{CHUNK_TOKENS}) = " \
-               f"{max_chunks(a.tile_capacity, a.block_size)}"
-    if launch.grid[1] != a.num_kv_heads or not 1 <= launch.grid[2] <= a.max_chunks:
-        return f"grid must be (num_seqs, num_kv_heads = {a.num_kv_heads}, 1..max_chunks = {a.max_chunks})"
+    if a.max_units != max_units(a.tile_capacity, a.block_size):
+        return f"max_units must be ceil(tile_capacity*block_size/{UNIT_TOKENS}) = " \
+               f"{max_units(a.tile_capacity, a.block_size)}"
     if a.num_kv_heads <= 0 or a.gqa_ratio <= 0 or a.num_kv_heads * a.gqa_ratio != a.num_q_heads:
         return f"num_kv_heads ({a.num_kv_heads}) * gqa_ratio ({a.gqa_ratio}) must equal num_q_heads ({a.num_q_heads})"
-    return None
-
-
-def _check_merge(a: SimpleNamespace, launch: Launch) -> str | None:
-    if not 0 < a.head_dim <= MAX_HEAD_DIM:
-        return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
-    if launch.block != (MERGE_THREADS, 1, 1) or launch.shared != 0:
-        return f"needs block ({MERGE_THREADS}, 1, 1) and no dynamic shared memory"
-    want = (a.num_q_heads, -(-a.head_dim // MERGE_DIMS))
-    if launch.grid[1:] != want:
-        return f"grid must be (num_seqs, num_q_heads, ceil(head_dim/{MERGE_DIMS})) = (num_seqs, {want[0]}, {want[1]})"
-    if a.block_size <= 0 or a.tile_capacity < 0 or a.max_chunks != max_chunks(a.tile_capacity, a.block_size):
-        return "block_size must be > 0, tile_capacity >= 0 and max_chunks ceil(tile_capacity*block_size/64)"
+    y = a.num_kv_heads * head_groups(a.gqa_ratio)
+    if launch.grid[1] != y or not 1 <= launch.grid[2] <= a.max_units:
+        return f"grid must be (num_seqs, num_kv_heads * ceil(gqa_ratio/4) = {y}, 1..max_units = {a.max_units})"
     return None
 
 
@@ -123,42 +112,34 @@ def _pool_rows(pool: np.ndarray, pages: np.ndarray, slots: np.ndarray, a: Simple
 
 
 def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
-    ns, nq, hd, mc = launch.grid[0], a.num_q_heads, a.head_dim, a.max_chunks
+    ns, nq, hd, mu = launch.grid[0], a.num_q_heads, a.head_dim, a.max_units
     q = _bf16(a.q).reshape(ns, nq, hd)
     kpool, vpool = _bf16(a.k_pool), _bf16(a.v_pool)
     blocks = a.tile_blocks.view(np.int32).reshape(ns, a.tile_capacity)
     counts = a.tile_block_counts.view(np.int32)
-    part_ml = f32(a.part_ml).reshape(ns, nq, mc, 2)
-    part_o = f32(a.part_o).reshape(ns, nq, mc, hd)
-    for s in range(ns):
-        pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
-        if pages.size == 0:
-            continue
-        k = _pool_rows(kpool, pages, slots, a, "k_pool", s)
-        v = _pool_rows(vpool, pages, slots, a, "v_pool", s)
-        m, l, o = ref.chunk_partials(q[s], k, v, CHUNK_TOKENS)
-        c = m.shape[0]
-        part_ml[s, :, :c, 0], part_ml[s, :, :c, 1] = m.T, l.T
-        part_o[s, :, :c] = o.transpose(1, 0, 2)
-
-
-def _emulate_merge(a: SimpleNamespace, launch: Launch) -> None:
-    ns, nq, hd, mc = launch.grid[0], a.num_q_heads, a.head_dim, a.max_chunks
-    counts = a.tile_block_counts.view(np.int32)
-    part_ml = f32(a.part_ml).reshape(ns, nq, mc, 2)
-    part_o = f32(a.part_o).reshape(ns, nq, mc, hd)
+    hdp = padded_head_dim(hd)
+    part_ml = f32(a.part_ml).reshape(ns, nq, mu, 2)
+    part_o = f32(a.part_o).reshape(ns, nq, mu, hdp)
     m = f32(a.m).reshape(ns, nq)
     l = f32(a.l).reshape(ns, nq)
     o = f32(a.o).reshape(ns, nq, hd)
     for s in range(ns):
-        n_tok = _tile_token_count(counts[s], a.tile_capacity, a.block_size, a.last_block_valid_slots)
-        c = min(-(-n_tok // CHUNK_TOKENS), mc)
         if a.fresh:   # the state begin_step asked for, not what the buffers hold
             m[s], l[s], o[s] = -np.inf, 0.0, 0.0
-        if c == 0:
-            continue
-        pm, pl = part_ml[s, :, :c, 0].T, part_ml[s, :, :c, 1].T
-        m[s], l[s], o[s] = ref.merge_partials(m[s], l[s], o[s], pm, pl, part_o[s, :, :c].transpose(1, 0, 2))
+        pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
+        if pages.size:
+            k = _pool_rows(kpool, pages, slots, a, "k_pool", s)
+            v = _pool_rows(vpool, pages, slots, a, "v_pool", s)
+            pm, pl, po = ref.chunk_partials(q[s], k, v, UNIT_TOKENS)
+            c = pm.shape[0]
+            part_ml[s, :, :c, 0], part_ml[s, :, :c, 1] = pm.T, pl.T
+            part_o[s, :, :c, :hd] = po.transpose(1, 0, 2)
+            part_o[s, :, :c, hd:] = 0.0
+            m[s], l[s], o[s] = ref.merge_partials(m[s], l[s], o[s], pm, pl, po)
+    if a.out is not None:
+        rows = ns * nq
+        out = ref.finalize(l.reshape(rows), o.reshape(rows, hd))
+        _bf16(a.out)[: rows * hd] = out.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(-1)
 
 
 def _check_finalize(a: SimpleNamespace, launch: Launch) -> str | None:
@@ -176,32 +157,30 @@ def _emulate_finalize(a: SimpleNamespace, launch: Launch) -> None:
 
 
 def _parts(a: SimpleNamespace, per: int) -> int:
-    return 4 * _rows(a) * max(a.max_chunks, 0) * per
+    return 4 * _rows(a) * max(a.max_units, 0) * per
+
+
+def _state(a: SimpleNamespace) -> int:
+    return 4 * _rows(a) * max(a.head_dim, 0)
 
 
 PAGED_DECODE_ATTN_TILED = declare(
     "paged_decode_attn_tiled", "paged_decode_attn_tiled",
-    "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, "
-    "i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, i32 tile_capacity, i32 gqa_ratio, "
-    "i32 max_chunks, i64 blk_stride, i64 tok_stride, i64 kvh_stride, i32 last_block_valid_slots",
+    "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, "
+    "ptr l, ptr o, ptr out, ptr merge_count, i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, "
+    "i32 tile_capacity, i32 gqa_ratio, i32 max_units, i64 blk_stride, i64 tok_stride, i64 kvh_stride, "
+    "i32 last_block_valid_slots, i32 fresh",
     reads={"q": lambda a: 2 * _rows(a) * a.head_dim,
            "k_pool": lambda a: None, "v_pool": lambda a: None,           # page ids decide: checked per page
            "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
-           "tile_block_counts": lambda a: 4 * a.grid[0]},
-    writes={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, max(a.head_dim, 0))},
+           "tile_block_counts": lambda a: 4 * a.grid[0],
+           "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state,
+           "merge_count": lambda a: 4 * a.grid[0] * max(a.num_kv_heads, 0) * head_groups(max(a.gqa_ratio, 1))},
+    writes={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, padded_head_dim(max(a.head_dim, 1))),
+            "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state,
+            "out": lambda a: _state(a) // 2 if a.out else 0,   # optional: null = no output
+            "merge_count": lambda a: 4 * a.grid[0] * max(a.num_kv_heads, 0) * head_groups(max(a.gqa_ratio, 1))},
     emulate=_emulate_step, check=_check_step)
-
-PAGED_DECODE_ATTN_MERGE = declare(
-    "paged_decode_attn_tiled", "paged_decode_attn_merge",
-    "ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, ptr l, ptr o, ptr merge_count, i32 num_q_heads, "
-    "i32 head_dim, i32 block_size, i32 tile_capacity, i32 max_chunks, i32 last_block_valid_slots, i32 fresh",
-    reads={"tile_block_counts": lambda a: 4 * a.grid[0],
-           "part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, max(a.head_dim, 0)),
-           "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim,
-           "merge_count": lambda a: 4 * _rows(a)},
-    writes={"m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": lambda a: 4 * _rows(a) * a.head_dim,
-            "merge_count": lambda a: 4 * _rows(a)},
-    emulate=_emulate_merge, check=_check_merge)
 
 ATTENTION_FINALIZE = declare(
     "attention_finalize", "attention_finalize", "ptr o, ptr l, ptr out, i32 num_q_heads, i32 head_dim",
