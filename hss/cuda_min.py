@@ -22,10 +22,10 @@ from hss._params import ParamPack, device_ptr
 
 __all__ = [
     "CudaCtx", "CudaStream", "CudaModule", "CudaFunction", "DeviceBuffer", "PinnedBuffer", "CudaEvent",
-    "CudaGraph", "ParamPack", "copy_h_to_d_async", "copy_h_to_d_batch_async", "copy_d_to_h_async", "copy_d_to_d_async",
-    "copy_2d_d_to_d_async", "memset_d8_async", "memset_d32_async", "launch_kernel", "stream_sync",
-    "mem_info", "multiprocessor_count", "begin_capture", "end_capture", "driver_status", "device_ptr", "stream_handle",
-    "stream_wait_event",
+    "CudaGraph", "ParamPack", "HostToDeviceBatch", "copy_h_to_d_async", "copy_h_to_d_batch_async",
+    "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async", "memset_d8_async", "memset_d32_async",
+    "launch_kernel", "stream_sync", "mem_info", "multiprocessor_count", "begin_capture", "end_capture",
+    "driver_status", "device_ptr", "stream_handle", "stream_wait_event",
     "CudaError", "HssError",
 ]
 
@@ -241,6 +241,7 @@ class _LiveRanges:
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.tokens: list[object] = []
+        self.arrays: tuple[np.ndarray, np.ndarray] | None = None    # starts, ends for check_many; None: stale
         self.lock = threading.Lock()
 
     def add(self, start: int, size: int) -> object:
@@ -251,6 +252,7 @@ class _LiveRanges:
             self.starts.insert(i, start)
             self.ends.insert(i, start + size)
             self.tokens.insert(i, token)
+            self.arrays = None
         return token
 
     def remove(self, token: object) -> None:
@@ -258,6 +260,7 @@ class _LiveRanges:
             for i, t in enumerate(self.tokens):
                 if t is token:
                     del self.starts[i], self.ends[i], self.tokens[i]
+                    self.arrays = None
                     return
 
     def check(self, ptr: int, nbytes: int, what: str) -> None:
@@ -265,6 +268,21 @@ class _LiveRanges:
         if i >= 0 and ptr < self.ends[i] and ptr + nbytes > self.ends[i]:
             raise HssError(f"{what}: {nbytes} bytes at offset {ptr - self.starts[i]} run past the end of "
                            f"its {self.ends[i] - self.starts[i]}-byte buffer; copy fewer bytes or use a larger buffer")
+
+    def check_many(self, ptrs: np.ndarray, nbytes: np.ndarray, what: str) -> None:
+        """:meth:`check` of every ``(ptrs[i], nbytes[i])`` (int64 arrays) at once; raises for the first bad one."""
+        with self.lock:
+            if self.arrays is None:
+                self.arrays = np.array(self.starts, dtype=np.int64), np.array(self.ends, dtype=np.int64)
+            starts, ends = self.arrays
+        if not starts.size or not ptrs.size:
+            return
+        i = np.searchsorted(starts, ptrs, side="right") - 1
+        end = ends[np.maximum(i, 0)]
+        bad = np.flatnonzero((i >= 0) & (ptrs < end) & (ptrs + nbytes > end))
+        if bad.size:
+            b = int(bad[0])
+            self.check(int(ptrs[b]), int(nbytes[b]), what)
 
 
 _ranges = _LiveRanges()
@@ -390,43 +408,83 @@ def copy_h_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
 _batch_attrs: dict[int, Any] = {}   # context handle -> CUmemcpyAttributes of host-to-device batches (None: unsupported)
 
 
+def _int64s(values: Any, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"host-to-device batch: {what} must be integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+class HostToDeviceBatch:
+    """Host-to-device copies ``dsts[i] <- srcs[i]`` (``nbytes[i]`` each; device addresses and pinned host
+    addresses, as int sequences or arrays), checked once, then queued by :meth:`queue` as one
+    ``cuMemcpyBatchAsync`` (whole, or in consecutive parts).
+
+    A batch runs in stream order, its copies in any order, so they must not overlap. Construction checks the
+    counts, that every size is > 0 and every destination range against the live hss buffers, vectorized;
+    ``queue`` only builds the driver's argument lists and makes the call, so keep the destinations alive until
+    then. Where the driver or binding has no batch call, ``queue`` makes one ``cuMemcpyHtoDAsync`` per copy.
+    """
+
+    __slots__ = ("_d", "_s", "_n")
+
+    def __init__(self, dsts: Any, srcs: Any, nbytes: Any) -> None:
+        d, s, n = _int64s(dsts, "destinations"), _int64s(srcs, "sources"), _int64s(nbytes, "sizes")
+        if not d.size == s.size == n.size:
+            raise HssError(f"host-to-device batch: {d.size} destinations, {s.size} sources, {n.size} sizes")
+        if n.size and n.min() <= 0:
+            raise HssError(f"host-to-device batch: sizes must be > 0 (got {int(n[n <= 0][0])})")
+        _ranges.check_many(d, n, "host-to-device batch dst")
+        self._d, self._s, self._n = d.tolist(), s.tolist(), n.tolist()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the copies."""
+        return sum(self._n)
+
+    def queue(self, stream: Any, start: int = 0, stop: int | None = None) -> None:
+        """Queue copies ``[start, stop)`` (default: all) on ``stream`` as one batch; nothing when that is empty."""
+        d, x, n = self._d[start:stop], self._s[start:stop], self._n[start:stop]
+        count = len(d)
+        if not count:
+            return
+        s = stream_handle(stream)
+        _ensure_context()
+        key = _tls.ctx
+        attr = _batch_attrs.get(key, False)   # False: not tried in this context yet; None: no batch call here
+        batch = getattr(api, "cuMemcpyBatchAsync", None)
+        if batch is not None and attr is not None:
+            if attr is False:
+                attr = api.CUmemcpyAttributes()
+                attr.srcAccessOrder = api.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                attr.srcLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+                attr.dstLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                attr.dstLocHint.id = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
+            ptr = api.CUdeviceptr
+            err = batch([ptr(v) for v in d], [ptr(v) for v in x], n, count, [attr], [0], 1, s)[0]
+            if not err:
+                _batch_attrs[key] = attr
+                return
+            if getattr(err, "name", "") != "CUDA_ERROR_NOT_SUPPORTED" or key in _batch_attrs:
+                check((err,), "cuMemcpyBatchAsync", f"{count} host-to-device copies")
+            _batch_attrs[key] = None   # not supported here: one call per copy from now on
+        for dv, xv, nv in zip(d, x, n):
+            check(api.cuMemcpyHtoDAsync(dv, xv, nv, s), "cuMemcpyHtoDAsync")
+
+    def __repr__(self) -> str:
+        return f"HostToDeviceBatch({len(self._d)} copies, {self.nbytes} bytes)"
+
+
 def copy_h_to_d_batch_async(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], stream: Any) -> None:
     """Queue host-to-device copies ``dsts[i] <- srcs[i]`` (``nbytes[i]`` each; ints: device addresses and
     pinned host addresses) as ONE batch (cuMemcpyBatchAsync): the batch runs in stream order, its copies in
     any order, so they must not overlap. Far cheaper on the host than one call per copy, and the DMA engine
     keeps its bandwidth on mid-size copies. Falls back to one cuMemcpyHtoDAsync per copy where the driver
-    or binding has no batch call."""
-    count = len(dsts)
-    if not count == len(srcs) == len(nbytes):
-        raise HssError(f"copy_h_to_d_batch_async: {count} destinations, {len(srcs)} sources, {len(nbytes)} sizes")
-    for d, n in zip(dsts, nbytes):
-        if n <= 0:
-            raise HssError(f"copy_h_to_d_batch_async: sizes must be > 0 (got {n})")
-        _ranges.check(d, n, "copy_h_to_d_batch_async dst")
-    if not count:
-        return
-    s = stream_handle(stream)
-    _ensure_context()
-    key = _tls.ctx
-    attr = _batch_attrs.get(key, False)   # False: not tried in this context yet; None: no batch call here
-    batch = getattr(api, "cuMemcpyBatchAsync", None)
-    if batch is not None and attr is not None:
-        if attr is False:
-            attr = api.CUmemcpyAttributes()
-            attr.srcAccessOrder = api.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-            attr.srcLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-            attr.dstLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            attr.dstLocHint.id = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
-        ptr = api.CUdeviceptr
-        err = batch([ptr(d) for d in dsts], [ptr(x) for x in srcs], list(nbytes), count, [attr], [0], 1, s)[0]
-        if not err:
-            _batch_attrs[key] = attr
-            return
-        if getattr(err, "name", "") != "CUDA_ERROR_NOT_SUPPORTED" or key in _batch_attrs:
-            check((err,), "cuMemcpyBatchAsync", f"{count} host-to-device copies")
-        _batch_attrs[key] = None   # not supported here: one call per copy from now on
-    for d, x, n in zip(dsts, srcs, nbytes):
-        check(api.cuMemcpyHtoDAsync(d, x, n, s), "cuMemcpyHtoDAsync")
+    or binding has no batch call. :class:`HostToDeviceBatch` checks once and queues later, in parts."""
+    HostToDeviceBatch(dsts, srcs, nbytes).queue(stream)
 
 
 def copy_d_to_h_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:

@@ -325,6 +325,66 @@ def test_batched_copies_fall_back_where_the_driver_has_no_batch_call(ctx, stream
         src.close()
 
 
+def test_prepared_host_to_device_batch(ctx, stream, rng, monkeypatch):
+    """HostToDeviceBatch: every check at construction (nothing queued when one fails), then whole or
+    consecutive-part queues, each one driver call (or one call per copy where there is no batch call)."""
+    page = 4096
+    src = cm.PinnedBuffer(16 * page)
+    src.array[:] = rng.integers(0, 256, src.bytes, dtype=np.uint8)
+    order, sizes = [7, 2, 3, 11, 0], [page, 2 * page, page, 3 * page, page]
+    calls: list = []
+    real = cm.api.cuMemcpyBatchAsync
+    monkeypatch.setattr(cm.api, "cuMemcpyBatchAsync", lambda *a: (calls.append(a[3]), real(*a))[1])
+    try:
+        with cm.DeviceBuffer(16 * page) as dev:
+            dsts = np.cumsum([0] + sizes[:-1]) + dev.ptr
+            batch = cm.HostToDeviceBatch(dsts, np.array(order) * page + src.ptr, sizes)
+            assert len(batch) == 5 and batch.nbytes == 8 * page and "5 copies" in repr(batch)
+            want = np.concatenate([src.array[p * page:p * page + n] for p, n in zip(order, sizes)])
+            for parts in ([(0, None)], [(3, 5), (0, 1), (1, 3)], [(0, 2), (2, 2), (2, 5)]):
+                cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+                calls.clear()
+                for start, stop in parts:
+                    batch.queue(stream, start, stop)
+                got = download(dev, dev.bytes, np.uint8, stream)
+                assert np.array_equal(got[:8 * page], want) and (got[8 * page:] == 0xAB).all()
+                assert calls == [n for n in ((stop or 5) - start for start, stop in parts) if n], "one call per part"
+            cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+            saved = dict(cm._batch_attrs)
+            cm._batch_attrs.clear()
+            try:
+                with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED"):
+                    batch.queue(stream, 0, 2)                    # one call per copy instead, from now on
+                assert list(cm._batch_attrs.values()) == [None]
+                batch.queue(stream, 2)
+                got = download(dev, dev.bytes, np.uint8, stream)
+                assert np.array_equal(got[:8 * page], want)
+                cm._batch_attrs.clear()
+                with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE"):
+                    with pytest.raises(CudaError, match="cuMemcpyBatchAsync.*CUDA_ERROR_INVALID_VALUE.*2 host-to"):
+                        batch.queue(stream, 1, 3)
+            finally:
+                cm._batch_attrs.clear()
+                cm._batch_attrs.update(saved)
+            calls.clear()
+            for args, err, words in [
+                ((dsts[:2], [src.ptr], sizes[:2]), HssError, "2 destinations, 1 sources, 2 sizes"),
+                ((dsts[:2], [src.ptr] * 2, [page, 0]), HssError, r"sizes must be > 0 \(got 0\)"),
+                ((dsts[:2], [src.ptr] * 2, [page, -5]), HssError, r"sizes must be > 0 \(got -5\)"),
+                (([dev.ptr, dev.ptr + 15 * page], [src.ptr] * 2, [page, 2 * page]), HssError,
+                 r"dst: 8192 bytes at offset 61440 run past the end of its 65536-byte buffer"),
+                (([float(dev.ptr)], [src.ptr], [page]), TypeError, "destinations must be integers")]:
+                with pytest.raises(err, match=words):
+                    cm.HostToDeviceBatch(*args)
+            assert calls == []
+            empty = cm.HostToDeviceBatch([], [], [])
+            empty.queue(stream)
+            batch.queue(stream, 3, 3)
+            assert len(empty) == 0 and calls == []
+    finally:
+        src.close()
+
+
 def test_ctx_properties(ctx):
     major, minor = ctx.compute_capability
     assert major >= 7 and isinstance(ctx.name, str) and ctx.name

@@ -22,7 +22,8 @@ from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.reference import attention as ref
-from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims, StepRecord, StoreError, StoreIOError, layer_path
+from hss.swap import (HighSpeedSwap, HighSpeedSwapConfig, ModelDims, PreparedReads, StepRecord, StoreError,
+                      StoreIOError, layer_path)
 from helpers import BF16, assert_bites, assert_close, download, upload
 
 ON_GPU = conftest.ON_GPU
@@ -311,6 +312,59 @@ def test_a_missing_cross_stream_wait_changes_results(ctx, tmp_path, rng, monkeyp
     rec, got = s.step(0, ids, q_dev)
     assert not np.array_equal(got.view(np.uint16), replay(s, 0, rec, q_dev).view(np.uint16))
     monkeypatch.undo()
+    s.close()
+
+
+def test_queue_order_reads_first_host_waits_late(ctx, tmp_path, rng, monkeypatch) -> None:
+    """The first two tiles' reads are issued before anything else of the step, and everything not needing the
+    scores (the resident tile, tile 0) is queued before the host waits for them; then reads stay two ahead."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=1, max_blocks=10,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = list(range(8))
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    s.step(0, ids, q_dev)                                     # fills the resident set: 4 hits, 4 streamed tiles
+    order: list[str] = []
+
+    def trace(obj, name: str, label: str) -> None:
+        real = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, **kw: (order.append(label), real(*a, **kw))[1])
+
+    trace(s.h.attn, "step_tile_on_stream", "attend")
+    trace(s.h.attn, "_next_tile", "attend")
+    trace(s.h._ev_scores, "synchronize", "wait")
+    trace(PreparedReads, "issue", "read")
+    rec, got = s.step(0, ids, q_dev)
+    assert [t.streamed for t in rec.tiles] == [False, True, True, True, True]
+    assert order == ["read", "read", "attend", "attend", "wait", "read", "attend", "read", "attend", "attend"]
+    monkeypatch.undo()
+    check_step(s, 0, ids, q, q_dev, rec, got, 16, "reordered step")
+    q_dev.close()
+    s.close()
+
+
+def test_a_step_failing_before_its_score_wait_leaves_the_next_exact(ctx, tmp_path, rng, monkeypatch) -> None:
+    """A step that fails after queueing its tables and some attention: the next step waits for that upload before
+    refilling the pinned tables, and is exact."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=1, max_blocks=10,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = list(range(8))
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    s.step(0, ids, q_dev)
+
+    def broken(stream) -> None:
+        raise HssError("injected")
+
+    monkeypatch.setattr(s.h._timer, "begin", broken)          # fails at tile 0, after the resident tile
+    with pytest.raises(HssError, match="injected"):
+        s.step(0, ids, q_dev)
+    monkeypatch.undo()
+    assert s.h._tables_pending
+    for _ in range(2):
+        rec, got = s.step(0, ids[::-1], q_dev)
+        check_step(s, 0, ids[::-1], q, q_dev, rec, got, 16, "after a failed step")
+    q_dev.close()
     s.close()
 
 

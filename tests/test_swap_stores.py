@@ -259,3 +259,108 @@ def test_host_store_layout_and_write_after_queued_read(ctx, stream, rng) -> None
         assert np.array_equal(download(dev, LAYOUT.block_bytes, np.uint8, stream), old)
         assert np.array_equal(store.buffer.array[at:at + LAYOUT.block_bytes], new)
         dev.close()
+
+
+@pytest.mark.parametrize("kind,kw", STORES, ids=IDS)
+def test_prepared_reads_equal_read_pages(ctx, stream, rng, tmp_path, kind: str, kw: dict) -> None:
+    """Groups issued in any order land exactly where read_pages puts the same requests."""
+    imgs = images(rng, 12)
+    bb = LAYOUT.block_bytes
+    with make(kind, tmp_path, ctx, **kw) as store:
+        for page in range(12):
+            store.write_page(1, page, imgs[page])
+        pages = [3, 4, 5, 6, 7, 0, 11, 10, 1, 2, 8, 9]
+        slots = [0, 1, 2, 3, 4, 6, 5, 8, 9, 10, 11, 7]      # consecutive pages into scattered slots too
+        bounds = [0, 2, 2, 7, 11, 12]                        # an empty group, edges inside runs
+        want = read_back(store, stream, 1, pages, slots)
+        dev = cm.DeviceBuffer(12 * bb)
+        cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+        reads = store.prepare_reads(1, pages, [dev.ptr + bb * o for o in slots], bounds)
+        assert len(reads) == 5 and [reads.nbytes(i) for i in range(5)] == [2 * bb, 0, 5 * bb, 4 * bb, bb]
+        assert [reads.issue(i, stream) for i in (3, 1, 0, 4, 2)] == [4 * bb, 0, 2 * bb, bb, 5 * bb]
+        got = download(dev, (12, bb), np.uint8, stream)
+        assert np.array_equal(got, want)
+        assert all(np.array_equal(got[o], imgs[p]) for p, o in zip(pages, slots))
+        dev.close()
+        assert len(store.prepare_reads(0, [], [], [0, 0])) == 1 and len(store.prepare_reads(0, [], [], [])) == 0
+
+
+def test_prepared_runs_never_cross_a_group_edge(ctx, stream, rng, tmp_path, monkeypatch) -> None:
+    """One vectorized plan: runs break where a page or a destination is not consecutive, at every group edge
+    and every run_cap_pages; each group is one batched driver call of its runs."""
+    bb = LAYOUT.block_bytes
+    batches: list = []
+    real = cm.api.cuMemcpyBatchAsync
+    monkeypatch.setattr(cm.api, "cuMemcpyBatchAsync", lambda *a: (batches.append(list(a[2])), real(*a))[1])
+    imgs = images(rng, 12)
+    for cap, want_starts in [(1 << 30, [0, 3, 5, 7, 9]), (2 * bb, [0, 2, 3, 5, 7, 9, 11])]:
+        with HostStore(LAYOUT, 1, ctx=ctx, run_cap_bytes=cap) as store:
+            for page in range(12):
+                store.write_page(0, page, imgs[page])
+            dev = cm.DeviceBuffer(13 * bb)
+            slots = list(range(5)) + list(range(6, 13))      # the destinations skip slot 5: a break at request 5
+            reads = store.prepare_reads(0, list(range(12)), [dev.ptr + bb * o for o in slots], [0, 3, 3, 7, 9, 12])
+            assert reads.run_starts.tolist() == want_starts
+            assert reads.run_counts.tolist() == np.diff(want_starts + [12]).tolist()
+            assert reads.run_bounds == [want_starts.index(b) if b < 12 else len(want_starts) for b in reads.bounds]
+            batches.clear()
+            for i in range(len(reads)):
+                reads.issue(i, stream)
+            per_group = [reads.run_counts[reads.run_bounds[i]:reads.run_bounds[i + 1]].tolist()
+                         for i in range(len(reads))]
+            if None not in cm._batch_attrs.values():       # (a driver without batches: one call per copy)
+                assert batches == [[n * bb for n in g] for g in per_group if g]
+            got = download(dev, (13, bb), np.uint8, stream)
+            assert all(np.array_equal(got[o], imgs[p]) for p, o in enumerate(slots))
+            dev.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_prepare_reads_checks_everything_first(ctx, stream, rng, tmp_path, monkeypatch, kind: str) -> None:
+    """Every error of a step's reads is raised by prepare_reads, before anything is queued; a group issued
+    after the store changed is checked again."""
+    bb = LAYOUT.block_bytes
+    img = images(rng, 1)[0]
+    store = make(kind, tmp_path, ctx)
+    for page in (0, 1, 2, 4):
+        store.write_page(0, page, img)
+    queued: list = []
+    for call in ("cuMemcpyBatchAsync", "cuMemcpyHtoDAsync", "cuEventRecord"):
+        real = getattr(cm.api, call)
+        monkeypatch.setattr(cm.api, call, lambda *a, _r=real, _c=call: (queued.append(_c), _r(*a))[1])
+    dev = cm.DeviceBuffer(4 * bb)
+    dsts = [dev.ptr + bb * i for i in range(4)]
+    for args, err, words in [
+        ((0, [0, 1, 3, 4], dsts, [0, 2, 4]), StoreError, r"layer 0 pages \[3\] were never written"),
+        ((0, [0, 12], dsts[:2], [0, 2]), StoreError, r"pages \[12\] are out of range 0..11"),
+        ((2, [0], dsts[:1], [0, 1]), StoreError, "layer 2 is out of range"),
+        ((0, [0, 1], dsts[:1], [0, 2]), HssError, "2 pages but 1 destinations"),
+        ((0, [0, 1], dsts[:2], [0, 3]), HssError, r"bounds \[0, 3\] must be non-decreasing request indices in 0..2"),
+        ((0, [0, 1], dsts[:2], [0, 2, 1]), HssError, "non-decreasing"),
+        ((0, [0, 1], dsts[:2], [0.0, 2.0]), TypeError, "bounds must be integers")]:
+        with pytest.raises(err, match=words) as info:
+            store.prepare_reads(*args)
+    assert queued == []
+    with pytest.raises(StoreError) as info:
+        store.prepare_reads(0, [3, 0, 5], dsts[:3], [0, 3])
+    assert info.value.pages.tolist() == [3, 5]
+    if kind == "host":
+        with pytest.raises(HssError, match="run past the end"):
+            store.prepare_reads(0, [1, 2], [dev.ptr + 3 * bb, dev.ptr + 4 * bb], [0, 2])   # one run
+        assert queued == []
+    reads = store.prepare_reads(0, [0, 1, 2, 4], dsts, [0, 2, 4])
+    store.invalidate_page(0, 4)
+    with pytest.raises(StoreError, match=r"layer 0 pages \[4\] were never written"):
+        reads.issue(1, stream)
+    assert queued == []
+    with pytest.raises(IndexError, match="group 2 is out of range: 2 groups"):
+        reads.issue(2, stream)
+    assert reads.issue(0, stream) == 2 * bb                  # its pages are still valid
+    store.write_page(0, 4, img)
+    assert reads.issue(1, stream) == 2 * bb
+    got = download(dev, (4, bb), np.uint8, stream)
+    assert all(np.array_equal(g, img) for g in got)
+    store.close()
+    with pytest.raises(HssError, match="is closed"):
+        reads.issue(0, stream)
+    dev.close()

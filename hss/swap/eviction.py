@@ -42,7 +42,7 @@ class EvictionPolicy:
 
     def _slots(self, slots: Iterable[int]) -> np.ndarray:
         arr = np.asarray(list(slots) if not isinstance(slots, np.ndarray) else slots, dtype=np.int64).reshape(-1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.num_slots):
+        if arr.size and arr.view(np.uint64).max() >= self.num_slots:     # a negative slot wraps to a huge one
             raise HssError(f"slots must be in 0..{self.num_slots - 1}")
         return arr
 
@@ -73,13 +73,17 @@ class EvictionPolicy:
 
     def rank(self, pinned: Iterable[int] = ()) -> np.ndarray:
         """Every slot not in ``pinned``, first eviction choice first (see the module docstring)."""
-        keep = np.ones(self.num_slots, dtype=bool)
-        keep[self._slots(pinned)] = False
-        cand = np.flatnonzero(keep)
-        score, access = self.last_score[cand], self.last_access[cand]
+        pin = self._slots(pinned)
+        if pin.size:
+            keep = np.ones(self.num_slots, dtype=bool)
+            keep[pin] = False
+            cand = np.flatnonzero(keep)
+            score, access = self.last_score[cand], self.last_access[cand]
+        else:
+            cand, score, access = np.arange(self.num_slots), self.last_score, self.last_access
         nan = np.isnan(score)
         if not nan.any():
-            return cand[np.lexsort((cand, access, score))]
+            return cand[np.lexsort((access, score))]     # stable: ties in both keep the slot order
         a = cand[~nan][np.lexsort((cand[~nan], access[~nan], score[~nan]))]
         b = cand[nan][np.lexsort((cand[nan], access[nan]))]
         out, i, j = [], 0, 0

@@ -10,20 +10,23 @@ The scratch pool (``resident_blocks`` page slots in HBM) is split in two:
 
 A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s`` and the copy stream ``c``:
 
-1. ``s`` waits for the previous step (``step_done``) and records ``go``; ``c`` waits for it (write-after-read:
-   the stream buffers may still be read by the previous step). The tiles follow from hits and misses alone
-   (hits = pages resident for this layer; misses stream in tiles of T, sequence order), so the reads of the
-   first two streamed tiles are queued on ``c`` at once. Then q_proj = project_q(q), scores of the layer's
-   pages, D2H into pinned memory, and the **host waits for the scores** (the step's one planned host sync;
-   the original synchronized here too) while those reads run.
-2. Host plan: misses are
-   promoted into the resident set best score first: into free slots, then replacing the first-ranked
-   resident (lowest score, then least recently touched) while that one ranks before the new page. A promoted
-   page is copied (device to device, on ``s``) from its stream slot into its resident slot right after its
-   tile is attended, so hits attended earlier in the step are never overwritten early.
-3. Block tables go up in one copy; ``begin_step``; the resident tile is attended first.
-4. Tile i's pages are read on ``c`` into buffer i % 2, which first waits for ``done[i % 2]`` (attention on
-   tile i-2 finished), then records ``loaded[i % 2]``. ``s`` waits ``loaded[i % 2]``, attends tile i, does
+1. Everything is checked and every read of the step is planned at once (:meth:`BackingStore.prepare_reads
+   <hss.swap.stores.BackingStore.prepare_reads>`): the tiles follow from hits and misses alone (hits = pages
+   resident for this layer; misses stream in tiles of T, sequence order, tile i through buffer i % 2). ``s``
+   waits for the previous step (``step_done``) and records ``go``; ``c`` waits for it (write-after-read: the
+   stream buffers may still be read by the previous step) and the reads of the first two tiles are queued on it.
+2. On ``s``, all that does not need the scores: q_proj = project_q(q), scores of the layer's pages, their D2H into
+   pinned memory, the block tables (one copy from pinned memory), the ``scores`` event (it covers the tables too:
+   the next step refills their pinned copy); ``begin_step``; the resident tile (hits, attended in place); tile 0
+   (after ``loaded[0]``, see 4).
+3. The **host waits for the scores** (the step's one planned host sync; the original synchronized here too) and
+   plans: misses are promoted into the resident set best score first: into free slots, then replacing the
+   first-ranked resident (lowest score, then least recently touched) while that one ranks before the new page.
+   A promoted page is copied (device to device, on ``s``) from its stream slot into its resident slot right
+   after its tile is attended, before that tile's ``done``; every hit is attended in the resident tile, queued
+   before any streamed tile, so none is overwritten early.
+4. Tile i's pages are read on ``c`` into buffer i % 2, which first waits for ``done[i % 2]`` (tile i-2 attended and
+   its promotions copied out), then records ``loaded[i % 2]``. ``s`` waits ``loaded[i % 2]``, attends tile i, does
    its promotions, records ``done[i % 2]``. Reads run two tiles ahead of attention.
 5. ``finalize`` into ``out``; ``s`` records ``step_done``.
 
@@ -34,8 +37,9 @@ The last page of ``seq_block_ids`` is always the last entry of its tile, which a
 last_block_valid_slots.
 
 Nothing else synchronizes the host, except as documented: FileStore reads (pread, and reusing a bounce page
-only after its copy ran), HostStore writes (wait for queued reads of the bytes they replace), and
-``diagnostic_summary`` (waits for the stall timers of issued steps). One instance is used from one thread.
+only after its copy ran), HostStore writes (wait for queued reads of the bytes they replace), a step after one
+that failed before its score wait (waits for that step's table upload), and ``diagnostic_summary`` (waits for
+the stall timers of issued steps). One instance is used from one thread.
 """
 from __future__ import annotations
 
@@ -110,16 +114,24 @@ class _StallTimer:
         self._pending.append((self._open, b))
 
     def collect(self, wait: bool) -> None:
-        keep = []
-        for a, b in self._pending:
-            if wait:
-                b.synchronize()
-            elif not b.query():
-                keep.append((a, b))
-                continue
+        """Sum the complete pairs (``wait``: all of them, after waiting). Pairs complete in record order: one
+        step's are on one stream, and each step's stream waits for the previous step's end."""
+        pending = self._pending
+        if not pending:
+            return
+        if wait:
+            pending[-1][1].synchronize()
+            k = len(pending)
+        elif pending[-1][1].query():
+            k = len(pending)
+        else:
+            k = 0
+            while k < len(pending) and pending[k][1].query():
+                k += 1
+        for a, b in pending[:k]:
             self.ms += a.elapsed_ms(b)
             self._spare += [a, b]
-        self._pending = keep
+        del pending[:k]
 
     def close(self) -> None:
         for ev in self._spare + [e for pair in self._pending for e in pair]:
@@ -190,10 +202,11 @@ class HighSpeedSwap:
             self._q_proj = own(cm.DeviceBuffer(2 * model.num_q_heads * cfg.rank, ctx))
             self._scores_dev = own(cm.DeviceBuffer(4 * nb, ctx))
             self._scores_host = own(cm.PinnedBuffer(4 * nb, ctx))
-            self._tables_dev = own(cm.DeviceBuffer(4 * self._max_tiles * cap, ctx))
-            self._tables_host = own(cm.PinnedBuffer(4 * self._max_tiles * cap, ctx))
-            self._counts_dev = own(cm.DeviceBuffer(4 * self._max_tiles, ctx))
-            self._counts_host = own(cm.PinnedBuffer(4 * self._max_tiles, ctx))
+            # per-tile entry counts (i32 [max_tiles]), then at _tables_offset the slot tables (i32 [max_tiles, cap])
+            self._tables_offset = -(-4 * self._max_tiles // 256) * 256
+            index_bytes = self._tables_offset + 4 * self._max_tiles * cap
+            self._tile_index_dev = own(cm.DeviceBuffer(index_bytes, ctx))
+            self._tile_index_host = own(cm.PinnedBuffer(index_bytes, ctx))
             self.copy_stream = own(cm.CudaStream(ctx))
             ev = lambda: own(cm.CudaEvent(ctx=ctx))   # noqa: E731
             self._ev_scores, self._ev_go, self._ev_step_done = ev(), ev(), ev()
@@ -202,6 +215,18 @@ class HighSpeedSwap:
         except BaseException:
             self.close()
             raise
+        self._counts_dev = self._tile_index_dev.ptr
+        self._tables_dev = self._counts_dev + self._tables_offset
+        self._count_rows = self._tile_index_host.view(np.int32)[:self._max_tiles]
+        self._table_rows = self._tile_index_host.view(np.int32)[self._tables_offset // 4:].reshape(self._max_tiles, cap)
+        self._tables_pending = False
+        # streamed miss j goes to slot R + (j // T % 2) * T + j % T: tile j // T in stream buffer (j // T) % 2
+        j = np.arange(nb, dtype=np.int64)
+        self._stream_dsts = self.pool.ptr + self.layout.block_bytes * (R + j // T % 2 * T + j % T)
+        self._tile_bounds = np.arange(0, (self._max_tiles + 1) * T, T, dtype=np.int64)
+        self._buffer_slots = (tuple(range(R, R + T)), tuple(range(R + T, R + 2 * T)))
+        self._stream_table = np.zeros((self._max_tiles, cap), dtype=np.int32)
+        self._stream_table[:, :T] = R + np.arange(self._max_tiles)[:, None] % 2 * T + np.arange(T)
         self.eviction = EvictionPolicy(R)
         self.disk = DiskBlockAllocator(model.max_blocks_per_layer)
         self._operands = self.pool.attention_operands(self.attn)
@@ -238,15 +263,17 @@ class HighSpeedSwap:
             raise HssError(f"seq_block_ids must be a 1-D sequence of block ids, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
             raise TypeError(f"seq_block_ids must hold ints, got {arr.dtype}")
-        arr = arr.astype(np.int64)
+        arr = arr.astype(np.int64)       # our own copy: the step record keeps it
+        if not arr.size:
+            return arr
         nb = self.model.max_blocks_per_layer
-        bad = arr[(arr < 0) | (arr >= nb)]
-        if bad.size:
+        if arr.view(np.uint64).max() >= nb:        # a negative id wraps to a huge one
+            bad = arr[(arr < 0) | (arr >= nb)]
             raise HssError(f"seq_block_ids holds {bad[:8].tolist()}, out of range 0..{nb - 1}")
-        uniq, counts = np.unique(arr, return_counts=True)
-        if (counts > 1).any():
-            raise HssError(f"seq_block_ids repeats block ids {uniq[counts > 1][:8].tolist()}: each page may appear "
-                           "once per attend_layer call")
+        counts = np.bincount(arr)          # O(max id), like the scores the step computes
+        if counts.max() > 1:
+            raise HssError(f"seq_block_ids repeats block ids {np.flatnonzero(counts > 1)[:8].tolist()}: each page "
+                           "may appear once per attend_layer call")
         return arr
 
     def _lbvs(self, lbvs: Any, q_pos: Any) -> int:
@@ -359,152 +386,194 @@ class HighSpeedSwap:
         slots = self.pool.lookup_many(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)
-        missing = self.store.missing_pages(layer, ids[miss_pos])
-        if missing.size:
-            raise StoreError(f"layer {layer} blocks {missing[:8].tolist()} were never offloaded (or their last "
-                             "write failed): offload_block them before attending")
+        T, bs, m = self.tile_blocks, d.block_size, int(miss_pos.size)
+        ns = -(-m // T)                                      # streamed tiles: the misses in sequence order
+        miss_ids = ids[miss_pos]
+        t0 = time.perf_counter()
+        bounds = self._tile_bounds[:ns + 1].copy()
+        bounds[-1] = m
+        try:   # checks every read of the step and plans its transfers: the loop below only issues them
+            reads = self.store.prepare_reads(layer, miss_ids, self._stream_dsts[:m], bounds)
+        except StoreError as exc:
+            if exc.pages is None:
+                raise
+            raise StoreError(f"layer {layer} blocks {exc.pages[:8].tolist()} were never offloaded (or their last "
+                             "write failed): offload_block them before attending", exc.pages) from None
+        self._host_read += time.perf_counter() - t0
+        c = self.copy_stream.handle
         if self._stepped:
             cm.stream_wait_event(s, self._ev_step_done)
-        tiles = self._tiles(ids, slots, hit_pos, miss_pos, lbvs)     # the schedule needs hits and misses only
+        self._ev_go.record(s)
+        cm.stream_wait_event(c, self._ev_go)
+        first = 1 if hit_pos.size else 0                    # the resident tile, if any, is row 0
+        last_is_hit = bool(ids.size) and bool(hit[-1])
+        ta, cap = self.attn, self.attn.dims.tile_capacity
+        kp, vp, blk, tok, kvh = self._operands
+        tables, counts = self._tables_dev, self._counts_dev
+        loaded, done, timer, n = self._ev_loaded, self._ev_done, self._timer, self._n
         promoted: list[tuple[int, int, int]] = []                 # (decision rank, block id, slot)
         evicted: list[tuple[int, tuple[int, int], int]] = []      # (decision rank, (layer, page), slot)
-        self._ev_go.record(s)
-        cm.stream_wait_event(self.copy_stream, self._ev_go)
-        ta, cap, bb = self.attn, self.attn.dims.tile_capacity, self.layout.block_bytes
-        kp, vp, blk, tok, kvh = self._operands
-        tables, counts = self._tables_dev.ptr, self._counts_dev.ptr
-
-        def attend(row: int, tile: TileRecord) -> None:
-            if row == 0:   # checks q, the pool and the strides once per step
-                ta.step_tile_on_stream(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile.last_block_valid_slots)
-            else:
-                ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile.last_block_valid_slots)
-
-        streamed = [t for t in tiles if t.streamed]
-        first = len(tiles) - len(streamed)
-        chunks = [miss_pos[i:i + self.tile_blocks] for i in range(0, miss_pos.size, self.tile_blocks)]
 
         def read(i: int) -> None:
-            c = self.copy_stream
             if i >= 2:
-                cm.stream_wait_event(c, self._ev_done[i % 2])
-            t0 = time.perf_counter()
-            dsts = self.pool.ptr + bb * np.asarray(streamed[i].slots, dtype=np.int64)
-            self._n["bytes_read"] += self.store.read_pages(c, layer, ids[chunks[i]], dsts)
-            self._host_read += time.perf_counter() - t0
-            self._ev_loaded[i % 2].record(c)
+                cm.stream_wait_event(c, done[i % 2])
+            t = time.perf_counter()
+            n["bytes_read"] += reads.issue(i, c)
+            self._host_read += time.perf_counter() - t
+            loaded[i % 2].record(c)
+
+        def attend(row: int, tile_lbvs: int) -> None:
+            if row == 0:   # checks q, the pool and the strides once per step
+                ta.step_tile_on_stream(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs)
+            else:
+                ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs)
+
+        def attend_streamed(i: int) -> None:
+            timer.begin(s)
+            cm.stream_wait_event(s, loaded[i % 2])
+            timer.end(s)
+            attend(first + i, lbvs if i == ns - 1 and not last_is_hit else bs)
 
         try:
-            for i in range(min(2, len(streamed))):   # the first reads run while the host waits for the scores
+            for i in range(min(2, ns)):     # the first reads run while the host queues and waits for the scores
                 read(i)
-            scores = self._scores(s, layer, q, ids)
-            self._timer.collect(wait=False)
+            if ids.size:
+                self._queue_scores(s, layer, q, ids)
+                self._upload_tables(s, slots[hit_pos], first, ns, m)
+                self._ev_scores.record(s)   # covers the table upload: the next step may refill the pinned tables
+            ta.begin_step_on_stream(s, 1)
+            if first:
+                attend(0, lbvs if last_is_hit else bs)
+            if ns:
+                attend_streamed(0)
+            scores = self._wait_scores(ids)
             if hit_pos.size:
                 self.eviction.record_scores(slots[hit_pos], scores[hit_pos])
                 self.eviction.touch_many(slots[hit_pos])
-            plan = self._plan_promotions(scores, miss_pos)
-            self._upload_tables(s, tiles)
-            ta.begin_step_on_stream(s, 1)
-            if first:
-                attend(0, tiles[0])
-            for i, tile in enumerate(streamed):
-                self._timer.begin(s)
-                cm.stream_wait_event(s, self._ev_loaded[i % 2])
-                self._timer.end(s)
-                attend(first + i, tile)
-                for j, pos in enumerate(chunks[i].tolist()):
-                    if pos in plan:
-                        slot, rank = plan[pos]
-                        cm.copy_d_to_d_async(self.pool.slot_ptr(slot), self.pool.slot_ptr(tile.slots[j]), bb, s)
-                        old = self.pool.put((layer, int(ids[pos])), slot)
-                        self.eviction.record_score(slot, scores[pos])
-                        self.eviction.touch(slot)
-                        promoted.append((rank, int(ids[pos]), slot))
-                        if old is not None:
-                            evicted.append((rank, old, slot))
-                self._ev_done[i % 2].record(s)
-                if i + 2 < len(streamed):
+            plan = self._plan_promotions(scores, miss_pos, miss_ids)
+            pool, bb = self.pool, self.layout.block_bytes
+            for i in range(ns):
+                if i:
+                    attend_streamed(i)
+                for src, slot, rank, block, score in plan.get(i, ()):   # after the tile's attention, before done
+                    cm.copy_d_to_d_async(pool.ptr + slot * bb, src, bb, s)
+                    old = pool.put((layer, block), slot)
+                    self.eviction.record_score(slot, score)
+                    self.eviction.touch(slot)
+                    promoted.append((rank, block, slot))
+                    if old is not None:
+                        evicted.append((rank, old, slot))
+                done[i % 2].record(s)
+                if i + 2 < ns:
                     read(i + 2)
             ta.finalize_on_stream(s, out, 1)
         finally:
             self._ev_step_done.record(s)
             self._stepped = True
-            n = self._n
             n["promotions"] += len(promoted)
             n["evictions"] += len(evicted)
+        self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
+        tiles = self._tiles(ids, slots, hit_pos, miss_ids, lbvs, last_is_hit)
         n["steps"] += 1
         n["tiles"] += len(tiles)
         n["hits"] += int(hit_pos.size)
-        n["misses"] += int(miss_pos.size)
+        n["misses"] += m
         ids.setflags(write=False)
         scores.setflags(write=False)
-        self.last_step = StepRecord(layer, tuple(tiles), tuple(ids[hit_pos].tolist()), tuple(ids[miss_pos].tolist()),
+        self.last_step = StepRecord(layer, tiles, tuple(ids[hit_pos].tolist()), tuple(miss_ids.tolist()),
                                     tuple(p[1:] for p in sorted(promoted)), tuple(e[1:] for e in sorted(evicted)),
                                     ids, scores)
         return self.last_step
 
-    def _scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> np.ndarray:
-        """Predictor scores of ``ids`` (host float32); waits on the host for them."""
-        if ids.size == 0:
-            return np.zeros(0, dtype=np.float32)
+    def _queue_scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> None:
+        """Queue the predictor scores of pages 0..max(ids) and their copy into pinned host memory on ``s``."""
         n = int(ids.max()) + 1
-        t0 = time.perf_counter()
         self.predictor.project_q_on_stream(s, q, self._q_proj)
         self.predictor.score_layer_on_stream(s, self._q_proj, layer, 0, n, self._scores_dev)
         cm.copy_d_to_h_async(self._scores_host, self._scores_dev, 4 * n, s)
-        self._ev_scores.record(s)
+
+    def _wait_scores(self, ids: np.ndarray) -> np.ndarray:
+        """Predictor scores of ``ids`` (host float32) once ``_ev_scores`` has completed; waits on the host."""
+        if ids.size == 0:
+            return np.zeros(0, dtype=np.float32)
+        t0 = time.perf_counter()
         self._ev_scores.synchronize()
         self._score_wait += time.perf_counter() - t0
+        self._tables_pending = False
         return self._scores_host.view(np.float32)[ids]
 
-    def _plan_promotions(self, scores: np.ndarray, miss_pos: np.ndarray) -> dict[int, tuple[int, int]]:
-        """{position in seq: (resident slot, decision rank)} of the misses to promote (see the module doc)."""
+    def _plan_promotions(self, scores: np.ndarray, miss_pos: np.ndarray,
+                         miss_ids: np.ndarray) -> dict[int, list[tuple[int, int, int, int, float]]]:
+        """The misses to promote (see the module doc), by streamed tile: {tile: [(stream slot address, resident
+        slot, decision rank, block id, score), ...]}, each tile's in sequence order."""
         if self.resident_capacity == 0 or miss_pos.size == 0:
             return {}
-        order = miss_pos[np.argsort(-scores[miss_pos], kind="stable")]     # best first, NaN last
-        free = self.pool.free_slots()[:order.size]
-        plan = {int(p): (int(slot), i) for i, (p, slot) in enumerate(zip(order, free))}
-        rest = order[len(free):]
-        if rest.size:
+        miss_scores = scores[miss_pos]
+        free = self.pool.free_slots()[:miss_pos.size]
+        victims = None
+        if len(free) < miss_pos.size:
             victims = self.eviction.rank(free)
-            victims = victims[[self.pool.key_of(int(v)) is not None for v in victims]]
-            k = min(rest.size, victims.size)
+            victims = victims[self.pool.holds(victims)]
+            if not free and (not victims.size or (miss_scores < self.eviction.last_score[victims[0]]).all()):
+                return {}       # the usual steady state: every miss scores below the first victim
+        order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
+        k = 0
+        if victims is not None:
+            k = min(order.size - len(free), victims.size)
             if k:
-                old, new = self.eviction.last_score[victims[:k]], scores[rest[:k]]
-                ok = np.isnan(old) | np.isnan(new) | (old <= new)      # EvictionPolicy.yields_to, vectorized
-                k = k if ok.all() else int(np.argmin(ok))
-                plan.update({int(p): (int(v), len(free) + i) for i, (p, v) in enumerate(zip(rest[:k], victims[:k]))})
+                old, new = self.eviction.last_score[victims[:k]], miss_scores[order[len(free):len(free) + k]]
+                bad = old > new            # not EvictionPolicy.yields_to: False for NaN, like the scalar rule
+                if bad.any():
+                    k = int(np.argmax(bad))
+            if not free and not k:
+                return {}
+        take = order[:len(free) + k]
+        into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]]) if k else np.asarray(free, np.int64)
+        rank = np.argsort(take, kind="stable")                   # decision rank of each, in sequence order
+        take, into = take[rank], into[rank]
+        plan: dict[int, list[tuple[int, int, int, int, float]]] = {}
+        for j, *row in zip(take.tolist(), self._stream_dsts[take].tolist(), into.tolist(), rank.tolist(),
+                           miss_ids[take].tolist(), miss_scores[take].tolist()):
+            plan.setdefault(j // self.tile_blocks, []).append(tuple(row))
         return plan
 
-    def _tiles(self, ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss_pos: np.ndarray,
-               lbvs: int) -> list[TileRecord]:
-        bs, T, R = self.model.block_size, self.tile_blocks, self.resident_capacity
-        last_is_hit = bool(ids.size) and slots[-1] >= 0
+    def _tiles(self, ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss_ids: np.ndarray, lbvs: int,
+               last_is_hit: bool) -> tuple[TileRecord, ...]:
+        """The step's TileRecords: the resident tile (hits in sequence order), then the misses in tiles of T."""
+        bs, T = self.model.block_size, self.tile_blocks
         tiles = []
         if hit_pos.size:
             tiles.append(TileRecord(tuple(slots[hit_pos].tolist()), tuple(ids[hit_pos].tolist()),
                                     lbvs if last_is_hit else bs, False))
-        nchunks = -(-miss_pos.size // T)
-        for i in range(nchunks):
-            part = miss_pos[i * T:(i + 1) * T]
-            base = R + (i % 2) * T
-            last = i == nchunks - 1 and not last_is_hit
-            tiles.append(TileRecord(tuple(range(base, base + part.size)), tuple(ids[part].tolist()),
-                                    lbvs if last else bs, True))
-        return tiles
+        misses = miss_ids.tolist()
+        ns = -(-len(misses) // T)
+        for i in range(ns):
+            part = tuple(misses[i * T:(i + 1) * T])
+            tiles.append(TileRecord(self._buffer_slots[i % 2][:len(part)], part,
+                                    lbvs if i == ns - 1 and not last_is_hit else bs, True))
+        return tuple(tiles)
 
-    def _upload_tables(self, s: int, tiles: list[TileRecord]) -> None:
-        if not tiles:
+    def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int) -> None:
+        """Fill the pinned per-tile slot tables and counts (row 0 the resident tile when ``first``) and queue
+        their copy to the device on ``s``."""
+        nt = first + ns
+        if not nt:
             return
-        cap, nt = self.attn.dims.tile_capacity, len(tiles)
-        table = self._tables_host.view(np.int32)[:nt * cap].reshape(nt, cap)
-        table.fill(0)
-        count = self._counts_host.view(np.int32)[:nt]
-        for r, tile in enumerate(tiles):
-            table[r, :len(tile.slots)] = tile.slots
-            count[r] = len(tile.slots)
-        cm.copy_h_to_d_async(self._tables_dev, self._tables_host, 4 * nt * cap, s)
-        cm.copy_h_to_d_async(self._counts_dev, self._counts_host, 4 * nt, s)
+        if self._tables_pending:      # the last upload may not have run (a step failed before its score wait)
+            self._ev_scores.synchronize()
+        table, count = self._table_rows, self._count_rows
+        if first:
+            table[0, :hit_slots.size] = hit_slots
+            table[0, hit_slots.size:] = 0
+            count[0] = hit_slots.size
+        if ns:
+            table[first:nt] = self._stream_table[:ns]
+            count[first:nt] = self.tile_blocks
+            count[nt - 1] = misses - (ns - 1) * self.tile_blocks
+        cap = self.attn.dims.tile_capacity
+        # one copy: the counts, padding, then the first nt rows of the tables
+        cm.copy_h_to_d_async(self._tile_index_dev, self._tile_index_host, self._tables_offset + 4 * nt * cap, s)
+        self._tables_pending = True
 
     # -- diagnostics, lifetime -------------------------------------------------------------------
     def diagnostic_summary(self) -> HighSpeedSwapDiagnostic:
@@ -536,6 +605,7 @@ class HighSpeedSwap:
                 self._ev_step_done.synchronize()
                 self.copy_stream.synchronize()
         finally:
+            self._count_rows = self._table_rows = None    # views of the pinned memory freed below
             for obj in reversed(owned):
                 obj.close()
 

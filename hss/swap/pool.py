@@ -55,6 +55,7 @@ class ScratchPool:
         self.buffer = cm.DeviceBuffer(n * self.slot_bytes, ctx)
         self._slot_of = np.full((nl, layout.num_blocks), -1, dtype=np.int32)
         self._key_of: list[Key | None] = [None] * (n - r)
+        self._held = np.zeros(n - r, dtype=bool)     # _key_of[slot] is not None, for vectorized checks
         self._free: collections.deque[int] = collections.deque(range(n - r))
 
     # -- device addresses ------------------------------------------------------------------------
@@ -105,11 +106,15 @@ class ScratchPool:
 
     def lookup_many(self, layer: int, pages: np.ndarray) -> np.ndarray:
         """Slots holding (layer, pages[i]) (int32; -1 where not resident). Pages must be in range."""
-        return self._slot_of[layer, np.asarray(pages, dtype=np.int64)].copy()
+        return self._slot_of[layer, np.asarray(pages, dtype=np.int64)]      # fancy indexing: a new array
 
     def key_of(self, slot: int) -> Key | None:
         """The (layer, page) that ``slot`` holds, or None (free)."""
         return self._key_of[slot]
+
+    def holds(self, slots: np.ndarray) -> np.ndarray:
+        """Whether each of ``slots`` (poolable slots, an int array) holds a page (bool array)."""
+        return self._held[slots]
 
     @property
     def free_count(self) -> int:
@@ -194,17 +199,20 @@ class ScratchPool:
         """Everything free, in order 0..n-1."""
         self._slot_of.fill(-1)
         self._key_of = [None] * self.poolable_slots
+        self._held.fill(False)
         self._free = collections.deque(range(self.poolable_slots))
 
     def _set(self, key: Key, slot: int) -> None:
         self._slot_of[key] = slot
         self._key_of[slot] = key
+        self._held[slot] = True
 
     def _drop(self, slot: int) -> None:
         old = self._key_of[slot]
         if old is not None:
             self._slot_of[old] = -1
             self._key_of[slot] = None
+            self._held[slot] = False
 
     # -- lifetime --------------------------------------------------------------------------------
     @property

@@ -4,11 +4,13 @@
 Both keep every layer in the :class:`~hss.swap.layout.GroupLayout` page layout, so a page is one
 contiguous ``block_bytes`` range in the store and in a scratch slot, and consecutive pages read with one
 transfer. Writes are synchronous host operations; ``read_pages`` queues host-to-device copies on the
-caller's stream and returns without waiting for them.
+caller's stream and returns without waiting for them. ``prepare_reads`` checks and plans many reads at once
+(a decode step's tiles) into :class:`PreparedReads`, whose groups then issue with almost no host work.
 
 Validity: a per-group bitmap. A write clears the bits of the groups it covers, writes the data, and sets
 them only after the data is fully written, so a failed or partial write never leaves a group readable.
-Reading a page with any group not valid raises :class:`StoreError` before anything is queued. A short
+A per-page flag (every group valid) keeps the read-side check to one lookup. Reading a page with any group
+not valid raises :class:`StoreError` before anything is queued. A short
 read or an I/O error raises :class:`StoreIOError` naming the layer, the page and the kind (K/V) and kv
 head of the first byte that could not be read.
 """
@@ -29,13 +31,18 @@ from hss._driver import HssError
 from hss._params import as_int
 from hss.swap.layout import KIND_NAMES, GroupLayout
 
-__all__ = ["BackingStore", "HostStore", "FileStore", "StoreError", "StoreIOError", "layer_path"]
+__all__ = ["BackingStore", "HostStore", "FileStore", "PreparedReads", "StoreError", "StoreIOError", "layer_path"]
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class StoreError(HssError):
-    """A page was read before it was (successfully) written, or a write's size or range is wrong."""
+    """A page was read before it was (successfully) written, or a write's size or range is wrong.
+    ``pages``: the pages found not valid, when that is the error (else None)."""
+
+    def __init__(self, message: str, pages: np.ndarray | None = None) -> None:
+        super().__init__(message)
+        self.pages = pages
 
 
 class StoreIOError(OSError):
@@ -62,23 +69,75 @@ def _raw(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def _runs(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int) -> list[tuple[int, int]]:
-    """(start, count) runs of requests whose pages and destinations are both consecutive, <= cap pages each."""
-    if pages.size == 0:
-        return []
-    brk = np.flatnonzero((np.diff(pages) != 1) | (np.diff(dsts) != block_bytes)) + 1
-    runs = []
-    for a, b in zip(np.concatenate([[0], brk]), np.concatenate([brk, [pages.size]])):
-        for s in range(int(a), int(b), cap):
-            runs.append((s, min(cap, int(b) - s)))
-    return runs
+def _plan_runs(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int,
+               bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of requests whose pages and destinations are both consecutive, <= ``cap`` pages each, none crossing
+    a group boundary ``bounds`` (sorted, in 0..n): the first request of each run, its page count, and the
+    first run of each bound (group i's runs are ``at[i]:at[i + 1]``). One vectorized pass, no loop over runs."""
+    n = pages.size
+    start = np.ones(n + 1, dtype=bool)       # start[n]: the end
+    start[1:n] = (pages[1:] != pages[:-1] + 1) | (dsts[1:] != dsts[:-1] + block_bytes)
+    start[bounds] = True
+    edges = np.flatnonzero(start)
+    if cap < n:     # split runs longer than cap: every cap-th request of a run starts a new one
+        pos = np.arange(n + 1) - edges[np.cumsum(start) - 1]
+        edges = np.flatnonzero(start | (pos % cap == 0))
+    return edges[:-1], edges[1:] - edges[:-1], np.searchsorted(edges, bounds)
+
+
+class PreparedReads:
+    """Reads checked and planned at once by :meth:`BackingStore.prepare_reads`, in groups: ``issue(i, stream)``
+    queues group i (requests ``bounds[i]:bounds[i + 1]``) like :meth:`BackingStore.read_pages`.
+
+    ``pages``, ``dsts``: the requests (int64); ``bounds``: the group edges (a list); ``run_starts``,
+    ``run_counts``: the transfers in order (first request, pages), group i's being ``run_bounds[i]`` up to
+    ``run_bounds[i + 1]``. Groups may be issued in any order, each any number of times.
+    """
+
+    __slots__ = ("store", "layer", "pages", "dsts", "bounds", "run_starts", "run_counts", "run_bounds", "copies",
+                 "_block_bytes", "_epoch")
+
+    def __init__(self, store: "BackingStore", layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: list[int],
+                 run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
+        self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
+        self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
+        self.copies: cm.HostToDeviceBatch | None = None     # HostStore: every transfer of the step, checked
+        self._block_bytes, self._epoch = store.layout.block_bytes, store._epoch
+
+    def __len__(self) -> int:
+        return max(len(self.bounds) - 1, 0)
+
+    def nbytes(self, i: int) -> int:
+        """Bytes that group i reads."""
+        return (self.bounds[i + 1] - self.bounds[i]) * self._block_bytes
+
+    def issue(self, i: int, stream: Any) -> int:
+        """Queue group i's reads on ``stream``; returns the bytes queued. A group issued after the store was
+        written or invalidated is checked again (:class:`StoreError`, nothing queued). May block the host
+        like ``read_pages``, never on ``stream`` itself."""
+        if not 0 <= i < len(self.bounds) - 1:
+            raise IndexError(f"group {i} is out of range: {len(self)} groups were prepared")
+        store = self.store
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        if store._closed or store._epoch != self._epoch:
+            store._live()
+            store._check_valid(self.layer, self.pages[lo:hi])
+        if hi == lo:
+            return 0
+        store._issue(self, i, cm.stream_handle(stream))
+        return (hi - lo) * self._block_bytes
+
+    def __repr__(self) -> str:
+        return (f"PreparedReads(layer {self.layer}, {self.pages.size} pages in {len(self)} groups, "
+                f"{self.run_starts.size} transfers)")
 
 
 class BackingStore:
     """Pages of ``num_layers`` layers in ``layout``; subclasses move the bytes.
 
     ``write_page(layer, page, image)`` / ``write_group(layer, page, kind, kv_head, data)``: synchronous host
-    writes. ``read_pages(stream, layer, pages, dsts)``: queue pages[i] -> device dsts[i] on ``stream``.
+    writes. ``read_pages(stream, layer, pages, dsts)``: queue pages[i] -> device dsts[i] on ``stream``;
+    ``prepare_reads(layer, pages, dsts, bounds)``: the same, checked and planned once for many groups.
     """
 
     kind = "?"
@@ -92,6 +151,8 @@ class BackingStore:
         self.layout, self.num_layers = layout, nl
         self.run_cap_pages = max(1, as_int("run_cap_bytes", run_cap_bytes) // layout.block_bytes)
         self._valid = np.zeros((nl, layout.num_blocks, 2 * layout.num_kv_heads), dtype=bool)
+        self._page_ok = np.zeros((nl, layout.num_blocks), dtype=bool)   # every group of the page valid
+        self._epoch = 0       # bumped whenever a page may stop being valid: prepared reads then check again
         self._closed = False
 
     # -- validity --------------------------------------------------------------------------------
@@ -108,26 +169,38 @@ class BackingStore:
                 raise TypeError(f"pages must be integers, got {arr.dtype}")
             arr = arr.astype(np.int64)
         arr = arr.astype(np.int64).reshape(-1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.layout.num_blocks):
+        if arr.size and arr.view(np.uint64).max() >= self.layout.num_blocks:     # a negative page wraps to a huge one
             bad = arr[(arr < 0) | (arr >= self.layout.num_blocks)]
             raise StoreError(f"pages {bad[:8].tolist()} are out of range 0..{self.layout.num_blocks - 1}")
         return arr
 
     def page_valid(self, layer: int, page: int) -> bool:
         """Whether every group of (layer, page) has been written completely."""
-        return bool(self._valid[self._layer(layer), self._pages([page])[0]].all())
+        return bool(self._page_ok[self._layer(layer), self._pages([page])[0]])
 
     def missing_pages(self, layer: int, pages: Any) -> np.ndarray:
         """Those of ``pages`` with a group never (or not completely) written."""
         arr = self._pages(pages)
-        return arr[~self._valid[self._layer(layer)][arr].all(axis=1)]
+        return arr[~self._page_ok[self._layer(layer), arr]]
 
     def invalidate_page(self, layer: int, page: int) -> None:
-        self._valid[self._layer(layer), self._pages([page])[0]] = False
+        layer, page = self._layer(layer), int(self._pages([page])[0])
+        self._epoch += 1
+        self._valid[layer, page] = self._page_ok[layer, page] = False
 
     def invalidate_block(self, page: int) -> None:
         """Invalidate ``page`` in every layer (its disk block id was freed)."""
-        self._valid[:, self._pages([page])[0]] = False
+        page = int(self._pages([page])[0])
+        self._epoch += 1
+        self._valid[:, page] = False
+        self._page_ok[:, page] = False
+
+    def _check_valid(self, layer: int, pages: np.ndarray) -> None:
+        ok = self._page_ok[layer, pages]
+        if not ok.all():
+            missing = pages[~ok]
+            raise StoreError(f"layer {layer} pages {missing[:8].tolist()} were never written (or their last write "
+                             "failed): offload them before reading", missing)
 
     # -- writes ----------------------------------------------------------------------------------
     def write_page(self, layer: int, page: int, image: Any) -> None:
@@ -138,9 +211,10 @@ class BackingStore:
         if raw.nbytes != self.layout.block_bytes:
             raise StoreError(f"a page image is block_bytes = 2*num_kv_heads*group_stride = {self.layout.block_bytes} "
                              f"bytes, got {raw.nbytes}")
-        self._valid[layer, page] = False
+        self._epoch += 1
+        self._valid[layer, page] = self._page_ok[layer, page] = False
         self._write(layer, page, 0, raw)
-        self._valid[layer, page] = True
+        self._valid[layer, page] = self._page_ok[layer, page] = True
 
     def write_group(self, layer: int, page: int, kind: int, kv_head: int, data: Any) -> None:
         """Write one group (the original's ``write_from_host``): exactly ``group_bytes`` bytes, zero-padded
@@ -155,36 +229,52 @@ class BackingStore:
         buf = np.zeros(self.layout.group_stride, dtype=np.uint8)
         buf[:raw.nbytes] = raw
         g = kind * self.layout.num_kv_heads + kv_head
-        self._valid[layer, page, g] = False
+        self._epoch += 1
+        self._valid[layer, page, g] = self._page_ok[layer, page] = False
         self._write(layer, page, off, buf)
         self._valid[layer, page, g] = True
+        self._page_ok[layer, page] = self._valid[layer, page].all()
 
     # -- reads -----------------------------------------------------------------------------------
     def read_pages(self, stream: Any, layer: int, pages: Any, dsts: Any) -> int:
         """Queue copies of (layer, pages[i]) into device addresses ``dsts[i]`` (``block_bytes`` each) on
         ``stream``; returns the bytes queued. May block the host (file reads, buffer reuse), never on
         ``stream`` itself. Raises :class:`StoreError` (nothing queued) if a page is not valid."""
+        return self.prepare_reads(layer, pages, dsts, [0, np.size(pages)]).issue(0, stream)
+
+    def prepare_reads(self, layer: int, pages: Any, dsts: Any, bounds: Any) -> PreparedReads:
+        """Check and plan reads of (layer, pages[i]) into device addresses ``dsts[i]`` once, in groups
+        ``[bounds[i], bounds[i + 1])`` (non-decreasing request indices in 0..len(pages)); ``issue(i, stream)``
+        of the result then queues group i like :meth:`read_pages`. Everything is checked here (layer, page
+        range, destinations, pages never written: :class:`StoreError` naming them) and no transfer crosses a
+        group edge. Keep the destinations alive until the groups are issued."""
         self._live()
         layer = self._layer(layer)
         pages = self._pages(pages)
-        dsts = np.asarray([cm.device_ptr(d) for d in dsts] if not isinstance(dsts, np.ndarray) else dsts,
-                          dtype=np.int64).reshape(-1)
+        dsts = np.array([cm.device_ptr(d) for d in dsts] if not isinstance(dsts, np.ndarray) else dsts,
+                        dtype=np.int64).reshape(-1)       # a copy, like pages: issued later, as prepared
         if dsts.size != pages.size:
             raise HssError(f"{pages.size} pages but {dsts.size} destinations")
-        missing = self.missing_pages(layer, pages)
-        if missing.size:
-            raise StoreError(f"layer {layer} pages {missing[:8].tolist()} were never written (or their last write "
-                             "failed): offload them before reading")
-        if pages.size == 0:
-            return 0
-        self._read(cm.stream_handle(stream), layer, pages, dsts)
-        return int(pages.size) * self.layout.block_bytes
+        b = np.asarray(bounds)
+        if b.size and b.dtype.kind not in "iu":
+            raise TypeError(f"bounds must be integers, got {b.dtype}")
+        b = b.astype(np.int64, copy=False).reshape(-1)
+        if b.size and (b[0] < 0 or b[-1] > pages.size or (b[1:] < b[:-1]).any()):
+            raise HssError(f"bounds {b[:8].tolist()} must be non-decreasing request indices in 0..{pages.size}")
+        self._check_valid(layer, pages)
+        first, counts, at = _plan_runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages, b)
+        reads = PreparedReads(self, layer, pages, dsts, b.tolist(), first, counts, at.tolist())
+        self._prepared(reads)
+        return reads
 
     # -- subclass hooks, lifetime ----------------------------------------------------------------
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _read(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray) -> None:
+    def _prepared(self, reads: PreparedReads) -> None:
+        """Prebuild whatever issuing ``reads``' groups needs."""
+
+    def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         raise NotImplementedError
 
     def _live(self) -> None:
@@ -209,9 +299,8 @@ class HostStore(BackingStore):
     """Every layer in ONE pinned host buffer (layer-major, each layer laid out like its file).
 
     Reads are H2D copies straight from the buffer (consecutive pages in one copy; one batched driver call per
-    read). A write first waits
-    (on the host) for reads already queued from the buffer, so it never changes bytes a queued copy has
-    yet to read.
+    read, its copy list built once by ``prepare_reads``). A write first waits (on the host) for reads already
+    queued from the buffer, so it never changes bytes a queued copy has yet to read.
     """
 
     kind = "host"
@@ -234,13 +323,15 @@ class HostStore(BackingStore):
         at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset_in_page
         self.buffer.array[at:at + data.nbytes] = data
 
-    def _read(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray) -> None:
-        bb = self.layout.block_bytes
-        base = self.buffer.ptr + layer * self.layout.bytes_per_layer
-        runs = _runs(pages, dsts, bb, self.run_cap_pages)
-        # one batch per call: one driver call, and the DMA keeps its bandwidth on many mid-size copies
-        cm.copy_h_to_d_batch_async([int(dsts[s]) for s, _ in runs], [base + int(pages[s]) * bb for s, _ in runs],
-                                   [n * bb for _, n in runs], stream)
+    def _prepared(self, reads: PreparedReads) -> None:
+        # one batch per group: one driver call, and the DMA keeps its bandwidth on many mid-size copies; the
+        # copies of every group are checked here, at once
+        bb, first = self.layout.block_bytes, reads.run_starts
+        base = self.buffer.ptr + reads.layer * self.layout.bytes_per_layer
+        reads.copies = cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb, reads.run_counts * bb)
+
+    def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
+        reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
         self._reads_done.record(stream)
         self._reads_queued = True
 
@@ -382,10 +473,12 @@ class FileStore(BackingStore):
                                f"of {self.path(layer)}: {exc.strerror or exc}", exc.errno) from exc
 
     # -- reads -----------------------------------------------------------------------------------
-    def _read(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray) -> None:
+    def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
+        layer, pages, dsts = reads.layer, reads.pages, reads.dsts
+        r0, r1 = reads.run_bounds[group], reads.run_bounds[group + 1]
         window: list[tuple[int, int, int]] = []     # (request start, count, bounce page)
         w_start = 0
-        for s, n in _runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages):
+        for s, n in zip(reads.run_starts[r0:r1].tolist(), reads.run_counts[r0:r1].tolist()):
             h = self._head
             if h % self.ring + n > self.ring:        # a run needs contiguous bounce memory
                 h += self.ring - h % self.ring
