@@ -186,7 +186,7 @@ def _swap_step(args: argparse.Namespace, ctx: Any, store: str, k: np.ndarray, v:
         for b in range(pages):
             assert h.alloc_disk_block() == b
             h.offload_block(ctx, 0, b, k_dev.ptr + b * page_bytes, k[b], v[b])
-        ids = list(range(pages))
+        ids = np.arange(pages, dtype=np.int64)
         for _ in range(max(args.warmup, 2)):              # cold step, then a settled resident set
             h.attend_layer(ctx, 0, ids, q_dev, out)
         cm.stream_sync(stream)

@@ -28,7 +28,8 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
 4. Tile i's pages are read on ``c`` into buffer i % 2, which first waits for ``done[i % 2]`` (tile i-2 attended and
    its promotions copied out), then records ``loaded[i % 2]``. ``s`` waits ``loaded[i % 2]``, attends tile i, does
    its promotions, records ``done[i % 2]``. Reads run two tiles ahead of attention.
-5. ``finalize`` into ``out``; ``s`` records ``step_done``.
+5. The step's last tile also writes ``out`` (the bits ``finalize`` would write; a step with no page
+   finalizes the empty state instead); ``s`` records ``step_done``.
 
 Every tile is recorded (:class:`StepRecord`): the ordered slots, the block ids they hold and the
 last_block_valid_slots each tile was applied with. Replaying the same block ids in the same tiles with
@@ -423,10 +424,11 @@ class HighSpeedSwap:
             loaded[i % 2].record(c)
 
         def attend(row: int, tile_lbvs: int) -> None:
+            output = out if row == first + ns - 1 else 0   # the step's last tile also writes the output
             if row == 0:   # checks q, the pool and the strides once per step
-                ta.step_tile_on_stream(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs)
+                ta.step_tile_on_stream(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs, output or None)
             else:
-                ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs)
+                ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs, output)
 
         def attend_streamed(i: int) -> None:
             timer.begin(s)
@@ -466,7 +468,8 @@ class HighSpeedSwap:
                 done[i % 2].record(s)
                 if i + 2 < ns:
                     read(i + 2)
-            ta.finalize_on_stream(s, out, 1)
+            if not first + ns:   # no tile: the output of the empty state
+                ta.finalize_on_stream(s, out, 1)
         finally:
             self._ev_step_done.record(s)
             self._stepped = True
