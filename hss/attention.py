@@ -2,7 +2,7 @@
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
-A tile is split into fixed 512-token units, each one's partial softmax state computed by one CTA (its 8
+A tile is split into fixed 1024-token units, each one's partial softmax state computed by one CTA (its 8
 warps each streaming their own rows, 4 query heads of a kv head sharing the staged K/V), then folded in unit
 order into the running state by the last CTA to finish, in the same launch (SPEC §0 allows split and
 merge). A tile's result depends only on its token list: the same pages in the same
@@ -84,7 +84,7 @@ class TiledAttentionDims:
 
     @property
     def max_units(self) -> int:
-        """512-token units (partial states per sequence and query head) of a full tile."""
+        """1024-token units (partial states per sequence and query head) of a full tile."""
         return max_units(self.tile_capacity, self.block_size)
 
     @property
@@ -148,7 +148,7 @@ class TiledAttention:
     ``TiledAttention(ctx, dims)`` (or ``TiledAttention.new(dims)``, the original's name) loads the PTX and
     allocates the state (m, l: f32 [max_seqs*num_q_heads]; o: f32 [max_seqs*num_q_heads, head_dim]; not
     zeroed: ``begin_step`` initialises it) and the split workspace (``dims.workspace_bytes``: one partial
-    state per 512-token unit of a full tile). ``ctx`` None uses the current device's primary context.
+    state per 1024-token unit of a full tile). ``ctx`` None uses the current device's primary context.
     ``close()`` (or leaving a ``with`` block) frees everything once.
     """
 

@@ -2,9 +2,9 @@
 // as split + merge under SPEC §0).
 //
 // A tile's tokens (every slot of every listed page, except the last page's min(lbvs, bs) slots) are cut into
-// fixed units of ATT_UNIT = 512 tokens counted from the tile's start, and each unit into 64-token chunks of 8
+// fixed units of ATT_UNIT = 1024 tokens counted from the tile's start, and each unit into 64-token chunks of 8
 // rows per warp: warp w of 8 takes rows 8w..8w+7 of every chunk. CTA z of one (sequence, kv head, group of 4
-// query heads) takes units z, z + gridDim.z, ...; each of its warps stages its own rows (a 3-deep cp.async
+// query heads) takes units z, z + gridDim.z, ...; each of its warps stages its own rows (a 2-deep cp.async
 // ring per warp, no block barrier inside a unit) and keeps an online-softmax state per query head:
 //   x_t = dot(q, K_t) * rsqrtf(head_dim);  per 8-row step: m' = max(m, max_t x_t), a = __expf(m - m'),
 //   p_t = __expf(x_t - m'), l' = l*a + p_t (per lane), o' = o*a + sum_t p_t*V_t    (f32 throughout).
@@ -32,9 +32,9 @@
 //                     (fresh != 0: not read, taken as m = -inf, l = 0, o = 0, the state begin_step asks for)
 //   out               bf16 [num_seqs, num_q_heads, head_dim] or null
 //   merge_count       u32 [num_seqs * num_kv_heads * ceil(gqa_ratio/4)], zero between launches
-//   max_units = ceil(tile_capacity*block_size / 512) (the partial arrays' row stride).
+//   max_units = ceil(tile_capacity*block_size / 1024) (the partial arrays' row stride).
 //   Launch: grid (num_seqs, num_kv_heads * ceil(gqa_ratio/4), Z), 1 <= Z <= max_units (any Z gives the same
-//   bits), block (256,1,1), dynamic shared memory ATT_SMEM(HDP) = 8*3*(2*8*HDP*2) + 1536 bytes (97.5 KiB at
+//   bits), block (256,1,1), dynamic shared memory ATT_SMEM(HDP) = 8*2*(2*8*HDP*2) + 1536 bytes (65.5 KiB at
 //   head_dim 128: the host raises the function's 48 KiB limit). A sequence whose tile has no tokens keeps its
 //   state (fresh: gets the initial state); CTA z = 0 writes it (and out).
 // head_dim <= 256 (any value; rows are padded to 64, 128 or 256 in shared memory). Loads are 16-byte cp.async
@@ -44,11 +44,15 @@
 #define ATT_THREADS 256
 #define ATT_WARPS 8
 #define ATT_ROWS 8      // rows per warp per step (a chunk is ATT_WARPS * ATT_ROWS = 64 tokens)
-#define ATT_UNIT 512    // tokens per partial state (fixed: the result of a tile depends on it)
+#ifndef ATT_UNIT
+#define ATT_UNIT 1024   // tokens per partial state (fixed: the result of a tile depends on it)
+#endif
 #define ATT_SPU (ATT_UNIT / (ATT_WARPS * ATT_ROWS))   // steps per warp per full unit
 #define ATT_HG 4        // query heads per CTA
 #define ATT_MAX_HD 256
-#define ATT_STAGES 3    // steps in flight per warp (the one computed and the next two)
+#ifndef ATT_STAGES
+#define ATT_STAGES 2    // steps staged per warp (the one computed and the next)
+#endif
 
 namespace {
 
@@ -65,7 +69,7 @@ struct Shape {
     static constexpr int LS = MS + ATT_WARPS * ATT_HG * 4;            // f32 [8][4]
     static constexpr int BS = LS + ATT_WARPS * ATT_HG * 4;            // i32 [8] o buffer of each warp, + flag
     static constexpr int BYTES = BS + 256;
-    static_assert(BYTES == 8 * 3 * (2 * 8 * HDP * 2) + 1536, "documented size");
+    static_assert(BYTES == 8 * ATT_STAGES * (2 * 8 * HDP * 2) + 1536, "documented size");
     static_assert(ATT_WARPS * ATT_HG * HDP * 4 + ATT_WARPS * ATT_HG * 4 * 2 <= PS, "fold scratch fits the rings");
     static_assert(BYTES <= 227 * 1024, "shared memory per CTA");
 };
@@ -386,10 +390,10 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
         auto stage_or_skip = [&](int it) {
             const int u = z + (it / ATT_SPU) * Z;
             if (u < a.n_units && (it % ATT_SPU) < warp_steps(a, u, warp)) stage<HDP>(a, t0_of(it), buffer(it), lane);
-            cp_commit();   // empty groups keep the count: wait<2> always means "step it has landed"
+            cp_commit();   // empty groups keep the count: wait<STAGES-1> always means "step it has landed"
         };
-        stage_or_skip(0);
-        stage_or_skip(1);
+#pragma unroll
+        for (int i = 0; i < ATT_STAGES - 1; ++i) stage_or_skip(i);
         WarpState<E> st;
         const int n_mine = (a.n_units - z + Z - 1) / Z;   // units of this CTA
         for (int k = 0; k < n_mine; ++k) {
@@ -398,8 +402,8 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
             st.reset();
             for (int j = 0; j < ns; ++j) {
                 const int it = k * ATT_SPU + j;
-                stage_or_skip(it + 2);
-                cp_wait<2>();
+                stage_or_skip(it + ATT_STAGES - 1);
+                cp_wait<ATT_STAGES - 1>();
                 __syncwarp();
                 step<HDP>(q, buffer(it), min(ATT_ROWS, a.n_tok - t0_of(it)), scale, st, ps, lane);
             }
@@ -484,7 +488,7 @@ paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16
     Args a;
     a.n_tok = n_tok;
     a.n_units = min((n_tok + ATT_UNIT - 1) / ATT_UNIT, max_units);
-    const int hdp = head_dim <= 64 ? 64 : (head_dim <= 128 ? 128 : 256);
+    const int hdp = hdp_of(head_dim);
     const long long row0 = (long long)seq * num_q_heads + (long long)kh * gqa_ratio + h0;   // first q head's row
     a.q = reinterpret_cast<const unsigned short*>(Q) + row0 * head_dim;
     a.k = reinterpret_cast<const unsigned short*>(K_pool) + kh * kvh_stride;

@@ -175,7 +175,7 @@ def same_bits(a: Result, b: Result, what: str) -> None:
     ("num_kv_heads", 6, r"num_q_heads \(32\) must be a multiple of num_kv_heads \(6\)"),
     ("head_dim", 257, r"head_dim \(257\) must be <= 256"), ("max_seqs", 0, r"max_seqs must be > 0"),
     ("block_size", -1, r"block_size must be > 0"), ("tile_capacity", 0, r"tile_capacity must be > 0"),
-    ("tile_capacity", 3_000_000, r"must be <= 33553920 tokens \(65535 units"),
+    ("tile_capacity", 5_000_000, r"must be <= 67107840 tokens \(65535 units"),
     ("num_q_heads", 65536 * 8, "grid.y"), ("tile_capacity", 2**28, "must fit in int32")])
 def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
     with pytest.raises(HssError, match=words):
@@ -186,7 +186,7 @@ def test_dims_types_and_ratio() -> None:
     ORIGINAL.validate()
     assert ORIGINAL.gqa_ratio == 4 and ORIGINAL.stripe_bytes == 4096
     assert ORIGINAL.max_units == 1 and ORIGINAL.workspace_bytes == 4 * (32 * 1 * (128 + 2) + 8)
-    assert replace(ORIGINAL, tile_capacity=50, block_size=13).max_units == 2             # ceil(650 / 512)
+    assert replace(ORIGINAL, tile_capacity=100, block_size=13).max_units == 2            # ceil(1300 / 1024)
     assert replace(ORIGINAL, num_kv_heads=2).merge_counters == 2 * 4                      # 16 q heads per kv head
     assert replace(ORIGINAL, head_dim=72).workspace_bytes == 4 * (32 * (128 + 2) + 8)     # rows padded to 128
     with pytest.raises(TypeError, match="head_dim must be an int"):

@@ -17,8 +17,8 @@ from hss.reference import attention as ref
 STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)
 FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
-UNIT_TOKENS = 512        # ATT_UNIT: tokens per partial state (fixed: a tile's bits depend on it)
-STAGES = 3               # ATT_STAGES: staged 8-row steps per warp
+UNIT_TOKENS = 1024       # ATT_UNIT: tokens per partial state (fixed: a tile's bits depend on it)
+STAGES = 2               # ATT_STAGES: staged 8-row steps per warp
 HEAD_GROUP = 4           # ATT_HG: query heads per CTA
 
 
@@ -46,7 +46,7 @@ def step_grid_z(max_units_: int, ctas_yx: int, sm_count: int) -> int:
 
 
 def max_units(tile_capacity: int, block_size: int) -> int:
-    """Partial states per (sequence, query head) a tile can need: ceil(tile_capacity*block_size / 512)."""
+    """Partial states per (sequence, query head) a tile can need: ceil(tile_capacity*block_size / 1024)."""
     return max(1, -(-tile_capacity * block_size // UNIT_TOKENS))
 
 
