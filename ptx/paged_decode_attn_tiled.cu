@@ -158,7 +158,8 @@ __device__ __forceinline__ void stage(const Args& a, int t0, unsigned short* ks,
             uint4* dv = reinterpret_cast<uint4*>(vs + r * HDP + pc * 8);
             if (r < n && pc * 8 < a.hd) {
                 const int t = t0 + r;
-                const long long off = (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + pc * 8;
+                const long long off =
+                    (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + pc * 8;
                 cp_async16(dk, a.k + off);
                 cp_async16(dv, a.v + off);
             } else {
@@ -310,7 +311,8 @@ __device__ __forceinline__ void fold(const Args& a, unsigned char* smem) {
         for (int k = 0; k < E; ++k) {
             const int f = 4 * (lane + 32 * k), h = f / HDP, d = f % HDP;
             if (h < a.hg) {
-                const float4 x = __ldcg(reinterpret_cast<const float4*>(a.part_o + h * a.row_o + (long long)u * HDP + d));
+                const float* src = a.part_o + h * a.row_o + (long long)u * HDP + d;
+                const float4 x = __ldcg(reinterpret_cast<const float4*>(src));
                 acc[k].x = fmaf(x.x, wgt[h], acc[k].x);
                 acc[k].y = fmaf(x.y, wgt[h], acc[k].y);
                 acc[k].z = fmaf(x.z, wgt[h], acc[k].z);
@@ -386,7 +388,9 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
 
         // This warp's steps, in order over the CTA's units: a flat index it -> (unit z + (it / SPU) * Z, step
         // it % SPU); steps past the tile's end are skipped (they are the last unit's tail).
-        auto t0_of = [&](int it) { return (z + (it / ATT_SPU) * Z) * ATT_UNIT + ((it % ATT_SPU) * ATT_WARPS + warp) * ATT_ROWS; };
+        auto t0_of = [&](int it) {
+            return (z + (it / ATT_SPU) * Z) * ATT_UNIT + ((it % ATT_SPU) * ATT_WARPS + warp) * ATT_ROWS;
+        };
         auto stage_or_skip = [&](int it) {
             const int u = z + (it / ATT_SPU) * Z;
             if (u < a.n_units && (it % ATT_SPU) < warp_steps(a, u, warp)) stage<HDP>(a, t0_of(it), buffer(it), lane);
