@@ -188,7 +188,8 @@ class HighSpeedSwapDiagnostic:
     place), ``misses`` (pages streamed from the store), ``bytes_read`` (store -> device), ``promotions``
     (streamed pages copied into the resident set), ``evictions`` (resident pages replaced),
     ``read_stall_ms`` (device time the attention stream waited for reads), ``host_read_ms`` (host time in
-    store reads: file I/O, bounce waits), ``score_wait_ms`` (host time waiting for predictor scores).
+    store reads: planning and checking a step's reads, issuing them, file I/O, bounce waits),
+    ``score_wait_ms`` (host time blocked on the predictor scores event).
     """
 
     num_layers: int
