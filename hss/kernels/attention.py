@@ -77,12 +77,6 @@ def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
     return None
 
 
-def _tile_token_count(count: int, capacity: int, block_size: int, last_valid: int) -> int:
-    """Tokens one sequence's tile consumes (the kernels' tile_tokens)."""
-    n = min(max(int(count), 0), capacity)
-    return 0 if n == 0 else (n - 1) * block_size + min(max(int(last_valid), 0), block_size)
-
-
 def _tile_tokens(blocks: np.ndarray, count: int, block_size: int, last_valid: int) -> tuple[np.ndarray, np.ndarray]:
     """(page id, slot) of every token one sequence's tile consumes, in order."""
     n = min(max(int(count), 0), blocks.size)
