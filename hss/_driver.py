@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from hss.errors import CudaError, HssError
+
 __all__ = [
     "HssError", "CudaError", "api", "check", "driver_status", "DriverStatus", "inject_fault",
     "NO_DRIVER_MESSAGE", "PTX_VERSION_MESSAGE",
@@ -25,19 +27,6 @@ PTX_VERSION_MESSAGE = (
     "the driver is too old for hss's PTX (ISA 9.0, built by nvcc 13.0): it needs driver >= 580; "
     "upgrade the driver, or rebuild the PTX with an older nvcc (python build_ptx.py)"
 )
-
-
-class HssError(ValueError):
-    """Bad input to hss (wrong shape, out-of-range id, size that does not fit, null pointer...)."""
-
-
-class CudaError(RuntimeError):
-    """A driver call failed: carries the call, the CUresult name and the driver's explanation."""
-
-    def __init__(self, call: str, name: str, message: str, detail: str = "", code: int = -1):
-        self.call, self.name, self.message, self.detail, self.code = call, name, message, detail, code
-        text = f"{call} failed: {name}: {message}"
-        super().__init__(f"{text} ({detail})" if detail else text)
 
 
 @dataclass(frozen=True)

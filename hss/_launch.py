@@ -1,11 +1,18 @@
-"""PTX modules, kernel launches, events and graphs (part of :mod:`hss.cuda_min`, which re-exports them)."""
+"""PTX modules, kernel launches and graphs (part of :mod:`hss.cuda_min`, which re-exports them)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from hss._driver import HssError, api, check, cuda_error
-from hss._params import ParamPack
-from hss.cuda_min import _context, _Owner, _PrimaryContext, _tls, stream_handle
+import numpy as np
+
+from hss import _args
+from hss._context import _context, _Owner, _PrimaryContext, _tls
+from hss._driver import api, check, cuda_error
+from hss._params import KIND_SIZES, ParamPack
+from hss.errors import CudaError, HssError
+from hss.kernels import DECLARATIONS
+
+__all__ = ["CudaModule", "CudaFunction", "CudaGraph", "launch_kernel", "launcher", "begin_capture", "end_capture"]
 
 
 class CudaModule(_Owner):
@@ -18,6 +25,8 @@ class CudaModule(_Owner):
     @classmethod
     def from_ptx(cls, text: str | bytes, name: str = "<ptx>", ctx: Any = None) -> "CudaModule":
         """Load PTX ``text`` (no NUL inside) into ``ctx``'s context (the current device's if None)."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"PTX text must be str or bytes, got {type(text).__name__}")
         data = text.encode() if isinstance(text, str) else bytes(text)
         if b"\0" in data:
             raise HssError(f"PTX module {name} contains a NUL byte; pass the PTX text itself")
@@ -27,23 +36,31 @@ class CudaModule(_Owner):
 
     def function(self, name: str) -> "CudaFunction":
         """The kernel ``name`` of this module (an error names the function and the module)."""
-        if self.closed:
-            raise HssError(f"module {self.name} is closed")
-        self._pctx.make_current()
+        if not isinstance(name, str):
+            raise TypeError(f"a kernel name is a str, got {type(name).__name__}")
+        self._live_pctx().make_current()
         handle = check(api.cuModuleGetFunction(self.handle, name.encode()), "cuModuleGetFunction",
                        f"function {name} in module {self.name}")
         return CudaFunction(int(handle), self, name)
 
+    def __repr__(self) -> str:
+        return f"CudaModule({self.name}{', closed' if self.closed else ''})"
+
 
 class CudaFunction:
-    """A kernel handle; it keeps its module (and so its context) alive."""
+    """A kernel handle; it keeps its module (and so its context) alive.
 
-    __slots__ = ("handle", "module", "name", "_ctx", "_ctxh")
+    ``param_kinds`` are the kinds of its parameters when hss declares the kernel; ``param_sizes`` their sizes
+    in bytes (from the declaration, else the driver's cuFuncGetParamInfo; None where neither knows)."""
+
+    __slots__ = ("handle", "module", "name", "_pctx", "_kinds", "_sizes", "_checked")
 
     def __init__(self, handle: int, module: CudaModule, name: str) -> None:
         self.handle, self.module, self.name = handle, module, name
-        self._ctx = module._pctx
-        self._ctxh = module._pctx.handle
+        self._pctx = module._pctx
+        self._kinds: tuple[str, ...] | None = None
+        self._sizes: Any = False   # not looked up yet
+        self._checked: Any = None  # the kinds tuple of the last ParamPack checked against this function
 
     def __int__(self) -> int:
         return self.handle
@@ -51,104 +68,170 @@ class CudaFunction:
     def __repr__(self) -> str:
         return f"CudaFunction({self.name} in {self.module.name})"
 
+    @property
+    def param_kinds(self) -> tuple[str, ...] | None:
+        """The declared kinds of an hss kernel (None for a kernel hss does not declare)."""
+        if self._sizes is False:
+            self._layout()
+        return self._kinds
+
+    @property
+    def param_sizes(self) -> tuple[int, ...] | None:
+        """Parameter sizes in bytes (the driver's where it can tell, else the declaration's; None if neither)."""
+        if self._sizes is False:
+            self._layout()
+        return self._sizes
+
+    def _layout(self) -> None:
+        decl = DECLARATIONS.get(self.name)
+        kinds = decl.kinds if decl is not None else None
+        sizes = self._driver_sizes()
+        if kinds is not None and sizes is not None and tuple(KIND_SIZES[k] for k in kinds) != sizes:
+            kinds = None   # a kernel of the same name that is not hss's
+        if sizes is None and kinds is not None:
+            sizes = tuple(KIND_SIZES[k] for k in kinds)
+        self._kinds, self._sizes = kinds, sizes
+
+    def _driver_sizes(self) -> tuple[int, ...] | None:
+        info = getattr(api, "cuFuncGetParamInfo", None)
+        if info is None:
+            return None
+        self.module._live_pctx().make_current()
+        sizes: list[int] = []
+        while True:
+            try:
+                result = info(self.handle, len(sizes))
+            except Exception:   # a binding that cannot make the call
+                return None
+            if result[0]:
+                if result[0].name == "CUDA_ERROR_INVALID_VALUE" and sizes:   # past the last parameter
+                    return tuple(sizes)
+                return None if result[0].name != "CUDA_ERROR_INVALID_VALUE" else ()
+            sizes.append(int(result[2]))
+
     def set_max_dynamic_shared(self, nbytes: int) -> None:
         """Allow launches with up to ``nbytes`` of dynamic shared memory (the opt-in past 48 KiB;
         cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
-        self._ctx.make_current()
+        n = _args.as_int("nbytes", nbytes, 0)
+        self.module._live_pctx().make_current()
         attr = api.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(api.cuFuncSetAttribute(self.handle, attr, int(nbytes)), "cuFuncSetAttribute",
-              f"{self.name}: {nbytes} bytes of dynamic shared memory")
+        check(api.cuFuncSetAttribute(self.handle, attr, n), "cuFuncSetAttribute",
+              f"{self.name}: {n} bytes of dynamic shared memory")
+
+    def check_pack(self, pack: ParamPack) -> None:
+        """Raise unless ``pack``'s parameters have this kernel's count and sizes (where known)."""
+        if pack.kinds is self._checked:
+            return
+        sizes = self.param_sizes
+        if sizes is not None:
+            have = tuple(KIND_SIZES[k] for k in pack.kinds)
+            if len(have) != len(sizes):
+                raise HssError(f"{self.name} takes {len(sizes)} parameters, the pack holds {len(have)} "
+                               f"({', '.join(pack.names)})")
+            bad = [i for i, (a, b) in enumerate(zip(have, sizes)) if a != b]
+            if bad:
+                i = bad[0]
+                raise HssError(f"{self.name} parameter #{i} is {sizes[i]} bytes; the pack's {pack.names[i]} "
+                               f"({pack.kinds[i]}) is {have[i]}")
+        self._checked = pack.kinds
+
+    def pack_values(self, values: Sequence[Any]) -> ParamPack:
+        """A pack of ``values`` for this kernel: at the declared kinds for an hss kernel; otherwise numpy scalars
+        at their own widths and ints / device arrays as 8-byte pointers, checked against the driver's sizes."""
+        if not isinstance(values, (list, tuple)):
+            raise TypeError(f"params must be a ParamPack or a list of values, got {type(values).__name__}")
+        kinds = self.param_kinds
+        if kinds is not None:
+            if len(values) != len(kinds):
+                raise HssError(f"{self.name} takes {len(kinds)} parameters, got {len(values)}")
+            decl = DECLARATIONS[self.name]
+            return ParamPack(kinds, decl.names, self.name).fill(*values)
+        pack = ParamPack(tuple(_untyped_kind(i, v) for i, v in enumerate(values)), label=self.name).fill(*values)
+        self.check_pack(pack)
+        return pack
 
 
-def _dim3(v: Any, what: str) -> tuple[int, int, int]:
-    if isinstance(v, int):
-        v = (v,)
-    t = tuple(int(x) for x in v)
-    if not 1 <= len(t) <= 3:
-        raise HssError(f"{what} needs 1 to 3 dimensions, got {v!r}")
-    return (t + (1, 1))[:3]
+_NUMPY_KINDS = {np.int32: "i32", np.uint32: "u32", np.int64: "i64", np.uint64: "ptr", np.float32: "f32"}
 
 
-def launch_kernel(func: CudaFunction | int, grid: Any, block: Any, shared_bytes: int, stream: Any,
+def _untyped_kind(i: int, v: Any) -> str:
+    kind = _NUMPY_KINDS.get(type(v))
+    if kind is not None:
+        return kind
+    if isinstance(v, (bool, np.bool_, float, np.floating, np.integer)):
+        raise TypeError(f"kernel parameter #{i}: {type(v).__name__} {v!r} has no kernel width; pass np.int32, "
+                        "np.uint32, np.int64, np.float32, or an int or device array for a pointer")
+    return "ptr"
+
+
+def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, stream: Any,
                   params: ParamPack | Sequence[Any]) -> None:
     """Launch ``func`` on ``stream`` with explicit geometry and packed parameters (cuLaunchKernel).
 
-    ``grid``/``block``: an int or a 1-3 tuple. ``params``: a :class:`ParamPack` (prepared; refill it in
-    place for hot loops) or a sequence of numpy scalars (np.int32/np.uint32/np.int64/np.float32) and
-    ints or device objects for pointers; a Python float has no width and is refused.
+    ``grid``/``block``: an int or a 1-3 tuple of ints. ``params``: a :class:`ParamPack` (prepared; refill it in
+    place for hot loops; its count and sizes are checked against the kernel once) or a list of values (see
+    :meth:`CudaFunction.pack_values`: hss kernels take plain ints at their declared kinds; other kernels take
+    numpy scalars, and ints or device arrays for pointers, checked against the driver's parameter sizes).
     """
-    if type(func) is CudaFunction:
-        if _tls.ctx != func._ctxh:
-            func._ctx.make_current()
-        h = func.handle
+    if type(func) is not CudaFunction:
+        raise TypeError(f"func must be a CudaFunction (CudaModule.function(name)), got {type(func).__name__}")
+    gx, gy, gz = _args.dims3("grid", grid)
+    bx, by, bz = _args.dims3("block", block)
+    shared = shared_bytes if type(shared_bytes) is int and shared_bytes >= 0 else \
+        _args.as_int("shared_bytes", shared_bytes, 0)
+    s = stream if type(stream) is int else _args.stream(stream)
+    if type(params) is ParamPack:
+        func.check_pack(params)
+        p = params
     else:
-        h = int(func)
-    gx, gy, gz = grid if type(grid) is tuple and len(grid) == 3 else _dim3(grid, "grid")
-    bx, by, bz = block if type(block) is tuple and len(block) == 3 else _dim3(block, "block")
-    p = params if type(params) is ParamPack else ParamPack.untyped(params)
-    err = api.cuLaunchKernel(h, gx, gy, gz, bx, by, bz, shared_bytes,
-                             stream if type(stream) is int else stream_handle(stream), p.address, 0)[0]
+        p = func.pack_values(params)
+    pctx = func._pctx
+    if _tls.pctx is not pctx:
+        func.module._live_pctx().make_current()
+    err = api.cuLaunchKernel(func.handle, gx, gy, gz, bx, by, bz, shared, s, p.address, 0)[0]
     if err:
-        name = getattr(func, "name", f"function {h:#x}")
-        raise cuda_error(err, "cuLaunchKernel", f"{name}, grid ({gx}, {gy}, {gz}), block ({bx}, {by}, {bz}), "
-                                                f"shared {shared_bytes} bytes")
+        raise _launch_error(err, func, (gx, gy, gz), (bx, by, bz), shared)
 
 
-class CudaEvent(_Owner):
-    """An event; ``timing=False`` (the original's CU_EVENT_DISABLE_TIMING) unless asked for."""
-
-    def __init__(self, timing: bool = False, ctx: Any = None) -> None:
-        pctx = _context(ctx)
-        self.timing = timing
-        self.handle = int(check(api.cuEventCreate(0 if timing else 2), "cuEventCreate"))
-        self._own("cuEventDestroy", self.handle, pctx)
-
-    def record(self, stream: Any) -> None:
-        """Record this event at the current end of ``stream``'s queue."""
-        self._pctx.make_current()
-        check(api.cuEventRecord(self.handle, stream_handle(stream)), "cuEventRecord")
-
-    def synchronize(self) -> None:
-        """Block the host until the recorded work has finished."""
-        self._pctx.make_current()
-        check(api.cuEventSynchronize(self.handle), "cuEventSynchronize")
-
-    def query(self) -> bool:
-        """True when the recorded work has finished (no wait)."""
-        self._pctx.make_current()
-        err = api.cuEventQuery(self.handle)[0]
-        if err and err.name == "CUDA_ERROR_NOT_READY":
-            return False
-        check((err,), "cuEventQuery")
-        return True
-
-    def elapsed_ms(self, end: "CudaEvent") -> float:
-        """Milliseconds from this event to ``end`` (both timing events, both recorded and complete)."""
-        if not (self.timing and end.timing):
-            raise HssError("elapsed_ms needs two events made with CudaEvent(timing=True)")
-        self._pctx.make_current()
-        return float(check(api.cuEventElapsedTime(self.handle, end.handle), "cuEventElapsedTime"))
+def _launch_error(err: Any, func: CudaFunction, grid: tuple, block: tuple, shared: int) -> CudaError:
+    return cuda_error(err, "cuLaunchKernel", f"{func.name}, grid {grid}, block {block}, shared {shared} bytes")
 
 
-def stream_wait_event(stream: Any, event: CudaEvent) -> None:
-    """Order later work on ``stream`` (any stream form) after ``event``'s last record (cuStreamWaitEvent).
+def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack) -> Callable[..., None]:
+    """A prepared launch of ``func`` with ``pack`` (refilled in place by the caller): ``run(stream, gx, gy=1,
+    gz=1)`` queues it on a raw stream handle with no argument conversion (the caller checked everything).
 
-    No host wait; ``CudaStream.wait`` does the same for a :class:`~hss.cuda_min.CudaStream`."""
-    event._pctx.make_current()
-    check(api.cuStreamWaitEvent(stream_handle(stream), event.handle, 0), "cuStreamWaitEvent")
+    The block, shared size and pack are checked here, once."""
+    if type(func) is not CudaFunction:
+        raise TypeError(f"func must be a CudaFunction, got {type(func).__name__}")
+    bx, by, bz = _args.dims3("block", block)
+    shared = _args.as_int("shared_bytes", shared_bytes, 0)
+    func.check_pack(pack)
+    handle, address, pctx, module = func.handle, pack.address, func._pctx, func.module
+
+    def run(stream: int, gx: int, gy: int = 1, gz: int = 1) -> None:
+        if _tls.pctx is not pctx:
+            module._live_pctx().make_current()
+        err = api.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, stream, address, 0)[0]
+        if err:
+            raise _launch_error(err, func, (gx, gy, gz), (bx, by, bz), shared)
+
+    return run
 
 
 def begin_capture(stream: Any) -> None:
     """Start capturing ``stream``'s work into a graph (thread-local mode): nothing runs until replay."""
+    s = _args.stream(stream)
     _context(None)
     mode = api.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-    check(api.cuStreamBeginCapture(stream_handle(stream), mode), "cuStreamBeginCapture")
+    check(api.cuStreamBeginCapture(s, mode), "cuStreamBeginCapture")
 
 
 def end_capture(stream: Any) -> "CudaGraph":
     """Stop capturing ``stream`` and instantiate what was captured as a replayable :class:`CudaGraph`."""
+    s = _args.stream(stream)
     pctx = _context(None)
-    graph = int(check(api.cuStreamEndCapture(stream_handle(stream)), "cuStreamEndCapture"))
+    graph = int(check(api.cuStreamEndCapture(s), "cuStreamEndCapture"))
     try:
         exe = int(check(api.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
     finally:
@@ -164,5 +247,6 @@ class CudaGraph(_Owner):
         self._own("cuGraphExecDestroy", exe, pctx)
 
     def launch(self, stream: Any) -> None:
-        self._pctx.make_current()
-        check(api.cuGraphLaunch(self.handle, stream_handle(stream)), "cuGraphLaunch")
+        s = _args.stream(stream)
+        self._live_pctx().make_current()
+        check(api.cuGraphLaunch(self.handle, s), "cuGraphLaunch")

@@ -7,55 +7,21 @@ from __future__ import annotations
 
 import ctypes
 import math
-import operator
 from typing import Any, Sequence
 
 import numpy as np
 
-from hss._driver import HssError
+from hss._args import as_int, device_ptr
+from hss.errors import HssError
+
+__all__ = ["ParamPack", "convert", "as_int", "KIND_SIZES"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "u32": ctypes.c_uint32,
            "i64": ctypes.c_int64, "f32": ctypes.c_float}
 _RANGES = {"ptr": (0, 2**64 - 1), "i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1),
            "i64": (-2**63, 2**63 - 1)}
-# numpy scalar type -> kind, for the untyped launch path (which never guesses a width)
-_NUMPY_KINDS = {np.int32: "i32", np.uint32: "u32", np.int64: "i64", np.uint64: "ptr", np.float32: "f32"}
-
-
-def as_int(name: str, value: Any) -> int:
-    """``value`` as a Python int (ints and numpy integers; not bool, not float); errors name ``name``."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def device_ptr(obj: Any) -> int:
-    """The device address of an ``int``, ``DevicePtr``, ``DeviceBuffer`` or ``__cuda_array_interface__`` object."""
-    if type(obj) is int:
-        return obj
-    ptr = getattr(obj, "ptr", None)
-    if isinstance(ptr, int):
-        return ptr
-    try:
-        cai = getattr(obj, "__cuda_array_interface__", None)
-    except TypeError:   # torch raises for dtypes the interface cannot describe (bf16)
-        cai = None
-    if cai is not None:
-        return int(cai["data"][0])
-    data_ptr = getattr(obj, "data_ptr", None)
-    if callable(data_ptr):   # a torch tensor of any dtype
-        return int(data_ptr())
-    if isinstance(obj, (bool, float, np.bool_, np.floating)):
-        raise TypeError(f"a device pointer is an int or a device object, not {type(obj).__name__}")
-    try:
-        return operator.index(obj) if not hasattr(obj, "getPtr") else int(obj)
-    except TypeError:
-        raise TypeError(f"cannot use {type(obj).__name__} as a device pointer: pass an int, a DeviceBuffer, "
-                        "a DevicePtr or an object with __cuda_array_interface__") from None
+KIND_SIZES = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
 
 
 def convert(kind: str, value: Any, label: str) -> int | float:
@@ -68,7 +34,7 @@ def convert(kind: str, value: Any, label: str) -> int | float:
             raise HssError(f"{label} (f32) = {v!r} overflows float32")
         return v
     if kind == "ptr":
-        v = device_ptr(value) if not isinstance(value, np.integer) else int(value)
+        v = int(value) if isinstance(value, np.integer) else device_ptr(value, label)
     elif type(value) is int:
         v = value
     elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -120,20 +86,11 @@ class ParamPack:
             self.set(i, value)
         return self
 
+    def slot(self, key: int | str) -> Any:
+        """The ctypes slot of parameter ``key``, for hot paths that store an already-checked value with
+        ``slot.value = v`` (no conversion, no range check)."""
+        return self._slots[self._index[key] if isinstance(key, str) else key]
+
     def values(self) -> tuple:
         """The stored values (for tests and error messages)."""
         return tuple(s.value for s in self._slots)
-
-    @classmethod
-    def untyped(cls, values: Sequence[Any]) -> "ParamPack":
-        """Pack numpy scalars at their own widths and ints/device objects as pointers; never guess."""
-        kinds = []
-        for i, v in enumerate(values):
-            kind = _NUMPY_KINDS.get(type(v))
-            if kind is None:
-                if isinstance(v, (bool, np.bool_, float, np.floating, np.integer)):
-                    raise TypeError(f"kernel parameter #{i}: {type(v).__name__} {v!r} has no kernel width; "
-                                    "pass np.int32, np.uint32, np.int64, np.float32, or an int for a pointer")
-                kind = "ptr"
-            kinds.append(kind)
-        return cls(kinds, label="launch_kernel").fill(*values)

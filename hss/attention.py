@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError
 from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, PAGED_DECODE_ATTN_TILED,
                                    STEP_THREADS, UNIT_TOKENS, head_groups, max_units, padded_head_dim, step_grid_z,
                                    step_shared_bytes)
 from hss.ptx import load_module
-from hss._params import as_int
+from hss._args import as_int
 
 __all__ = ["TiledAttentionDims", "TiledAttention"]
 

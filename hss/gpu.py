@@ -13,8 +13,10 @@ import numpy as np
 from hss import cuda_min as cm
 from hss import ptx
 from hss._blas import Blas
-from hss._driver import CudaError, HssError
-from hss._params import ParamPack, device_ptr
+from hss.errors import CudaError, HssError
+from hss._args import device_ptr
+from hss._context import _ensure_context
+from hss._params import ParamPack
 from hss.kernels import DECLARATIONS, KernelDecl
 
 
@@ -165,7 +167,7 @@ class CudaBackend:
         for name, p in ptrs.items():
             if p == 0:
                 raise HssError(f"cublas_bf16_proj_dense: {name} is a null pointer")
-        cm._ensure_context()
+        _ensure_context()
         self._blas.proj_dense(ptrs["act"], ptrs["weight"], ptrs["out"], int(m), int(n), int(k),
                               cm.stream_handle(stream))
 

@@ -22,8 +22,8 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min
-from hss._driver import HssError
-from hss._params import as_int, device_ptr
+from hss.errors import HssError
+from hss._args import as_int, device_ptr
 from hss.cuda_min import (CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, launch_kernel,
                           memset_d8_async, stream_handle, stream_sync)
 from hss.kernels.predictor import (KV_LOWRANK_PROJECT, PREDICTOR_SCORE, Q_LOWRANK_PROJECT, lowrank_rows,

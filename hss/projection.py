@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from hss._params import as_int
+from hss._args import as_int
 
 __all__ = ["PredictorShape", "build_projection", "fnv1a64_bf16"]
 

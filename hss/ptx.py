@@ -14,21 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hss._driver import HssError
+from hss.errors import BuildError, HssError
 
 DEFAULT_ARCH = "compute_80"
 STAMP_PREFIX = "// hss-stamp:"
 # PTX ISA version -> the oldest driver that loads it (CUDA release notes).
 MIN_DRIVER = {(9, 0): 580, (8, 8): 575, (8, 7): 570, (8, 6): 560, (8, 5): 555, (8, 4): 550, (8, 3): 545,
               (8, 2): 535, (8, 1): 530, (8, 0): 525}
-
-
-class BuildError(RuntimeError):
-    """nvcc or ptxas is missing or failed: carries the command and the tool's stderr."""
-
-    def __init__(self, command: list[str], stderr: str) -> None:
-        self.command, self.stderr = command, stderr
-        super().__init__(f"{' '.join(command)} failed:\n{stderr.strip()}")
 
 
 @dataclass(frozen=True)

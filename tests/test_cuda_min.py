@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from hss import CudaError, HssError, inject_fault
+from hss import _driver, _memory
 from hss import cuda_min as cm
 from hss import ptx
 from hss.kernels.selftest import SELFTEST_AXPY, SELFTEST_BLOCK_SUM, SELFTEST_EMPTY, SELFTEST_FILL
@@ -93,7 +94,7 @@ def test_sizes_checked_against_owned_buffers(ctx, stream):
             cm.copy_d_to_h_async(bytes(100), buf, 100, stream)
         with pytest.raises(HssError):
             cm.copy_2d_d_to_d_async(buf, 10, buf, 10, 11, 2, stream)
-    with pytest.raises(HssError, match="nbytes must be > 0"):
+    with pytest.raises(HssError, match="nbytes = 0 must be >= 1"):
         cm.DeviceBuffer(0)
     with pytest.raises(TypeError, match="stream is required"):
         cm.stream_sync(None)
@@ -129,8 +130,10 @@ def test_untyped_launch_and_prepared_refill(ctx, stream, selftest):
             pack.set("value", value)
             cm.launch_kernel(f, (4, 1, 1), (256, 1, 1), 0, stream, pack)
             assert (download(out.ptr, 1000, np.uint32, stream) == value).all()
-    with pytest.raises(TypeError, match="no kernel width"):
-        cm.launch_kernel(f, 1, 1, 0, stream, [0, 7.0, np.int32(1)])
+        with pytest.raises(TypeError, match=r"value \(u32\) needs an integer, got float"):   # declared: plain ints
+            cm.launch_kernel(f, 1, 1, 0, stream, [out.ptr, 7.0, 1])
+        with pytest.raises(HssError, match="takes 3 parameters, got 2"):
+            cm.launch_kernel(f, 1, 1, 0, stream, [out.ptr, 7])
 
 
 @given(n=st.integers(1, 3000), log_block=st.integers(5, 9))
@@ -302,26 +305,26 @@ def test_batched_copies_fall_back_where_the_driver_has_no_batch_call(ctx, stream
     page = 4096
     src = cm.PinnedBuffer(4 * page)
     src.array[:] = rng.integers(0, 256, src.bytes, dtype=np.uint8)
-    saved = dict(cm._batch_attrs)
-    cm._batch_attrs.clear()
+    saved = dict(_memory._batch_attrs)
+    _memory._batch_attrs.clear()
     try:
         with cm.DeviceBuffer(4 * page) as dev:
             halves = ([dev.ptr + 2 * page, dev.ptr], [src.ptr, src.ptr + 2 * page], [2 * page, 2 * page])
             with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED"):
                 cm.copy_h_to_d_batch_async(*halves, stream)          # one call per copy instead
-            assert list(cm._batch_attrs.values()) == [None]          # and so from now on in this context
+            assert list(_memory._batch_attrs.values()) == [None]          # and so from now on in this context
             cm.copy_h_to_d_batch_async(*halves, stream)
             got = np.empty(dev.bytes, np.uint8)
             cm.copy_d_to_h_async(got, dev, dev.bytes, stream)
             cm.stream_sync(stream)
             assert np.array_equal(got, np.concatenate([src.array[2 * page:], src.array[:2 * page]]))
-            cm._batch_attrs.clear()
+            _memory._batch_attrs.clear()
             with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE"):
                 with pytest.raises(CudaError, match="cuMemcpyBatchAsync.*CUDA_ERROR_INVALID_VALUE"):
                     cm.copy_h_to_d_batch_async(*halves, stream)
     finally:
-        cm._batch_attrs.clear()
-        cm._batch_attrs.update(saved)
+        _memory._batch_attrs.clear()
+        _memory._batch_attrs.update(saved)
         src.close()
 
 
@@ -333,8 +336,8 @@ def test_prepared_host_to_device_batch(ctx, stream, rng, monkeypatch):
     src.array[:] = rng.integers(0, 256, src.bytes, dtype=np.uint8)
     order, sizes = [7, 2, 3, 11, 0], [page, 2 * page, page, 3 * page, page]
     calls: list = []
-    real = cm.api.cuMemcpyBatchAsync
-    monkeypatch.setattr(cm.api, "cuMemcpyBatchAsync", lambda *a: (calls.append(a[3]), real(*a))[1])
+    real = _driver.api.cuMemcpyBatchAsync
+    monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", lambda *a: (calls.append(a[3]), real(*a))[1])
     try:
         with cm.DeviceBuffer(16 * page) as dev:
             dsts = np.cumsum([0] + sizes[:-1]) + dev.ptr
@@ -350,22 +353,22 @@ def test_prepared_host_to_device_batch(ctx, stream, rng, monkeypatch):
                 assert np.array_equal(got[:8 * page], want) and (got[8 * page:] == 0xAB).all()
                 assert calls == [n for n in ((stop or 5) - start for start, stop in parts) if n], "one call per part"
             cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
-            saved = dict(cm._batch_attrs)
-            cm._batch_attrs.clear()
+            saved = dict(_memory._batch_attrs)
+            _memory._batch_attrs.clear()
             try:
                 with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED"):
                     batch.queue(stream, 0, 2)                    # one call per copy instead, from now on
-                assert list(cm._batch_attrs.values()) == [None]
+                assert list(_memory._batch_attrs.values()) == [None]
                 batch.queue(stream, 2)
                 got = download(dev, dev.bytes, np.uint8, stream)
                 assert np.array_equal(got[:8 * page], want)
-                cm._batch_attrs.clear()
+                _memory._batch_attrs.clear()
                 with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE"):
                     with pytest.raises(CudaError, match="cuMemcpyBatchAsync.*CUDA_ERROR_INVALID_VALUE.*2 host-to"):
                         batch.queue(stream, 1, 3)
             finally:
-                cm._batch_attrs.clear()
-                cm._batch_attrs.update(saved)
+                _memory._batch_attrs.clear()
+                _memory._batch_attrs.update(saved)
             calls.clear()
             for args, err, words in [
                 ((dsts[:2], [src.ptr], sizes[:2]), HssError, "2 destinations, 1 sources, 2 sizes"),

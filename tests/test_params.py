@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from hss import HssError
-from hss._params import ParamPack, convert, device_ptr
+from hss._args import device_ptr
+from hss._params import ParamPack, convert
 from hss.kernels import DECLARATIONS, declare
 from hss.kernels.selftest import SELFTEST_AXPY
 
@@ -67,28 +68,30 @@ def test_pack_by_name_and_arity_errors():
         SELFTEST_AXPY.pack(1, 2, 3)
 
 
-def test_untyped_pack_never_guesses():
-    pack = ParamPack.untyped([0x1000, np.int32(-1), np.uint32(5), np.int64(7), np.float32(0.5)])
-    assert pack.kinds == ("ptr", "i32", "u32", "i64", "f32")
+def test_untyped_values_never_guess_a_width():
+    from hss._launch import _untyped_kind
+    values = [0x1000, np.int32(-1), np.uint32(5), np.int64(7), np.float32(0.5)]
+    assert tuple(_untyped_kind(i, v) for i, v in enumerate(values)) == ("ptr", "i32", "u32", "i64", "f32")
     for bad in (1.0, np.float64(1.0), True, np.int16(3)):
         with pytest.raises(TypeError, match="no kernel width"):
-            ParamPack.untyped([bad])
+            _untyped_kind(0, bad)
 
 
 def test_device_ptr_accepts_what_spec_lists():
     class CAI:
         __cuda_array_interface__ = {"data": (0xABC000, False), "shape": (4,), "typestr": "<f4", "version": 3}
 
-    class HasPtr:
+    class HasPtr:   # a bare .ptr attribute is no protocol: refused rather than guessed
         ptr = 0x2000
 
     assert device_ptr(0x10) == 0x10
+    assert device_ptr(np.uint64(0x20)) == 0x20
     assert device_ptr(CAI()) == 0xABC000
-    assert device_ptr(HasPtr()) == 0x2000
-    with pytest.raises(TypeError):
-        device_ptr(1.5)
-    with pytest.raises(TypeError):
-        device_ptr("0x10")
+    for bad in (1.5, "0x10", True, None, HasPtr()):
+        with pytest.raises(TypeError):
+            device_ptr(bad)
+    with pytest.raises(HssError, match="host numpy array"):
+        device_ptr(np.zeros(4))
 
 
 def test_convert_labels():

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from hss import _driver, _memory
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.swap import FileStore, GroupLayout, HostStore, StoreError, StoreIOError, layer_path
@@ -290,8 +291,8 @@ def test_prepared_runs_never_cross_a_group_edge(ctx, stream, rng, tmp_path, monk
     and every run_cap_pages; each group is one batched driver call of its runs."""
     bb = LAYOUT.block_bytes
     batches: list = []
-    real = cm.api.cuMemcpyBatchAsync
-    monkeypatch.setattr(cm.api, "cuMemcpyBatchAsync", lambda *a: (batches.append(list(a[2])), real(*a))[1])
+    real = _driver.api.cuMemcpyBatchAsync
+    monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", lambda *a: (batches.append(list(a[2])), real(*a))[1])
     imgs = images(rng, 12)
     for cap, want_starts in [(1 << 30, [0, 3, 5, 7, 9]), (2 * bb, [0, 2, 3, 5, 7, 9, 11])]:
         with HostStore(LAYOUT, 1, ctx=ctx, run_cap_bytes=cap) as store:
@@ -308,7 +309,7 @@ def test_prepared_runs_never_cross_a_group_edge(ctx, stream, rng, tmp_path, monk
                 reads.issue(i, stream)
             per_group = [reads.run_counts[reads.run_bounds[i]:reads.run_bounds[i + 1]].tolist()
                          for i in range(len(reads))]
-            if None not in cm._batch_attrs.values():       # (a driver without batches: one call per copy)
+            if None not in _memory._batch_attrs.values():       # (a driver without batches: one call per copy)
                 assert batches == [[n * bb for n in g] for g in per_group if g]
             got = download(dev, (13, bb), np.uint8, stream)
             assert all(np.array_equal(got[o], imgs[p]) for p, o in enumerate(slots))
@@ -326,8 +327,8 @@ def test_prepare_reads_checks_everything_first(ctx, stream, rng, tmp_path, monke
         store.write_page(0, page, img)
     queued: list = []
     for call in ("cuMemcpyBatchAsync", "cuMemcpyHtoDAsync", "cuEventRecord"):
-        real = getattr(cm.api, call)
-        monkeypatch.setattr(cm.api, call, lambda *a, _r=real, _c=call: (queued.append(_c), _r(*a))[1])
+        real = getattr(_driver.api, call)
+        monkeypatch.setattr(_driver.api, call, lambda *a, _r=real, _c=call: (queued.append(_c), _r(*a))[1])
     dev = cm.DeviceBuffer(4 * bb)
     dsts = [dev.ptr + bb * i for i in range(4)]
     for args, err, words in [

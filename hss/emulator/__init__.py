@@ -11,6 +11,6 @@ from .driver import *  # noqa: F401,F403  (the driver-call surface)
 from .driver import S as state  # noqa: F401
 from .enums import (CUDA_MEMCPY2D, CUdevice_attribute, CUevent_flags, CUfunction_attribute,  # noqa: F401
                     CUmemorytype, CUresult, CUstream_flags, CUstreamCaptureMode)
-from .launch import (EmulatorError, cuFuncSetAttribute, cuLaunchKernel, cuModuleGetFunction,  # noqa: F401
-                     cuModuleLoadData, cuModuleUnload)
+from .launch import (EmulatorError, cuFuncGetParamInfo, cuFuncSetAttribute, cuLaunchKernel,  # noqa: F401
+                     cuModuleGetFunction, cuModuleLoadData, cuModuleUnload)
 from .memory import MemoryFault  # noqa: F401

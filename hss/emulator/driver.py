@@ -48,7 +48,10 @@ class _State:
         self.events: dict[int, Event] = {}
         self.graphs: dict[int, Graph] = {}
         self.execs: dict[int, GraphExec] = {}
-        self.legacy = Stream(0, self.ctx_handle, blocking=True)
+        self.modules: dict[int, Any] = {}      # module handle -> emulator.launch.Module
+        self.functions: dict[int, Any] = {}    # function handle -> emulator.launch.Function
+        self.faults: list[BaseException] = []  # faults of queued work not yet reported
+        self.legacy = Stream(0, self.ctx_handle, True, self.faults)
 
     def current(self) -> int:
         return getattr(self.tls, "ctx", 0)
@@ -91,6 +94,19 @@ def enqueue(stream: Stream, op: Any) -> None:
 def drain_all() -> None:
     for st in [S.legacy, *S.streams.values()]:
         st.drain()
+
+
+def report_faults() -> None:
+    """Raise the first fault of queued work not yet reported (the rest were consequences or repeats)."""
+    if S.faults:
+        first = S.faults[0]
+        S.faults.clear()
+        raise first
+
+
+def keep_fault(exc: BaseException) -> None:
+    """Put back a fault that a caller could not report (a finalizer): the next synchronising call raises it."""
+    S.faults.insert(0, exc)
 
 
 # -- init, device, context --------------------------------------------------------------------
@@ -153,8 +169,9 @@ def cuDevicePrimaryCtxRelease(dev: int) -> tuple:
                 S.arena.free(a.base, a.kind)
             S.streams.clear()
             S.events.clear()
-            from . import launch
-            launch.MODULES.clear()
+            S.modules.clear()
+            S.functions.clear()
+    report_faults()
     return (R.CUDA_SUCCESS,)
 
 
@@ -181,6 +198,7 @@ def cuCtxSynchronize() -> tuple:
         return (err,)
     with S.lock:
         drain_all()
+    report_faults()
     return (R.CUDA_SUCCESS,)
 
 
@@ -224,6 +242,7 @@ def cuMemFree(ptr: Any) -> tuple:
     with S.lock:
         drain_all()   # cuMemFree waits for work in flight, as the real driver does
         ok = S.arena.free(int(ptr), "device")
+    report_faults()   # after the free: a fault never keeps memory allocated
     return (R.CUDA_SUCCESS,) if ok else (R.CUDA_ERROR_INVALID_VALUE,)
 
 
@@ -239,6 +258,7 @@ def cuMemFreeHost(ptr: Any) -> tuple:
     with S.lock:
         drain_all()
         ok = S.arena.free(int(ptr), "pinned")
+    report_faults()
     return (R.CUDA_SUCCESS,) if ok else (R.CUDA_ERROR_INVALID_VALUE,)
 
 
@@ -322,6 +342,7 @@ def cuMemcpyDtoHAsync(dst: Any, src: Any, nbytes: int, hstream: Any) -> tuple:
                 return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
             st.drain()        # pageable destination: the real driver completes the copy before returning
             host_view(daddr, n)[:] = sview
+            report_faults()
     return (R.CUDA_SUCCESS,)
 
 
@@ -392,7 +413,7 @@ def cuStreamCreate(flags: int) -> tuple:
         return (err, None)
     with S.lock:
         h = next(S.ids)
-        S.streams[h] = Stream(h, S.ctx_handle, blocking=not (int(flags) & 1))
+        S.streams[h] = Stream(h, S.ctx_handle, not (int(flags) & 1), S.faults)
     return (R.CUDA_SUCCESS, h)
 
 
@@ -402,6 +423,7 @@ def cuStreamDestroy(hstream: Any) -> tuple:
         if st is None:
             return (R.CUDA_ERROR_INVALID_HANDLE,)
         st.drain()   # destroying a stream lets its queued work finish
+    report_faults()
     return (R.CUDA_SUCCESS,)
 
 
@@ -414,6 +436,7 @@ def cuStreamSynchronize(hstream: Any) -> tuple:
         return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
     with S.lock:
         st.drain()
+    report_faults()
     return (R.CUDA_SUCCESS,)
 
 
@@ -462,6 +485,7 @@ def cuEventSynchronize(hevent: Any) -> tuple:
     with S.lock:
         if ev.stream is not None:
             ev.stream.run_to(ev.position)
+    report_faults()
     return (R.CUDA_SUCCESS,)
 
 
@@ -557,6 +581,6 @@ def cuGraphExecDestroy(hexec: Any) -> tuple:
     return (R.CUDA_SUCCESS,) if S.execs.pop(int(hexec), None) else (R.CUDA_ERROR_INVALID_HANDLE,)
 
 
-__all__ = [n for n in dir() if n.startswith("cu")] + [
+__all__ = [n for n in dir() if n.startswith("cu")] + ["keep_fault",
     "CUDA_MEMCPY2D", "CUmemorytype", "CUresult", "CUdevice_attribute", "CUstreamCaptureMode", "CUdeviceptr",
     "CUmemcpyAttributes", "CUmemcpySrcAccessOrder", "CUmemLocationType"]

@@ -17,19 +17,13 @@ from typing import Any
 from .driver import S, _needs_ctx, enqueue, stream_of
 from .enums import CUfunction_attribute
 from .enums import CUresult as R
-from .memory import MemoryFault
+from hss.errors import EmulatorError, MemoryFault
 
-MODULES: dict[int, "Module"] = {}
-FUNCTIONS: dict[int, "Function"] = {}
 MAX_PTX_ISA = (9, 0)           # what the emulated driver (13.0) understands
 DEVICE_CC = (9, 0)
 SHARED_DEFAULT, SHARED_OPTIN = 48 * 1024, 227 * 1024   # dynamic shared memory per block: default, opt-in limit
 _UNPACK = {"ptr": "<Q", "i32": "<i", "u32": "<I", "i64": "<q", "f32": "<f"}
 _SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
-
-
-class EmulatorError(RuntimeError):
-    """A launch broke a kernel's declared contract (geometry), or has no emulated implementation."""
 
 
 class Module:
@@ -77,22 +71,22 @@ def cuModuleLoadData(image: Any) -> tuple:
         return (err, None)
     with S.lock:
         h = next(S.ids)
-        MODULES[h] = Module(h, entries, target)
+        S.modules[h] = Module(h, entries, target)
     return (R.CUDA_SUCCESS, h)
 
 
 def cuModuleUnload(hmod: Any) -> tuple:
     with S.lock:
-        mod = MODULES.pop(int(hmod), None)
+        mod = S.modules.pop(int(hmod), None)
         if mod is None:
             return (R.CUDA_ERROR_INVALID_HANDLE,)
-        for h in [h for h, f in FUNCTIONS.items() if f.module is mod]:
-            del FUNCTIONS[h]
+        for h in [h for h, f in S.functions.items() if f.module is mod]:
+            del S.functions[h]
     return (R.CUDA_SUCCESS,)
 
 
 def cuModuleGetFunction(hmod: Any, name: Any) -> tuple:
-    mod = MODULES.get(int(hmod))
+    mod = S.modules.get(int(hmod))
     if mod is None:
         return (R.CUDA_ERROR_INVALID_HANDLE, None)
     fname = name.decode() if isinstance(name, bytes) else str(name)
@@ -100,8 +94,27 @@ def cuModuleGetFunction(hmod: Any, name: Any) -> tuple:
         return (R.CUDA_ERROR_NOT_FOUND, None)
     with S.lock:
         h = next(S.ids)
-        FUNCTIONS[h] = Function(h, mod, fname)
+        S.functions[h] = Function(h, mod, fname)
     return (R.CUDA_SUCCESS, h)
+
+
+def cuFuncGetParamInfo(f: Any, index: int) -> tuple:
+    """(offset, size) of parameter ``index`` in the kernel's parameter buffer, from its hss declaration."""
+    fn = S.functions.get(int(f))
+    if fn is None:
+        return (R.CUDA_ERROR_INVALID_HANDLE, None, None)
+    from hss.kernels import DECLARATIONS
+    decl = DECLARATIONS.get(fn.name)
+    index = int(index)
+    if decl is None or not 0 <= index < len(decl.kinds):
+        return (R.CUDA_ERROR_INVALID_VALUE, None, None)
+    offset = 0
+    for kind in decl.kinds[:index + 1]:
+        size = _SIZE[kind]
+        offset = -(-offset // size) * size
+        here = offset
+        offset += size
+    return (R.CUDA_SUCCESS, here, _SIZE[decl.kinds[index]])
 
 
 def _decode(decl: Any, address: int) -> SimpleNamespace:
@@ -115,7 +128,7 @@ def _decode(decl: Any, address: int) -> SimpleNamespace:
 
 
 def cuFuncSetAttribute(f: Any, attrib: Any, value: int) -> tuple:
-    fn = FUNCTIONS.get(int(f))
+    fn = S.functions.get(int(f))
     if fn is None:
         return (R.CUDA_ERROR_INVALID_HANDLE,)
     if int(attrib) != CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
@@ -143,7 +156,7 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
     err = _needs_ctx()
     if err:
         return (err,)
-    fn = FUNCTIONS.get(int(f))
+    fn = S.functions.get(int(f))
     st = stream_of(hstream)
     if fn is None or st is None:
         return (R.CUDA_ERROR_INVALID_HANDLE,)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hss.errors import MemoryFault
+
+__all__ = ["Arena", "Allocation", "MemoryFault", "host_view", "PAGE"]
+
 PAGE = 4096
 DEVICE_BASE = 0x1000_0000_0000   # 16 TiB: far from the heap and mmap ranges of a Linux process
 POISON_LIMIT = 64 << 20          # fresh allocations up to this size are filled with 0xFF garbage
-
-
-class MemoryFault(RuntimeError):
-    """An emulated access outside every allocation, or past the end of the one it starts in."""
 
 
 @dataclass

@@ -6,6 +6,10 @@ last record; ``cuStreamWaitEvent`` queues an operation that runs the other strea
 position first. Nothing else orders two streams, so a missing cross-stream wait or a missing
 sync leaves results unwritten on the CPU just as it would race on a GPU. A stream in capture
 mode appends its operations to a graph instead; a graph launch queues copies of them.
+
+An operation that raises (an emulated memory fault) does not stop the queue: its exception goes to the
+``faults`` list the stream was made with, and the driver reports it at the next synchronising call, as a
+GPU reports a fault in queued work at the next sync.
 """
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ Op = Callable[[], None]
 
 
 class Stream:
-    def __init__(self, handle: int, ctx: int, blocking: bool) -> None:
-        self.handle, self.ctx, self.blocking = handle, ctx, blocking
+    def __init__(self, handle: int, ctx: int, blocking: bool, faults: list[BaseException]) -> None:
+        self.handle, self.ctx, self.blocking, self.faults = handle, ctx, blocking, faults
         self.queue: collections.deque[Op] = collections.deque()
         self.submitted = 0
         self.done = 0
@@ -33,7 +37,10 @@ class Stream:
         while self.done < position:
             op = self.queue.popleft()
             self.done += 1
-            op()
+            try:
+                op()
+            except Exception as exc:   # the driver reports it at the next synchronising call
+                self.faults.append(exc)
 
     def drain(self) -> None:
         self.run_to(self.submitted)

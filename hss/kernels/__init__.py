@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hss.cuda_min import ParamPack
+from hss._params import ParamPack
 
 Extent = Callable[[SimpleNamespace], "int | None"]   # bytes from the pointer; None = to the allocation's end
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss.errors import MemoryFault
 from hss.kernels import Launch, declare, f32
 from hss.reference import attention as ref
 
@@ -95,7 +96,6 @@ def _pool_rows(pool: np.ndarray, pages: np.ndarray, slots: np.ndarray, a: Simple
     try:
         return ref.gather_tokens(pool, pages, slots, strides, a.num_kv_heads, a.head_dim)
     except IndexError:
-        from hss.emulator import MemoryFault
         for p, t in zip(pages.tolist(), slots.tolist()):
             try:
                 ref.gather_tokens(pool, np.array([p]), np.array([t]), strides, a.num_kv_heads, a.head_dim)

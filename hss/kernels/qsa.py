@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss.errors import MemoryFault
 from hss.kernels import Launch, declare, f32
 from hss.reference import qsa as ref
 from hss.reference.numerics import to_bf16, to_f32
@@ -145,7 +146,6 @@ def _whole(view: np.ndarray, item: int) -> np.ndarray:
 
 
 def _emulate_gather(a: SimpleNamespace, launch: Launch) -> None:
-    from hss.emulator.memory import MemoryFault   # the emulator is the only caller of emulate functions
     n_sel, bs, row = launch.grid[0], a.block_size, a.nkv * a.hd
     sel = a.sel.view(np.int32).astype(np.int64)
     table = _whole(a.block_table, 4).view(np.int32)

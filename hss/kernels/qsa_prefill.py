@@ -9,6 +9,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
+from hss.errors import MemoryFault
 from hss.kernels import Launch, declare, f32
 from hss.reference import qsa_prefill as ref
 from hss.reference.numerics import to_bf16, to_f32
@@ -197,7 +198,6 @@ def _table_entries(a: SimpleNamespace) -> int:
 
 def _gather(flat: np.ndarray, table: np.ndarray, tokens: np.ndarray, a: SimpleNamespace, what: str) -> np.ndarray:
     """Rows [n_tok, nkv, hd] of a paged pool seen as a flat bf16 array, every address checked."""
-    from hss.emulator.memory import MemoryFault   # the emulator is the only caller of emulate functions
     if tokens.size and (tokens.min() < 0 or tokens.max() // a.block_size >= table.size):
         raise MemoryFault(f"qsa_prefill_attn {what}: a selected token is outside the block table "
                           f"({table.size} pages of {a.block_size})")

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from hss._driver import HssError
-from hss._params import device_ptr
+from hss.errors import HssError
+from hss._args import device_ptr
 
 U32 = 2**32 - 1
 MIN_BLOCK_SIZE = 8   # the identity and prefill tables are sized for pages of at least 8 tokens

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError
 from hss.gpu import DevicePtr, GpuBackend
 from hss.kernels import qsa as kq
 from hss.kernels import qsa_prefill as kp

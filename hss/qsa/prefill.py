@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError
 from hss.kernels import qsa_prefill as kp
 from hss.qsa._args import MIN_BLOCK_SIZE, count, pointer, real
 from hss.qsa.select import top_blocks

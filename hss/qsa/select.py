@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hss._driver import HssError
+from hss.errors import HssError
 
 __all__ = ["top_blocks", "select_tokens", "selection_size"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError
 
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer, QsaSeqState

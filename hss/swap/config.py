@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hss._driver import HssError
-from hss._params import as_int
+from hss.errors import HssError
+from hss._args import as_int
 
 __all__ = ["HighSpeedSwapConfig", "ModelDims", "DiskBlockAllocator", "HighSpeedSwapDiagnostic", "STORES"]
 

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
-from hss._driver import HssError
+from hss.errors import HssError
 
 __all__ = ["EvictionPolicy"]
 

@@ -14,8 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from hss._driver import HssError
-from hss._params import as_int
+from hss.errors import HssError
+from hss._args import as_int
 
 __all__ = ["GroupLayout", "K", "V", "KIND_NAMES"]
 

@@ -52,13 +52,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.attention import _pointer as _device_arg
 from hss.predictor import Predictor, PredictorDims
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
-from hss._params import as_int
+from hss._args import as_int
 from hss.swap.layout import GroupLayout
 from hss.swap.pool import ScratchPool
 from hss.swap.stores import BackingStore, FileStore, HostStore, StoreError

@@ -20,16 +20,12 @@ from typing import Any, Iterable
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError, PoolExhausted
 from hss.swap.layout import K, V, GroupLayout
 
 __all__ = ["ScratchPool", "PoolExhausted"]
 
 Key = tuple[int, int]   # (layer, page)
-
-
-class PoolExhausted(HssError):
-    """No free slot and no resident eviction candidate."""
 
 
 class ScratchPool:

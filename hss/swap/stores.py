@@ -27,34 +27,13 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._driver import HssError
-from hss._params import as_int
+from hss.errors import HssError, StoreError, StoreIOError
+from hss._args import as_int
 from hss.swap.layout import KIND_NAMES, GroupLayout
 
 __all__ = ["BackingStore", "HostStore", "FileStore", "PreparedReads", "StoreError", "StoreIOError", "layer_path"]
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-class StoreError(HssError):
-    """A page was read before it was (successfully) written, or a write's size or range is wrong.
-    ``pages``: the pages found not valid, when that is the error (else None)."""
-
-    def __init__(self, message: str, pages: np.ndarray | None = None) -> None:
-        super().__init__(message)
-        self.pages = pages
-
-
-class StoreIOError(OSError):
-    """A read or write of a store failed or came up short; names the layer, page, kind and kv head."""
-
-    def __init__(self, layer: int, page: int, kind: int, kv_head: int, message: str, err: int | None = None) -> None:
-        self.layer, self.page, self.kind, self.kv_head = layer, page, KIND_NAMES[kind], kv_head
-        text = f"layer {layer} page {page} ({self.kind} stripe of kv_head {kv_head}): {message}"
-        super().__init__(err if err is not None else errno.EIO, text)
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 def layer_path(directory: str | os.PathLike, layer: int) -> Path:

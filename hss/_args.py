@@ -1,0 +1,565 @@
+"""The one place argument rules live: integers, device pointers, streams and host buffers.
+
+Every hss component converts its arguments here, so a rule is said once and every error names the
+parameter and the fix. The module sits low in the layers (it imports only :mod:`hss.errors`): the owner
+classes above it (buffers, streams, contexts) register how they are read (:func:`register_pointer_type`,
+:func:`register_stream_type`) and how two streams are ordered (:func:`set_stream_join`).
+
+**Integers** (:func:`as_int`): Python or numpy integers, converted to a Python ``int`` before any arithmetic;
+``bool``, ``float`` (NaN too), ``str`` and anything else are a ``TypeError`` naming the parameter.
+
+**Device pointers** (:func:`pointer`, and :func:`pointer_arg` for hot paths):
+- ``int`` / :class:`~hss.gpu.DevicePtr`: an address. Inside a live hss-owned buffer it is bounds-checked against
+  that buffer; elsewhere hss cannot know the size and trusts it.
+- hss buffers and their typed views: a closed one is refused ("closed"); size and dtype are checked.
+- torch tensors (fast path: no protocol dictionary): CUDA, contiguous, size, dtype.
+- ``__cuda_array_interface__`` (v3): size, C-contiguity, dtype and read-only checked where the callee knows them;
+  its ``stream`` is honoured: the callee's stream is ordered after it.
+- ``__dlpack__`` producers (JAX, CuPy, ...), read with cuda.core's ``StridedMemoryView``, which hands the callee's
+  stream to the producer as the protocol says.
+Byte arrays (``u8``) are raw memory and match any dtype; other dtypes must match the callee's.
+
+**Streams** (:func:`stream`): ``int`` handles (0 is the legacy default stream), :class:`~hss.cuda_min.CudaStream`,
+``CUstream``, ``__cuda_stream__`` objects (cuda.core, recent torch and CuPy), torch / CuPy stream objects, and a
+:class:`~hss.cuda_min.CudaCtx` (its stream). ``None`` is refused: streams are explicit everywhere.
+
+**Host buffers** (:func:`host_buffer`): numpy arrays, pinned buffers and buffer-protocol objects, sized by what
+they say; an ``int`` is an address (0 refused), bounds-checked inside a live pinned buffer.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+import sys
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from hss.errors import HssError
+
+__all__ = ["as_int", "as_index", "as_count", "as_float", "dims3", "pointer", "pointer_arg", "device_ptr",
+           "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type", "register_stream_type", "register_host_type",
+           "set_stream_join", "dtype_name", "DTYPE_SIZES", "RANGES", "LiveRanges"]
+
+# -- integers ---------------------------------------------------------------------------------
+
+
+def as_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, why: str = "") -> int:
+    """``value`` as a Python ``int`` (ints and numpy integers only), optionally within ``[lo, hi]``.
+
+    ``TypeError`` for bool, float, str...; :class:`HssError` out of range, naming ``name`` (and ``why``)."""
+    if type(value) is int:
+        v = value
+    elif isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    else:
+        try:
+            v = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = (f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in {lo}..{hi}")
+        raise HssError(f"{name} = {v} must be {rng}{': ' + why if why else ''}")
+    return v
+
+
+def as_count(name: str, value: Any, hi: int | None = None, why: str = "") -> int:
+    """A non-negative int (a byte count, an element count, ...)."""
+    return as_int(name, value, 0, hi, why)
+
+
+def as_index(name: str, value: Any, size: int, what: str) -> int:
+    """An index into ``size`` things called ``what``."""
+    v = as_int(name, value)
+    if not 0 <= v < size:
+        raise HssError(f"{name} {v} is out of range: there are {size} {what} (0..{size - 1})")
+    return v
+
+
+def as_float(name: str, value: Any, finite: bool = True) -> float:
+    """A real number as a Python float (ints, floats, numpy reals; not bool); finite unless told."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if finite and not math.isfinite(v):
+        raise HssError(f"{name} = {v!r} must be finite")
+    return v
+
+
+def dims3(name: str, value: Any) -> tuple[int, int, int]:
+    """A launch dimension (an int or a 1-3 tuple of ints, each 1..2^31-1) as a 3-tuple of Python ints."""
+    if type(value) is tuple and len(value) == 3 and all(type(v) is int and 0 < v < 2**31 for v in value):
+        return value
+    parts = value if isinstance(value, (tuple, list)) else (value,)
+    if not 1 <= len(parts) <= 3:
+        raise HssError(f"{name} needs 1 to 3 dimensions, got {value!r}")
+    out = tuple(as_int(f"{name}[{i}]", v, 1, 2**31 - 1) for i, v in enumerate(parts))
+    return (out + (1, 1))[:3]
+
+
+# -- dtypes -----------------------------------------------------------------------------------
+DTYPE_SIZES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4,
+               "u32": 4, "i64": 8, "u64": 8}
+_TYPESTR = {"<f2": "f16", "<f4": "f32", "<f8": "f64", "|i1": "i8", "|u1": "u8", "<i2": "i16", "<u2": "u16",
+            "<i4": "i32", "<u4": "u32", "<i8": "i64", "<u8": "u64", "|b1": "u8"}
+_DLPACK_CODES = {0: "i", 1: "u", 2: "f", 4: "bf"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """hss's short name ('bf16', 'f32', 'i32', ...) of a short name, numpy / ml_dtypes dtype or torch dtype."""
+    if isinstance(dtype, str) and dtype in DTYPE_SIZES:
+        return dtype
+    torch_names = _torch_dtypes()
+    if torch_names and dtype in torch_names:
+        return torch_names[dtype]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{dtype!r} is not a dtype hss knows; use one of {', '.join(DTYPE_SIZES)}") from None
+    if dt.name == "bfloat16":
+        return "bf16"
+    name = _TYPESTR.get(dt.str)
+    if name is None:
+        raise TypeError(f"dtype {dt} is not one hss uses; use one of {', '.join(DTYPE_SIZES)}")
+    return name
+
+
+def _matches(have: str | None, want: str | None) -> bool:
+    return want is None or have is None or have == want or have == "u8"
+
+
+# -- live hss buffers -------------------------------------------------------------------------
+class LiveRanges:
+    """Address ranges of live hss buffers (device and pinned), so that pointers into them are bounds-checked.
+
+    Readers take an immutable snapshot (no lock on the hot path); writers replace it under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[tuple[int, int, object]] = []          # (start, end, token), sorted by start
+        self.snapshot: tuple[list[int], list[int]] = ([], [])      # starts, ends
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def add(self, start: int, size: int) -> object:
+        """Register ``[start, start + size)``; the returned token removes exactly this entry."""
+        token = object()
+        with self._lock:
+            bisect.insort(self._entries, (start, start + size, id(token)))
+            self._publish()
+        return token
+
+    def remove(self, token: object) -> None:
+        with self._lock:
+            key = id(token)
+            self._entries = [e for e in self._entries if e[2] != key]
+            self._publish()
+
+    def _publish(self) -> None:
+        self.snapshot = ([e[0] for e in self._entries], [e[1] for e in self._entries])
+        self._arrays = None
+
+    def find(self, ptr: int) -> tuple[int, int] | None:
+        """(start, end) of the live buffer holding ``ptr``, or None."""
+        starts, ends = self.snapshot
+        i = bisect.bisect_right(starts, ptr) - 1
+        return (starts[i], ends[i]) if i >= 0 and ptr < ends[i] else None
+
+    def check(self, ptr: int, nbytes: int, name: str) -> None:
+        """Raise if ``nbytes`` at ``ptr`` start inside a live buffer and run past its end."""
+        starts, ends = self.snapshot
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr < ends[i] < ptr + nbytes:
+            raise HssError(f"{name}: {nbytes} bytes at offset {ptr - starts[i]} run past the end of its "
+                           f"{ends[i] - starts[i]}-byte buffer; use fewer bytes or a larger buffer")
+
+    def check_many(self, ptrs: np.ndarray, nbytes: np.ndarray, name: str) -> None:
+        """:meth:`check` of every ``(ptrs[i], nbytes[i])`` (int64 arrays) at once; raises for the first bad one."""
+        arrays = self._arrays
+        if arrays is None:
+            starts, ends = self.snapshot
+            arrays = self._arrays = np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+        starts, ends = arrays
+        if not starts.size or not ptrs.size:
+            return
+        i = np.searchsorted(starts, ptrs, side="right") - 1
+        end = ends[np.maximum(i, 0)]
+        bad = np.flatnonzero((i >= 0) & (ptrs < end) & (ptrs + nbytes > end))
+        if bad.size:
+            b = int(bad[0])
+            self.check(int(ptrs[b]), int(nbytes[b]), name)
+
+
+RANGES = LiveRanges()
+
+
+# -- device pointers --------------------------------------------------------------------------
+class DeviceArg:
+    """What a device-array argument says about itself: address, bytes (None: unknown), dtype name (None:
+    unknown or untyped), read-only, the producer's stream (CAI; None: no ordering asked)."""
+
+    __slots__ = ("ptr", "nbytes", "dtype", "readonly", "stream")
+
+    def __init__(self, ptr: int, nbytes: int | None, dtype: str | None = None, readonly: bool = False,
+                 stream: int | None = None) -> None:
+        self.ptr, self.nbytes, self.dtype, self.readonly, self.stream = ptr, nbytes, dtype, readonly, stream
+
+
+# A reader turns an object of one type into a DeviceArg (raising HssError/TypeError naming `name`).
+Reader = Callable[[Any, str, "int | None"], DeviceArg]
+_READERS: dict[type, Reader] = {}
+_stream_join: Callable[[int, int], None] | None = None
+
+
+def register_pointer_type(cls: type, reader: Reader) -> None:
+    """Teach the argument layer a device-array type: ``reader(obj, name, stream) -> DeviceArg``."""
+    _READERS[cls] = reader
+
+
+def set_stream_join(join: Callable[[int, int], None]) -> None:
+    """The function that orders later work on stream ``consumer`` after what ``producer`` has queued
+    (``join(consumer, producer)``); hss's context layer installs it."""
+    global _stream_join
+    _stream_join = join
+
+
+def _finish(arg: DeviceArg, name: str, nbytes: int | None, align: int, dtype: str | None, write: bool,
+            what: str) -> int:
+    ptr = arg.ptr
+    fix = f" ({what})" if what else ""
+    if nbytes is not None and arg.nbytes is not None and arg.nbytes < nbytes:
+        raise HssError(f"{name} holds {arg.nbytes} bytes but {nbytes} are needed{fix}")
+    if ptr == 0 and (nbytes is None or nbytes > 0):
+        raise HssError(f"{name} is a null pointer: pass the device address of {what or 'the data'}")
+    if ptr % align:
+        raise HssError(f"{name} ({ptr:#x}) must be {align}-byte aligned{fix}")
+    if not _matches(arg.dtype, dtype):
+        raise HssError(f"{name} holds {arg.dtype} but {dtype} is needed{fix}: pass a {dtype} tensor (or a view of "
+                       f"the same bytes as {dtype})")
+    if write and arg.readonly:
+        raise HssError(f"{name} is read-only but is written{fix}: pass a writable array")
+    if arg.nbytes is None and nbytes:
+        RANGES.check(ptr, nbytes, name)
+    return ptr
+
+
+def device_arg(obj: Any, name: str = "pointer", stream: int | None = None) -> DeviceArg:
+    """What ``obj`` says about itself as a device array (see the module docstring for the accepted forms).
+
+    ``stream``: the stream the callee will use; a CUDA-array-interface producer's stream is ordered before it,
+    a DLPack producer is handed it. None: the callee orders nothing."""
+    if type(obj) is int:
+        return DeviceArg(obj, None)
+    reader = _READERS.get(type(obj))
+    if reader is None:
+        reader = _reader_for(type(obj), obj, name)
+    arg = reader(obj, name, stream)
+    if stream is not None and arg.stream is not None and arg.stream != stream and _stream_join is not None:
+        if not (arg.stream in (0, 1) and stream in (0, 1)):   # 0 and 1 both name the legacy default stream
+            _stream_join(stream, arg.stream)
+    return arg
+
+
+def pointer(obj: Any, name: str, nbytes: int | None = None, align: int = 1, dtype: str | None = None,
+            write: bool = False, stream: int | None = None, what: str = "") -> int:
+    """The checked device address of argument ``name``: non-null, ``align``-aligned, at least ``nbytes`` (where
+    the object or a live hss buffer knows its size), of ``dtype`` (where the object has one), writable when
+    ``write``; ``what`` describes the expected array in errors. See :func:`device_arg` for ``stream``."""
+    if type(obj) is int:
+        if obj < 0:
+            raise HssError(f"{name} = {obj} is not a device address (addresses are >= 0)")
+        return _finish(DeviceArg(obj, None), name, nbytes, align, None, False, what)
+    return _finish(device_arg(obj, name, stream), name, nbytes, align, dtype, write, what)
+
+
+def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None = None, write: bool = False,
+                what: str = "") -> Callable[..., int]:
+    """A prepared :func:`pointer` for one parameter of a hot call: ``check(obj, stream=None) -> int``.
+
+    Same rules and errors as :func:`pointer`, with the common cases (an int address, a torch tensor) decided in
+    a few attribute reads; anything unusual takes the general path."""
+    snapshot = RANGES
+    need = nbytes or 0
+    torch_dtypes: set[Any] = set()   # the torch dtypes that match `dtype`, resolved at the first torch tensor
+
+    def check(obj: Any, stream: int | None = None) -> int:
+        cls = type(obj)
+        if cls is int:
+            if obj > 0 and not obj % align:
+                if need:
+                    starts, ends = snapshot.snapshot
+                    i = bisect.bisect_right(starts, obj) - 1
+                    if i >= 0 and obj < ends[i] < obj + need:
+                        snapshot.check(obj, need, name)
+                return obj
+        elif _READERS.get(cls) is _read_torch:
+            if not torch_dtypes:
+                torch_dtypes.update(_torch_matching(dtype))
+            if obj.is_cuda and obj.dtype in torch_dtypes and obj.is_contiguous() and obj.nbytes >= need:
+                p = obj.data_ptr()
+                if p and not p % align:
+                    return p
+        return pointer(obj, name, nbytes, align, dtype, write, stream, what)
+
+    return check
+
+
+def _torch_matching(dtype: str | None) -> list[Any]:
+    names = _torch_dtypes() or {}
+    return [t for t, n in names.items() if _matches(n, dtype)]
+
+
+def device_ptr(obj: Any, name: str = "pointer") -> int:
+    """The device address of any accepted device-array form, unchecked beyond being one (closed buffers refused)."""
+    if type(obj) is int:
+        return obj
+    return device_arg(obj, name).ptr
+
+
+def _reader_for(cls: type, obj: Any, name: str) -> Reader:
+    """Find (and cache) the reader of a type not seen before."""
+    reader: Reader | None = None
+    if issubclass(cls, int) and not issubclass(cls, bool):
+        reader = _read_int
+    elif issubclass(cls, np.integer):
+        reader = _read_int
+    elif _is_torch_tensor(cls):
+        reader = _read_torch
+    elif issubclass(cls, np.ndarray):
+        reader = _refuse
+    elif hasattr(obj, "__cuda_array_interface__"):   # an instance attribute counts too
+        reader = _read_cai
+    elif hasattr(obj, "__dlpack__"):
+        reader = _read_dlpack
+    if reader is None:
+        return _refuse
+    _READERS[cls] = reader
+    return reader
+
+
+def _refuse(obj: Any, name: str, stream: int | None) -> DeviceArg:
+    if isinstance(obj, np.ndarray):
+        raise HssError(f"{name} is a host numpy array; pass device memory (a DeviceBuffer, a CUDA tensor or an "
+                       "address)")
+    raise TypeError(f"{name}: cannot use {type(obj).__name__} {obj!r:.60} as a device pointer; pass an int address, "
+                    "a DeviceBuffer, a torch / CuPy / JAX array, or an object with __cuda_array_interface__ or "
+                    "__dlpack__")
+
+
+def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
+    return DeviceArg(operator.index(obj), None)
+
+
+def _is_torch_tensor(cls: type) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and issubclass(cls, torch.Tensor)
+
+
+_TORCH: dict[Any, str] | None = None
+
+
+def _torch_dtypes() -> dict[Any, str] | None:
+    global _TORCH
+    if _TORCH is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "int8": "i8",
+                 "uint8": "u8", "int16": "i16", "uint16": "u16", "int32": "i32", "uint32": "u32", "int64": "i64",
+                 "uint64": "u64", "bool": "u8"}
+        _TORCH = {getattr(torch, k): v for k, v in names.items() if hasattr(torch, k)}
+    return _TORCH
+
+
+def _read_torch(t: Any, name: str, stream: int | None) -> DeviceArg:
+    if not t.is_cuda:
+        raise HssError(f"{name} is a torch tensor on {t.device}; pass a CUDA tensor (.cuda())")
+    if not t.is_contiguous():
+        raise HssError(f"{name} is a non-contiguous torch tensor; pass .contiguous()")
+    names = _TORCH if _TORCH is not None else _torch_dtypes()
+    return DeviceArg(t.data_ptr(), t.nbytes, names.get(t.dtype))   # type: ignore[union-attr]
+
+
+def _contiguous_bytes(shape: tuple, strides: tuple | None, itemsize: int, name: str) -> int:
+    """Bytes of a C-contiguous array (strides in bytes, None meaning C-contiguous); raises otherwise."""
+    n = math.prod(shape)
+    if strides is not None and n > 1:
+        expect = itemsize
+        for dim, stride in zip(reversed(shape), reversed(strides)):
+            if dim > 1 and stride != expect:
+                raise HssError(f"{name} is not C-contiguous (shape {tuple(shape)}, strides {tuple(strides)}); pass a "
+                               "contiguous copy")
+            expect *= dim
+    return n * itemsize
+
+
+def _read_cai(obj: Any, name: str, stream: int | None) -> DeviceArg:
+    try:
+        cai = obj.__cuda_array_interface__
+    except AttributeError:
+        if hasattr(obj, "__dlpack__"):
+            return _read_dlpack(obj, name, stream)
+        return _refuse(obj, name, stream)
+    except Exception as exc:   # e.g. a dtype the interface cannot describe
+        if hasattr(obj, "__dlpack__"):
+            return _read_dlpack(obj, name, stream)
+        raise HssError(f"{name}: its __cuda_array_interface__ failed ({exc})") from None
+    try:
+        version = int(cai.get("version", 0))
+        shape = tuple(int(d) for d in cai["shape"])
+        typestr = str(cai["typestr"])
+        ptr, readonly = cai["data"]
+        strides = cai.get("strides")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HssError(f"{name}: malformed __cuda_array_interface__ ({exc!r})") from None
+    if version < 2 or cai.get("mask") is not None:
+        raise HssError(f"{name}: __cuda_array_interface__ version {version} with a mask is not supported (v3 needed)")
+    itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 0
+    if itemsize <= 0:
+        raise HssError(f"{name}: __cuda_array_interface__ typestr {typestr!r} has no item size")
+    nbytes = _contiguous_bytes(shape, tuple(strides) if strides is not None else None, itemsize, name)
+    producer = cai.get("stream") if version >= 3 else None
+    if producer is not None:
+        producer = int(producer)
+        if producer == 0:
+            raise HssError(f"{name}: __cuda_array_interface__ stream 0 is disallowed by the protocol (use 1 or 2 for "
+                           "the default streams)")
+    return DeviceArg(int(ptr or 0), nbytes, _TYPESTR.get(typestr), bool(readonly), producer)
+
+
+_StridedMemoryView: Any = None
+
+
+def _strided_memory_view() -> Any:
+    global _StridedMemoryView
+    if _StridedMemoryView is None:
+        try:
+            from cuda.core.utils import StridedMemoryView   # cuda.core >= 0.4
+        except ImportError:
+            try:
+                from cuda.core.experimental.utils import StridedMemoryView
+            except ImportError:
+                StridedMemoryView = False
+        _StridedMemoryView = StridedMemoryView
+    return _StridedMemoryView
+
+
+def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
+    view_cls = _strided_memory_view()
+    if not view_cls:
+        raise HssError(f"{name}: reading a __dlpack__ producer needs cuda.core (pip install cuda-core), or pass "
+                       "its device address")
+    try:
+        view = view_cls(obj, stream_ptr=-1 if stream is None else stream)
+    except BufferError as exc:
+        raise HssError(f"{name}: its DLPack export failed ({exc})") from None
+    if not view.is_device_accessible or view.device_id < 0:
+        raise HssError(f"{name} is host memory (DLPack device {view.device_id}); pass device memory")
+    shape = tuple(view.shape)
+    dtype, itemsize = _view_dtype(view)
+    strides = view.strides
+    nbytes = _contiguous_bytes(shape, None if strides is None else tuple(s * itemsize for s in strides), itemsize,
+                               name)
+    return DeviceArg(int(view.ptr), nbytes, dtype, bool(view.readonly))
+
+
+def _view_dtype(view: Any) -> tuple[str | None, int]:
+    try:
+        dt = np.dtype(view.dtype)
+    except Exception:   # a dtype numpy cannot name without ml_dtypes' help (bf16 in older cuda.core)
+        raise HssError("a DLPack array's dtype could not be read; pass its device address") from None
+    if dt.name == "bfloat16":
+        return "bf16", 2
+    return _TYPESTR.get(dt.str), dt.itemsize
+
+
+# -- streams ----------------------------------------------------------------------------------
+StreamReader = Callable[[Any], int]
+_STREAMS: dict[type, StreamReader] = {}
+
+
+def register_stream_type(cls: type, reader: StreamReader) -> None:
+    """Teach the argument layer a stream type: ``reader(obj) -> raw handle``."""
+    _STREAMS[cls] = reader
+
+
+def stream(obj: Any, name: str = "stream") -> int:
+    """The raw ``CUstream`` handle of a stream argument (see the module docstring for the accepted forms)."""
+    if type(obj) is int:
+        if obj < 0:
+            raise HssError(f"{name} = {obj} is not a stream handle")
+        return obj
+    reader = _STREAMS.get(type(obj))
+    if reader is None:
+        reader = _stream_reader_for(type(obj), obj, name)
+    return reader(obj)
+
+
+def _stream_reader_for(cls: type, obj: Any, name: str) -> StreamReader:
+    reader: StreamReader | None = None
+    if obj is None or issubclass(cls, (bool, float, str, np.bool_, np.floating)):
+        pass
+    elif issubclass(cls, (int, np.integer)):
+        reader = operator.index
+    elif hasattr(cls, "__cuda_stream__"):
+        reader = _read_stream_protocol
+    elif cls.__name__ == "CUstream" and cls.__module__.startswith("cuda."):
+        reader = int
+    elif cls.__module__.startswith("torch") and hasattr(cls, "cuda_stream"):
+        reader = operator.attrgetter("cuda_stream")
+    elif cls.__module__.startswith("cupy") and hasattr(cls, "ptr"):
+        reader = operator.attrgetter("ptr")
+    if reader is None:
+        raise TypeError(f"{name}: a stream is required: pass an int handle (0 = the legacy default stream), a "
+                        f"CudaStream, a CudaCtx, a CUstream, a torch / CuPy stream or an object with __cuda_stream__; "
+                        f"got {type(obj).__name__}")
+    _STREAMS[cls] = reader
+    return reader
+
+
+def _read_stream_protocol(obj: Any) -> int:
+    version, handle = obj.__cuda_stream__()
+    return int(handle)
+
+
+# -- host buffers -----------------------------------------------------------------------------
+_HOST_READERS: dict[type, Reader] = {}
+
+
+def register_host_type(cls: type, reader: Reader) -> None:
+    """Teach the argument layer a host-buffer type (an hss pinned buffer): ``reader(obj, name, None)``."""
+    _HOST_READERS[cls] = reader
+
+
+def host_buffer(obj: Any, nbytes: int, write: bool, name: str) -> int:
+    """The host address of a buffer holding at least ``nbytes`` (written when ``write``).
+
+    numpy arrays must be C-contiguous; pinned buffers and buffer-protocol objects are sized by what they say;
+    an ``int`` is an address (0 refused) and is bounds-checked when it lies in a live pinned buffer."""
+    if type(obj) is int:
+        if obj <= 0:
+            raise HssError(f"{name} = {obj} is not a host address: pass a numpy array or a pinned buffer")
+        RANGES.check(obj, nbytes, name)
+        return obj
+    reader = _HOST_READERS.get(type(obj))
+    if reader is not None:   # an hss pinned buffer
+        return _finish(reader(obj, name, None), name, nbytes, 1, None, write, "")
+    if isinstance(obj, np.ndarray):
+        arr = obj
+        if not arr.flags.c_contiguous:
+            raise HssError(f"{name} must be C-contiguous; pass np.ascontiguousarray(...)")
+    elif _READERS.get(type(obj), _refuse) is not _refuse or _is_torch_tensor(type(obj)) or \
+            hasattr(obj, "__cuda_array_interface__"):
+        raise HssError(f"{name} is device memory; a host buffer (numpy array, bytes-like or PinnedBuffer) is needed")
+    else:
+        try:
+            arr = np.frombuffer(obj, dtype=np.uint8)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a host buffer (numpy array, bytes-like or PinnedBuffer), got "
+                            f"{type(obj).__name__}") from None
+    if write and not arr.flags.writeable:
+        raise HssError(f"{name} is read-only")
+    if arr.nbytes < nbytes:
+        raise HssError(f"{name} holds {arr.nbytes} bytes but {nbytes} are to be copied")
+    return arr.__array_interface__["data"][0] if arr.nbytes else 0

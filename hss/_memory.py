@@ -1,0 +1,374 @@
+"""Device and pinned memory, typed views, copies and memsets (part of :mod:`hss.cuda_min`).
+
+Device addresses are plain ints (offsets are ``ptr + nbytes``). Every copy and memset checks its arguments
+through :mod:`hss._args` before it queues anything: pointers into live hss buffers are bounds-checked, hss
+buffers and views carry their own size, foreign arrays (torch, CuPy, JAX, the CUDA array interface, DLPack)
+say theirs.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from hss import _args, _dlpack
+from hss._args import RANGES, DeviceArg
+from hss._context import _context, _ensure_context, _Owner, _tls
+from hss._driver import api, check
+from hss.errors import HssError
+
+__all__ = ["DeviceBuffer", "DeviceView", "PinnedBuffer", "HostToDeviceBatch", "copy_h_to_d_async",
+           "copy_h_to_d_batch_async", "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async",
+           "memset_d8_async", "memset_d32_async", "mem_info"]
+
+
+class DeviceBuffer(_Owner):
+    """``nbytes`` of device memory (cuMemAlloc; NOT zeroed). ``ptr`` is the address, ``bytes`` the size.
+
+    Exports ``__cuda_array_interface__`` (v3, bytes) and ``__dlpack__`` (uint8), so torch, CuPy and JAX take it
+    zero-copy; :meth:`view` gives a typed view. Using a closed buffer (``ptr`` included) raises "closed"."""
+
+    def __init__(self, nbytes: int, ctx: Any = None) -> None:
+        nbytes = _args.as_int("nbytes", nbytes, 1, why="a DeviceBuffer holds at least one byte")
+        pctx = _context(ctx)
+        self._ptr = int(check(api.cuMemAlloc(nbytes), "cuMemAlloc", f"{nbytes} bytes"))
+        self.bytes = nbytes
+        self._range = RANGES.add(self._ptr, nbytes)
+        self._own("cuMemFree", self._ptr, pctx)
+
+    @property
+    def ptr(self) -> int:
+        if self.closed:
+            raise HssError(f"this DeviceBuffer ({self.bytes} bytes) is closed")
+        return self._ptr
+
+    @property
+    def device(self) -> int:
+        """The ordinal of the device this memory is on."""
+        return self._pctx.ordinal
+
+    def _on_close(self) -> None:
+        RANGES.remove(self._range)
+
+    def view(self, dtype: Any, shape: int | Sequence[int] | None = None, offset: int = 0) -> "DeviceView":
+        """A typed, C-contiguous view of ``shape`` elements of ``dtype`` from byte ``offset`` (default: all that
+        fit). ``dtype``: 'bf16', 'f32', 'i32', ... or a numpy / ml_dtypes / torch dtype."""
+        return DeviceView(self, dtype, shape, offset)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.bytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+                "strides": None, "stream": None}
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        """A DLPack capsule of the bytes (``stream`` is not used: hss orders nothing, as with a raw pointer)."""
+        _dlpack_checks(dl_device, copy, self.device)
+        return _dlpack.export(self, self.ptr, (self.bytes,), "u8", self.device, max_version=max_version)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_dlpack.KDL_CUDA, self.device)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self._ptr:#x}"
+        return f"DeviceBuffer({self.bytes} bytes at {state})"
+
+
+class DeviceView:
+    """A typed, C-contiguous view of part of a :class:`DeviceBuffer` (which it keeps alive).
+
+    ``ptr``, ``nbytes``, ``dtype`` (hss's short name), ``shape``; exports ``__cuda_array_interface__`` (dtypes the
+    interface can describe: not bf16) and ``__dlpack__`` (bf16 included). Closed with its buffer."""
+
+    __slots__ = ("buffer", "offset", "dtype", "shape", "nbytes")
+
+    def __init__(self, buffer: DeviceBuffer, dtype: Any, shape: int | Sequence[int] | None = None,
+                 offset: int = 0) -> None:
+        if not isinstance(buffer, DeviceBuffer):
+            raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
+        name = _args.dtype_name(dtype)
+        item = _args.DTYPE_SIZES[name]
+        offset = _args.as_int("offset", offset, 0, buffer.bytes)
+        if offset % item:
+            raise HssError(f"offset {offset} is not a multiple of the {name} item size ({item})")
+        if shape is None:
+            shape = ((buffer.bytes - offset) // item,)
+        elif not isinstance(shape, (tuple, list)):
+            shape = (shape,)
+        dims = tuple(_args.as_int(f"shape[{i}]", d, 0) for i, d in enumerate(shape))
+        nbytes = math.prod(dims) * item
+        if offset + nbytes > buffer.bytes:
+            raise HssError(f"a {name} view of shape {dims} at offset {offset} needs {offset + nbytes} bytes; the "
+                           f"buffer has {buffer.bytes}")
+        self.buffer, self.offset, self.dtype, self.shape, self.nbytes = buffer, offset, name, dims, nbytes
+
+    @property
+    def ptr(self) -> int:
+        return self.buffer.ptr + self.offset
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        typestr = next((k for k, v in _args._TYPESTR.items() if v == self.dtype and k != "|b1"), None)
+        if typestr is None:
+            raise TypeError(f"the CUDA array interface cannot describe {self.dtype}; use DLPack (torch.from_dlpack)")
+        return {"shape": self.shape, "typestr": typestr, "data": (self.ptr, False), "version": 3, "strides": None,
+                "stream": None}
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        _dlpack_checks(dl_device, copy, self.buffer.device)
+        return _dlpack.export(self, self.ptr, self.shape, self.dtype, self.buffer.device, max_version=max_version)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_dlpack.KDL_CUDA, self.buffer.device)
+
+    def __repr__(self) -> str:
+        return f"DeviceView({self.dtype} {self.shape} at offset {self.offset} of {self.buffer!r})"
+
+
+def _dlpack_checks(dl_device: Any, copy: bool | None, device: int) -> None:
+    if dl_device is not None and tuple(dl_device) != (_dlpack.KDL_CUDA, device):
+        raise BufferError(f"hss device memory is on (kDLCUDA, {device}); it cannot be exported to {dl_device}")
+    if copy:
+        raise BufferError("hss exports device memory without copying (copy=True is not supported)")
+
+
+def _read_buffer(buf: DeviceBuffer, name: str, stream: int | None) -> DeviceArg:
+    if buf.closed:
+        raise HssError(f"{name} is a closed DeviceBuffer ({buf.bytes} bytes)")
+    return DeviceArg(buf._ptr, buf.bytes)
+
+
+def _read_view(view: DeviceView, name: str, stream: int | None) -> DeviceArg:
+    buf = view.buffer
+    if buf.closed:
+        raise HssError(f"{name} is a view of a closed DeviceBuffer")
+    return DeviceArg(buf._ptr + view.offset, view.nbytes, view.dtype)
+
+
+_args.register_pointer_type(DeviceBuffer, _read_buffer)
+_args.register_pointer_type(DeviceView, _read_view)
+
+
+class PinnedBuffer(_Owner):
+    """``nbytes`` of page-locked host memory (cuMemAllocHost): truly asynchronous copies.
+
+    ``array`` is a uint8 numpy view; ``view(dtype)`` reinterprets it; ``ptr`` is the host address (also its
+    device address under unified addressing)."""
+
+    def __init__(self, nbytes: int, ctx: Any = None) -> None:
+        nbytes = _args.as_int("nbytes", nbytes, 1, why="a PinnedBuffer holds at least one byte")
+        pctx = _context(ctx)
+        self._ptr = int(check(api.cuMemAllocHost(nbytes), "cuMemAllocHost", f"{nbytes} bytes"))
+        self.bytes = nbytes
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._ptr))
+        self._range = RANGES.add(self._ptr, nbytes)
+        self._own("cuMemFreeHost", self._ptr, pctx)
+
+    @property
+    def ptr(self) -> int:
+        if self.closed:
+            raise HssError(f"this PinnedBuffer ({self.bytes} bytes) is closed")
+        return self._ptr
+
+    def _on_close(self) -> None:
+        RANGES.remove(self._range)
+        self.array = np.empty(0, dtype=np.uint8)   # no view may outlive the memory
+
+    def view(self, dtype: Any) -> np.ndarray:
+        return self.array.view(dtype)
+
+    def device_ptr(self) -> int:
+        """The device address of this memory (cuMemHostGetDevicePointer; equal to ``ptr`` with UVA)."""
+        self._live_pctx().make_current()
+        return int(check(api.cuMemHostGetDevicePointer(self._ptr, 0), "cuMemHostGetDevicePointer"))
+
+    def __repr__(self) -> str:
+        return f"PinnedBuffer({self.bytes} bytes{' closed' if self.closed else ''})"
+
+
+def _read_pinned(buf: PinnedBuffer, name: str, stream: int | None) -> DeviceArg:
+    if buf.closed:
+        raise HssError(f"{name} is a closed PinnedBuffer ({buf.bytes} bytes)")
+    return DeviceArg(buf._ptr, buf.bytes)
+
+
+_args.register_pointer_type(PinnedBuffer, _read_pinned)   # mapped: a device may read it (UVA)
+_args.register_host_type(PinnedBuffer, _read_pinned)
+
+
+# -- copies, memsets --------------------------------------------------------------------------
+def copy_h_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
+    """Queue a host-to-device copy on ``stream``. From pageable memory the driver stages ``src``
+    before returning (reuse it at once); from a :class:`PinnedBuffer` keep it unchanged until the
+    stream reaches the copy."""
+    n = _args.as_count("nbytes", nbytes)
+    s = _args.stream(stream)
+    d = _args.pointer(dst, "copy_h_to_d_async dst", n, write=True, stream=s)
+    h = _args.host_buffer(src, n, False, "copy_h_to_d_async src")
+    if n:
+        _ensure_context()
+        check(api.cuMemcpyHtoDAsync(d, h, n, s), "cuMemcpyHtoDAsync")
+
+
+def copy_d_to_h_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
+    """Queue a device-to-host copy on ``stream``. Into pageable memory the driver completes it
+    before returning (it is synchronous); into a :class:`PinnedBuffer` it is truly asynchronous:
+    wait (``stream_sync`` or an event) before reading."""
+    n = _args.as_count("nbytes", nbytes)
+    s = _args.stream(stream)
+    d = _args.host_buffer(dst, n, True, "copy_d_to_h_async dst")
+    p = _args.pointer(src, "copy_d_to_h_async src", n, stream=s)
+    if n:
+        _ensure_context()
+        check(api.cuMemcpyDtoHAsync(d, p, n, s), "cuMemcpyDtoHAsync")
+
+
+def copy_d_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
+    """Queue a device-to-device copy of ``nbytes`` on ``stream``."""
+    n = _args.as_count("nbytes", nbytes)
+    s = _args.stream(stream)
+    d = _args.pointer(dst, "copy_d_to_d_async dst", n, write=True, stream=s)
+    p = _args.pointer(src, "copy_d_to_d_async src", n, stream=s)
+    if n:
+        _ensure_context()
+        check(api.cuMemcpyDtoDAsync(d, p, n, s), "cuMemcpyDtoDAsync")
+
+
+def copy_2d_d_to_d_async(dst: Any, dst_pitch: int, src: Any, src_pitch: int, width_bytes: int,
+                         height: int, stream: Any) -> None:
+    """Queue a pitched device-to-device copy: ``height`` rows of ``width_bytes``, rows ``*_pitch`` apart."""
+    w, h = _args.as_count("width_bytes", width_bytes), _args.as_count("height", height)
+    dp, sp = _args.as_count("dst_pitch", dst_pitch), _args.as_count("src_pitch", src_pitch)
+    if h and (w > dp or w > sp):
+        raise HssError(f"width_bytes ({w}) exceeds a pitch (dst_pitch {dp}, src_pitch {sp})")
+    s = _args.stream(stream)
+    if not (w and h):
+        return
+    d = _args.pointer(dst, "copy_2d_d_to_d_async dst", (h - 1) * dp + w, write=True, stream=s)
+    p = _args.pointer(src, "copy_2d_d_to_d_async src", (h - 1) * sp + w, stream=s)
+    desc = api.CUDA_MEMCPY2D()
+    desc.srcMemoryType = desc.dstMemoryType = api.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    desc.srcDevice, desc.srcPitch, desc.dstDevice, desc.dstPitch = p, sp, d, dp
+    desc.WidthInBytes, desc.Height = w, h
+    _ensure_context()
+    check(api.cuMemcpy2DAsync(desc, s), "cuMemcpy2DAsync", f"{h} rows of {w} bytes")
+
+
+def memset_d8_async(dst: Any, value: int, count: int, stream: Any) -> None:
+    """Queue setting ``count`` bytes at ``dst`` to ``value`` (0..255)."""
+    n = _args.as_count("count", count)
+    v = _args.as_int("value", value, 0, 0xFF)
+    s = _args.stream(stream)
+    d = _args.pointer(dst, "memset_d8_async dst", n, write=True, stream=s)
+    if n:
+        _ensure_context()
+        check(api.cuMemsetD8Async(d, v, n, s), "cuMemsetD8Async")
+
+
+def memset_d32_async(dst: Any, value: int, count: int, stream: Any) -> None:
+    """Queue setting ``count`` 32-bit words at ``dst`` (4-byte aligned) to ``value`` (0..2^32-1: pass the bit
+    pattern, e.g. of a float)."""
+    n = _args.as_count("count", count)
+    v = _args.as_int("value", value, 0, 0xFFFFFFFF, "pass the bit pattern, e.g. of a float")
+    s = _args.stream(stream)
+    d = _args.pointer(dst, "memset_d32_async dst", 4 * n, 4, write=True, stream=s)
+    if n:
+        _ensure_context()
+        check(api.cuMemsetD32Async(d, v, n, s), "cuMemsetD32Async")
+
+
+def mem_info() -> tuple[int, int]:
+    """(free, total) bytes of the current device (cuMemGetInfo)."""
+    _ensure_context()
+    free, total = check(api.cuMemGetInfo(), "cuMemGetInfo")
+    return int(free), int(total)
+
+
+# -- host-to-device batches -------------------------------------------------------------------
+_batch_attrs: dict[int, Any] = {}   # context handle -> CUmemcpyAttributes of host-to-device batches (None: unsupported)
+
+
+def _int64s(values: Any, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"host-to-device batch: {what} must be integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+class HostToDeviceBatch:
+    """Host-to-device copies ``dsts[i] <- srcs[i]`` (``nbytes[i]`` each; device addresses and pinned host
+    addresses, as int sequences or arrays), checked once, then queued by :meth:`queue` as one
+    ``cuMemcpyBatchAsync`` (whole, or in consecutive parts).
+
+    A batch runs in stream order, its copies in any order, so they must not overlap. Construction checks the
+    counts, that every size is > 0, every address is non-zero and every destination range against the live hss
+    buffers, vectorized; ``queue`` only builds the driver's argument lists and makes the call, so keep the
+    destinations alive until then. Where the driver or binding has no batch call, ``queue`` makes one
+    ``cuMemcpyHtoDAsync`` per copy.
+    """
+
+    __slots__ = ("_d", "_s", "_n")
+
+    def __init__(self, dsts: Any, srcs: Any, nbytes: Any) -> None:
+        d, s, n = _int64s(dsts, "destinations"), _int64s(srcs, "sources"), _int64s(nbytes, "sizes")
+        if not d.size == s.size == n.size:
+            raise HssError(f"host-to-device batch: {d.size} destinations, {s.size} sources, {n.size} sizes")
+        if n.size and n.min() <= 0:
+            raise HssError(f"host-to-device batch: sizes must be > 0 (got {int(n[n <= 0][0])})")
+        if d.size and (d.min() <= 0 or s.min() <= 0):
+            raise HssError("host-to-device batch: addresses must be non-zero (a null pointer was given)")
+        RANGES.check_many(d, n, "host-to-device batch dst")
+        RANGES.check_many(s, n, "host-to-device batch src")
+        self._d, self._s, self._n = d.tolist(), s.tolist(), n.tolist()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the copies."""
+        return sum(self._n)
+
+    def queue(self, stream: Any, start: int = 0, stop: int | None = None) -> None:
+        """Queue copies ``[start, stop)`` (default: all) on ``stream`` as one batch; nothing when that is empty."""
+        d, x, n = self._d[start:stop], self._s[start:stop], self._n[start:stop]
+        count = len(d)
+        if not count:
+            return
+        s = _args.stream(stream)
+        _ensure_context()
+        key = _tls.pctx.handle   # type: ignore[union-attr]
+        attr = _batch_attrs.get(key, False)   # False: not tried in this context yet; None: no batch call here
+        batch = getattr(api, "cuMemcpyBatchAsync", None)
+        if batch is not None and attr is not None:
+            if attr is False:
+                attr = api.CUmemcpyAttributes()
+                attr.srcAccessOrder = api.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                attr.srcLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+                attr.dstLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                attr.dstLocHint.id = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
+            ptr = api.CUdeviceptr
+            err = batch([ptr(v) for v in d], [ptr(v) for v in x], n, count, [attr], [0], 1, s)[0]
+            if not err:
+                _batch_attrs[key] = attr
+                return
+            if getattr(err, "name", "") != "CUDA_ERROR_NOT_SUPPORTED" or key in _batch_attrs:
+                check((err,), "cuMemcpyBatchAsync", f"{count} host-to-device copies")
+            _batch_attrs[key] = None   # not supported here: one call per copy from now on
+        for dv, xv, nv in zip(d, x, n):
+            check(api.cuMemcpyHtoDAsync(dv, xv, nv, s), "cuMemcpyHtoDAsync")
+
+    def __repr__(self) -> str:
+        return f"HostToDeviceBatch({len(self._d)} copies, {self.nbytes} bytes)"
+
+
+def copy_h_to_d_batch_async(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], stream: Any) -> None:
+    """Queue host-to-device copies ``dsts[i] <- srcs[i]`` (``nbytes[i]`` each; ints: device addresses and
+    pinned host addresses) as ONE batch (cuMemcpyBatchAsync): the batch runs in stream order, its copies in
+    any order, so they must not overlap. Far cheaper on the host than one call per copy, and the DMA engine
+    keeps its bandwidth on mid-size copies. Falls back to one cuMemcpyHtoDAsync per copy where the driver
+    or binding has no batch call. :class:`HostToDeviceBatch` checks once and queues later, in parts."""
+    HostToDeviceBatch(dsts, srcs, nbytes).queue(stream)
