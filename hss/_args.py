@@ -29,6 +29,7 @@ they say; an ``int`` is an address (0 refused), bounds-checked inside a live pin
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import operator
 import sys
@@ -39,7 +40,7 @@ import numpy as np
 
 from hss.errors import HssError
 
-__all__ = ["as_int", "as_index", "as_count", "as_float", "dims3", "pointer", "pointer_arg", "device_ptr",
+__all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg", "device_ptr",
            "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type", "register_stream_type", "register_host_type",
            "set_stream_join", "dtype_name", "DTYPE_SIZES", "RANGES", "LiveRanges"]
 
@@ -86,6 +87,15 @@ def as_float(name: str, value: Any, finite: bool = True) -> float:
     if finite and not math.isfinite(v):
         raise HssError(f"{name} = {v!r} must be finite")
     return v
+
+
+def int_fields(obj: Any) -> None:
+    """Convert every ``int`` field of dataclass ``obj`` (frozen or not) to a Python int in place (numpy integers
+    would otherwise wrap in later arithmetic); ``TypeError`` naming the field for anything else."""
+    cls = type(obj)
+    for f in dataclasses.fields(obj):
+        if f.type in ("int", int):
+            object.__setattr__(obj, f.name, as_int(f"{cls.__name__}.{f.name}", getattr(obj, f.name)))
 
 
 def dims3(name: str, value: Any) -> tuple[int, int, int]:
@@ -275,15 +285,17 @@ def pointer(obj: Any, name: str, nbytes: int | None = None, align: int = 1, dtyp
 
 def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None = None, write: bool = False,
                 what: str = "") -> Callable[..., int]:
-    """A prepared :func:`pointer` for one parameter of a hot call: ``check(obj, stream=None) -> int``.
+    """A prepared :func:`pointer` for one parameter of a hot call: ``check(obj, stream=None, nbytes=None) -> int``
+    (``nbytes`` overrides the prepared size for calls whose size varies).
 
     Same rules and errors as :func:`pointer`, with the common cases (an int address, a torch tensor) decided in
     a few attribute reads; anything unusual takes the general path."""
     snapshot = RANGES
-    need = nbytes or 0
+    fixed = nbytes or 0
     torch_dtypes: set[Any] = set()   # the torch dtypes that match `dtype`, resolved at the first torch tensor
 
-    def check(obj: Any, stream: int | None = None) -> int:
+    def check(obj: Any, stream: int | None = None, nbytes: int | None = None) -> int:
+        need = fixed if nbytes is None else nbytes
         cls = type(obj)
         if cls is int:
             if obj > 0 and not obj % align:
@@ -300,7 +312,7 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
                 p = obj.data_ptr()
                 if p and not p % align:
                     return p
-        return pointer(obj, name, nbytes, align, dtype, write, stream, what)
+        return pointer(obj, name, need, align, dtype, write, stream, what)
 
     return check
 

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from hss.errors import MemoryFault
-from hss.kernels import Launch, declare, f32
+from hss.kernels._decl import Launch, declare, f32
 from hss.reference import attention as ref
 
 STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)

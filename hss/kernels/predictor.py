@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
-from hss.kernels import Launch, declare, f32
+from hss.kernels._decl import Launch, declare, f32
 from hss.reference import predictor as ref
 
 BF16 = ml_dtypes.bfloat16

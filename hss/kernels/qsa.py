@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from hss.errors import MemoryFault
-from hss.kernels import Launch, declare, f32
+from hss.kernels._decl import Launch, declare, f32
 from hss.reference import qsa as ref
 from hss.reference.numerics import to_bf16, to_f32
 

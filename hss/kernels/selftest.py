@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hss.kernels import Launch, declare, f32
+from hss.kernels._decl import Launch, declare, f32
 from hss.reference import selftest as ref_selftest
 
 
