@@ -1,6 +1,6 @@
 // hss_lowrank.cuh: shared-memory staging shared by q_lowrank_project.cu and kv_lowrank_project.cu.
 #pragma once
-#include <stdint.h>
+#include "hss_async.cuh"
 #include "hss_common.cuh"
 
 #define HSS_LR_P_ELEMS 16384   // bf16 elements of P staged per chunk (32 KiB)
@@ -16,9 +16,7 @@ __device__ __forceinline__ void hss_lr_copy(__nv_bfloat16* dst, int dst_stride, 
         const int per = len / 8;
         for (int j = tid; j < rows * per; j += nthreads) {
             const int t = j / per, c = j - t * per;
-            const unsigned s = (unsigned)__cvta_generic_to_shared(dst + (size_t)t * dst_stride + 8 * c);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src + t * src_stride + 8 * c)
-                         : "memory");
+            hss_cp_async16(dst + (size_t)t * dst_stride + 8 * c, src + t * src_stride + 8 * c);
         }
     } else {
         for (int j = tid; j < rows * len; j += nthreads) {
@@ -30,7 +28,8 @@ __device__ __forceinline__ void hss_lr_copy(__nv_bfloat16* dst, int dst_stride, 
 
 // Wait for this thread's queued copies, then make every thread's copies visible to the CTA.
 __device__ __forceinline__ void hss_lr_wait() {
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    hss_cp_commit();
+    hss_cp_wait<0>();
     __syncthreads();
 }
 

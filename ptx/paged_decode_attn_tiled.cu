@@ -18,11 +18,11 @@
 // the same tiles gives the same bits (pool layout, tile_capacity, the grid and the other sequences of the
 // launch do not matter). Splitting the pages into other tiles changes the rounding only.
 //
-// paged_decode_attn_tiled(Q, K_pool, V_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out,
+// paged_decode_attn_tiled(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out,
 //     merge_count, num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units,
 //     blk_stride, tok_stride, kvh_stride, last_block_valid_slots, fresh)
-//   Q                 bf16 [num_seqs, num_q_heads, head_dim]
-//   K_pool, V_pool    bf16, element (page, tok, kv_head, d) at page*blk_stride + tok*tok_stride + kv_head*kvh_stride + d
+//   q                 bf16 [num_seqs, num_q_heads, head_dim]
+//   k_pool, v_pool    bf16, element (page, tok, kv_head, d) at page*blk_stride + tok*tok_stride + kv_head*kvh_stride + d
 //                     (element strides, i64; NHD pool (bs*nkv*hd, nkv*hd, hd); HSS scratch slots (2*nkv*gs, hd, gs))
 //   tile_blocks       i32 [num_seqs, tile_capacity] page ids of this tile in order (trusted: the host cannot
 //                     check device-resident ids); tile_block_counts i32 [num_seqs] (clamped to 0..tile_capacity)
@@ -34,11 +34,12 @@
 //   merge_count       u32 [num_seqs * num_kv_heads * ceil(gqa_ratio/4)], zero between launches
 //   max_units = ceil(tile_capacity*block_size / 1024) (the partial arrays' row stride).
 //   Launch: grid (num_seqs, num_kv_heads * ceil(gqa_ratio/4), Z), 1 <= Z <= max_units (any Z gives the same
-//   bits), block (256,1,1), dynamic shared memory ATT_SMEM(HDP) = 8*2*(2*8*HDP*2) + 1536 bytes (65.5 KiB at
+//   bits), block (256,1,1), dynamic shared memory Shape<HDP>::BYTES = 8*2*(2*8*HDP*2) + 1536 bytes (65.5 KiB at
 //   head_dim 128: the host raises the function's 48 KiB limit). A sequence whose tile has no tokens keeps its
 //   state (fresh: gets the initial state); CTA z = 0 writes it (and out).
 // head_dim <= 256 (any value; rows are padded to 64, 128 or 256 in shared memory). Loads are 16-byte cp.async
 // when the pools, strides and head_dim allow it, else 2-byte loads; both stage the same values.
+#include "hss_async.cuh"
 #include "hss_common.cuh"
 
 #define ATT_THREADS 256
@@ -86,30 +87,19 @@ __device__ __forceinline__ int tile_tokens(const int* __restrict__ counts, int s
     return n_blocks == 0 ? 0 : (n_blocks - 1) * bs + last_slots;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-
 // E consecutive bf16 values at p (4*E-byte aligned) as f32.
 template <int E>
 __device__ __forceinline__ void load_row(const unsigned short* p, float (&f)[E]) {
     if constexpr (E == 2) {
         const unsigned w = *reinterpret_cast<const unsigned*>(p);
-        f[0] = bf16_lo(w); f[1] = bf16_hi(w);
+        f[0] = hss_bf16_lo(w); f[1] = hss_bf16_hi(w);
     } else if constexpr (E == 4) {
         const uint2 w = *reinterpret_cast<const uint2*>(p);
-        f[0] = bf16_lo(w.x); f[1] = bf16_hi(w.x); f[2] = bf16_lo(w.y); f[3] = bf16_hi(w.y);
+        f[0] = hss_bf16_lo(w.x); f[1] = hss_bf16_hi(w.x); f[2] = hss_bf16_lo(w.y); f[3] = hss_bf16_hi(w.y);
     } else {
         const uint4 w = *reinterpret_cast<const uint4*>(p);
-        f[0] = bf16_lo(w.x); f[1] = bf16_hi(w.x); f[2] = bf16_lo(w.y); f[3] = bf16_hi(w.y);
-        f[4] = bf16_lo(w.z); f[5] = bf16_hi(w.z); f[6] = bf16_lo(w.w); f[7] = bf16_hi(w.w);
+        f[0] = hss_bf16_lo(w.x); f[1] = hss_bf16_hi(w.x); f[2] = hss_bf16_lo(w.y); f[3] = hss_bf16_hi(w.y);
+        f[4] = hss_bf16_lo(w.z); f[5] = hss_bf16_hi(w.z); f[6] = hss_bf16_lo(w.w); f[7] = hss_bf16_hi(w.w);
     }
 }
 
@@ -123,7 +113,7 @@ __device__ __forceinline__ void butterfly(float (&v)[32], int lane) {
     for (int i = 0; i < OFF; ++i) {
         const float send = up ? v[i] : v[i + OFF];
         const float keep = up ? v[i + OFF] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+        v[i] = keep + __shfl_xor_sync(HSS_FULL_MASK, send, OFF);
     }
     if constexpr (OFF > 1) butterfly<OFF / 2>(v, lane);
 }
@@ -160,8 +150,8 @@ __device__ __forceinline__ void stage(const Args& a, int t0, unsigned short* ks,
                 const int t = t0 + r;
                 const long long off =
                     (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + pc * 8;
-                cp_async16(dk, a.k + off);
-                cp_async16(dv, a.v + off);
+                hss_cp_async16(dk, a.k + off);
+                hss_cp_async16(dv, a.v + off);
             } else {
                 *dk = make_uint4(0u, 0u, 0u, 0u);
                 *dv = make_uint4(0u, 0u, 0u, 0u);
@@ -188,7 +178,7 @@ template <int E>
 struct WarpState {
     float m, l, o[ATT_HG][E];
     __device__ __forceinline__ void reset() {
-        m = -INFINITY;
+        m = hss_neg_inf();
         l = 0.0f;
 #pragma unroll
         for (int h = 0; h < ATT_HG; ++h)
@@ -219,10 +209,10 @@ __device__ __forceinline__ void step(const float (&q)[ATT_HG][HDP / 32], const u
         }
     }
     butterfly<16>(v, lane);
-    const float x = (lane >> 2) < n ? v[0] * scale : -INFINITY;
-    float mx = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    const float x = (lane >> 2) < n ? v[0] * scale : hss_neg_inf();
+    float mx = fmaxf(x, __shfl_xor_sync(HSS_FULL_MASK, x, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(HSS_FULL_MASK, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(HSS_FULL_MASK, mx, 16));
     const float m_new = fmaxf(st.m, mx);               // finite: row 0 of a step is always a token
     const float alpha = __expf(st.m - m_new);          // st.m = -inf (nothing yet): 0
     const float p = __expf(x - m_new);                 // x = -inf (no token): 0
@@ -231,7 +221,7 @@ __device__ __forceinline__ void step(const float (&q)[ATT_HG][HDP / 32], const u
     ps[lane] = p;
     float al[ATT_HG];
 #pragma unroll
-    for (int h = 0; h < ATT_HG; ++h) al[h] = __shfl_sync(0xffffffffu, alpha, h);
+    for (int h = 0; h < ATT_HG; ++h) al[h] = __shfl_sync(HSS_FULL_MASK, alpha, h);
     __syncwarp();
 #pragma unroll
     for (int h = 0; h < ATT_HG; ++h)
@@ -271,7 +261,7 @@ __device__ __forceinline__ void fold(const Args& a, unsigned char* smem) {
     // M_h = max(m_old, max_u m_u)
 #pragma unroll
     for (int h = 0; h < ATT_HG; ++h) {
-        float mx = -INFINITY;
+        float mx = hss_neg_inf();
         if (h < a.hg)
             for (int u = tid; u < nu; u += ATT_THREADS) mx = fmaxf(mx, __ldcg(a.part_ml + h * a.row_ml + 2 * u));
         mx = hss_warp_max(mx);
@@ -281,7 +271,7 @@ __device__ __forceinline__ void fold(const Args& a, unsigned char* smem) {
     float M[ATT_HG], m_old[ATT_HG], l_old[ATT_HG];   // read before anything is written (barrier below)
 #pragma unroll
     for (int h = 0; h < ATT_HG; ++h) {
-        m_old[h] = (a.fresh || h >= a.hg) ? -INFINITY : a.m[h];
+        m_old[h] = (a.fresh || h >= a.hg) ? hss_neg_inf() : a.m[h];
         l_old[h] = (a.fresh || h >= a.hg) ? 0.0f : a.l[h];
         float mx = m_old[h];
 #pragma unroll
@@ -355,8 +345,7 @@ __device__ __forceinline__ void fold(const Args& a, unsigned char* smem) {
         }
         if (a.out) {
             const float inv = l2 > 0.0f ? 1.0f / l2 : 0.0f;
-            const __nv_bfloat16 b = hss_f32_to_bf16(o2 * inv);
-            a.out[h * a.hd + d] = *reinterpret_cast<const unsigned short*>(&b);
+            a.out[h * a.hd + d] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
         }
     }
 }
@@ -382,7 +371,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const int d = lane * E + e;
-                q[h][e] = (h < a.hg && d < a.hd) ? __uint_as_float((unsigned)__ldg(a.q + h * a.hd + d) << 16) : 0.0f;
+                q[h][e] = (h < a.hg && d < a.hd) ? hss_bf16_lo(__ldg(a.q + h * a.hd + d)) : 0.0f;
             }
         const float scale = rsqrtf((float)a.hd);
 
@@ -394,7 +383,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
         auto stage_or_skip = [&](int it) {
             const int u = z + (it / ATT_SPU) * Z;
             if (u < a.n_units && (it % ATT_SPU) < warp_steps(a, u, warp)) stage<HDP>(a, t0_of(it), buffer(it), lane);
-            cp_commit();   // empty groups keep the count: wait<STAGES-1> always means "step it has landed"
+            hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step it has landed"
         };
 #pragma unroll
         for (int i = 0; i < ATT_STAGES - 1; ++i) stage_or_skip(i);
@@ -407,15 +396,15 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
             for (int j = 0; j < ns; ++j) {
                 const int it = k * ATT_SPU + j;
                 stage_or_skip(it + ATT_STAGES - 1);
-                cp_wait<ATT_STAGES - 1>();
+                hss_cp_wait<ATT_STAGES - 1>();
                 __syncwarp();
                 step<HDP>(q, buffer(it), min(ATT_ROWS, a.n_tok - t0_of(it)), scale, st, ps, lane);
             }
             // This warp's state: l summed over the lanes of each head; o into the buffer of the step just
             // consumed (refilled only after the unit's second barrier).
-            st.l += __shfl_xor_sync(0xffffffffu, st.l, 4);
-            st.l += __shfl_xor_sync(0xffffffffu, st.l, 8);
-            st.l += __shfl_xor_sync(0xffffffffu, st.l, 16);
+            st.l += __shfl_xor_sync(HSS_FULL_MASK, st.l, 4);
+            st.l += __shfl_xor_sync(HSS_FULL_MASK, st.l, 8);
+            st.l += __shfl_xor_sync(HSS_FULL_MASK, st.l, 16);
             float* ob = reinterpret_cast<float*>(buffer(k * ATT_SPU + max(ns, 1) - 1));
             if (ns > 0) {
 #pragma unroll
@@ -424,7 +413,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
                     for (int e = 0; e < E; ++e) ob[h * HDP + lane * E + e] = st.o[h][e];
             }
             if (lane < ATT_HG) {
-                ms[warp * ATT_HG + lane] = ns > 0 ? st.m : -INFINITY;
+                ms[warp * ATT_HG + lane] = ns > 0 ? st.m : hss_neg_inf();
                 ls[warp * ATT_HG + lane] = st.l;
             }
             if (lane == 0) bufs[warp] = (int)((reinterpret_cast<unsigned char*>(ob) - smem) / 4);
@@ -433,14 +422,14 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
             for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
                 const int h = i / HDP, d = i % HDP;
                 if (h >= a.hg) continue;
-                float M = -INFINITY;
+                float M = hss_neg_inf();
 #pragma unroll
                 for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, ms[w * ATT_HG + h]);
                 float o = 0.0f, l = 0.0f;
 #pragma unroll
                 for (int w = 0; w < ATT_WARPS; ++w) {
                     const float mw = ms[w * ATT_HG + h];
-                    if (mw == -INFINITY) continue;   // a warp with no row in this unit
+                    if (mw == hss_neg_inf()) continue;   // a warp with no row in this unit
                     const float e = __expf(mw - M);
                     o = fmaf(reinterpret_cast<const float*>(smem)[bufs[w] + h * HDP + d], e, o);
                     l = fmaf(ls[w * ATT_HG + h], e, l);
@@ -451,7 +440,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
             __threadfence();   // the partials are visible device-wide before this CTA counts its units
             __syncthreads();   // the o buffers are refilled next
         }
-        cp_wait<0>();
+        hss_cp_wait<0>();
         // The last CTA of this (sequence, kv head, head group) folds the units.
         __shared__ bool last;
         if (tid == 0) {
@@ -474,11 +463,11 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
-paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K_pool,
-                        const __nv_bfloat16* __restrict__ V_pool, const int* __restrict__ tile_blocks,
+paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+                        const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks,
                         const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
-                        float* __restrict__ part_o, float* __restrict__ m_state, float* __restrict__ l_state,
-                        float* __restrict__ o_state, __nv_bfloat16* __restrict__ out,
+                        float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
+                        float* __restrict__ o, __nv_bfloat16* __restrict__ out,
                         unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads, int head_dim,
                         int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
                         long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
@@ -494,17 +483,17 @@ paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16
     a.n_units = min((n_tok + ATT_UNIT - 1) / ATT_UNIT, max_units);
     const int hdp = hdp_of(head_dim);
     const long long row0 = (long long)seq * num_q_heads + (long long)kh * gqa_ratio + h0;   // first q head's row
-    a.q = reinterpret_cast<const unsigned short*>(Q) + row0 * head_dim;
-    a.k = reinterpret_cast<const unsigned short*>(K_pool) + kh * kvh_stride;
-    a.v = reinterpret_cast<const unsigned short*>(V_pool) + kh * kvh_stride;
+    a.q = reinterpret_cast<const unsigned short*>(q) + row0 * head_dim;
+    a.k = reinterpret_cast<const unsigned short*>(k_pool) + kh * kvh_stride;
+    a.v = reinterpret_cast<const unsigned short*>(v_pool) + kh * kvh_stride;
     a.blocks = tile_blocks + (long long)seq * tile_capacity;
     a.row_ml = 2LL * max_units;
     a.row_o = (long long)max_units * hdp;
     a.part_ml = part_ml + row0 * a.row_ml;
     a.part_o = part_o + row0 * a.row_o;
-    a.m = m_state + row0;
-    a.l = l_state + row0;
-    a.o = o_state + row0 * head_dim;
+    a.m = m + row0;
+    a.l = l + row0;
+    a.o = o + row0 * head_dim;
     a.out = out ? reinterpret_cast<unsigned short*>(out) + row0 * head_dim : nullptr;
     a.count = merge_count + (long long)seq * num_kv_heads * groups + blockIdx.y;
     a.blk = blk_stride;

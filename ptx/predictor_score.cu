@@ -5,8 +5,9 @@
 //   scores[b] = max over q head qh and token t of dot(q_proj[qh, :], k_lr[b, qh / gqa_ratio, t, :]),
 //   dot accumulated in f32; no scaling. NaN dots are skipped; a block whose dots are all NaN scores -inf.
 //   Requires num_q_heads == gqa_ratio * num_kv_heads (else the kernel writes nothing).
-// Launch: block (32 * W, 1, 1) for any W >= 1 (hss uses W = 8), grid (ceil(num_blocks / W), 1, 1),
-//   no dynamic shared memory. Warp w of CTA c scores block c * W + w; warps past num_blocks exit.
+// Launch: block (32 * W, 1, 1) for any 1 <= W <= 8 (hss uses W = 1: hss.kernels.predictor.score_warps),
+//   grid (ceil(num_blocks / W), 1, 1), no dynamic shared memory. Warp w of CTA c scores block c * W + w; warps
+//   past num_blocks exit.
 //
 // Two paths, chosen per launch (uniform branch):
 //  * tensor-core path when block_size % 16 == 0, r in {32, 64, 96, 128}, gqa_ratio <= 8 and both input
@@ -22,17 +23,8 @@
 //    f32; only the accumulation order differs from the original.
 //  * general path otherwise: the original's arithmetic. Lanes stride over the (q head, token) pairs; each
 //    dot is a sequential f32 fma over r ascending; per-lane max, then a warp shuffle-max.
-#include <stdint.h>
 #include "hss_common.cuh"
-
-__device__ __forceinline__ void hss_mma_bf16_16816(float& d0, float& d1, float& d2, float& d3, uint32_t a0,
-                                                   uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                                   uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#include "hss_mma.cuh"
 
 // Tensor-core path for one K_lr block: `units` = num_kv_heads * block_size / 16 units of [16, r] rows,
 // R32 = r / 32 chunks of 16 bytes per row and lane. U units are loaded before any is used (U * 2 * R32
@@ -46,7 +38,7 @@ __device__ __forceinline__ float hss_score_block_mma(const __nv_bfloat16* __rest
     const int grp = lane >> 2, t = lane & 3;
     const int qn = min(grp, gqa - 1);   // padded columns read a real head; their dots are discarded
     const bool use0 = 2 * t < gqa, use1 = 2 * t + 1 < gqa;
-    float best = -INFINITY;
+    float best = hss_neg_inf();
     for (int u0 = 0; u0 < units; u0 += U) {
         uint4 a[U][2][R32];
         uint4 b[U][R32];
@@ -67,17 +59,17 @@ __device__ __forceinline__ float hss_score_block_mma(const __nv_bfloat16* __rest
 #pragma unroll
         for (int j = 0; j < U; ++j) {
             if (u0 + j < units) {
-                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int c = 0; c < R32; ++c) {
-                    hss_mma_bf16_16816(d0, d1, d2, d3, a[j][0][c].x, a[j][1][c].x, a[j][0][c].y, a[j][1][c].y,
-                                       b[j][c].x, b[j][c].y);
-                    hss_mma_bf16_16816(d0, d1, d2, d3, a[j][0][c].z, a[j][1][c].z, a[j][0][c].w, a[j][1][c].w,
-                                       b[j][c].z, b[j][c].w);
+                    const uint32_t lo[4] = {a[j][0][c].x, a[j][1][c].x, a[j][0][c].y, a[j][1][c].y};
+                    const uint32_t hi[4] = {a[j][0][c].z, a[j][1][c].z, a[j][0][c].w, a[j][1][c].w};
+                    hss_mma16816(d, lo, b[j][c].x, b[j][c].y);
+                    hss_mma16816(d, hi, b[j][c].z, b[j][c].w);
                 }
-                // d0, d2: head 2t, tokens grp and grp + 8; d1, d3: head 2t + 1. fmaxf skips NaN.
-                if (use0) best = fmaxf(best, fmaxf(d0, d2));
-                if (use1) best = fmaxf(best, fmaxf(d1, d3));
+                // d[0], d[2]: head 2t, tokens grp and grp + 8; d[1], d[3]: head 2t + 1. fmaxf skips NaN.
+                if (use0) best = fmaxf(best, fmaxf(d[0], d[2]));
+                if (use1) best = fmaxf(best, fmaxf(d[1], d[3]));
             }
         }
     }
@@ -106,7 +98,7 @@ predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* _
             default: best = hss_score_block_mma<4>(q_proj, blk, units, block_size, gqa_ratio, lane); break;
         }
     } else {
-        best = -INFINITY;
+        best = hss_neg_inf();
         const int pairs = num_q_heads * block_size;
         for (int p = lane; p < pairs; p += 32) {
             const int qh = p / block_size, tok = p - qh * block_size;

@@ -7,12 +7,13 @@
 // Shared math.
 //   RMS norm (group = hd): y[d] = x[d] * rsqrtf(sum_d x[d]^2 / hd + eps) * (1 + w[d]), all f32; the sum is a
 //     block reduction: a shuffle-down tree per warp, per-warp sums in shared memory, thread 0 adds them in
-//     warp order (deterministic).
+//     warp order (deterministic; hss_block_sum in hss_common.cuh).
 //   RoPE, rotate-half on the first `rot` dims (rot even, <= hd): for d < rot, half = rot/2, j = d mod half,
 //     inv_freq = exp(-(2j/rot) ln theta) and (sin, cos)(pos * inv_freq) computed in double, then cast to f32;
-//     out[d] = y[j]*c - y[j+half]*s (d < half), y[j+half]*c + y[j]*s (half <= d < rot), y[d] (d >= rot).
+//     out[d] = y[j]*c - y[j+half]*s (d < half), y[j+half]*c + y[j]*s (half <= d < rot), y[d] (d >= rot)
+//     (hss_rope in hss_rope.cuh).
 //
-// Decode kernels (this issue):
+// Decode kernels:
 // qsa_block_pool(raw_keys bf16 [*, hd], k_norm_w bf16 [hd], block_keys bf16 [*, hd], first_block, ratio, hd,
 //                rot, theta f32, eps f32)
 //   grid (n_new, 1, 1), block (hd, 1, 1) with hd a multiple of 32, dynamic smem (hd + 32) * 4 B.
@@ -39,9 +40,10 @@
 //   and of v_out (16-byte copies when every pointer and the row size allow, else 2-byte). A negative sel entry
 //   or page id leaves the row unwritten.
 //
-// Prefill kernels (qsa_qprep_rows, qsa_score_rows, qsa_score_rows_tc, qsa_prefill_attn) follow in a later issue.
-#include <stdint.h>
+// The prefill kernels (qsa_qprep_rows, qsa_score_rows, qsa_score_rows_tc, qsa_prefill_attn, qsa_prefill_attn_tc)
+// are in qsa_prefill.cuh, included at the end of this file.
 #include "hss_common.cuh"
+#include "hss_rope.cuh"
 
 typedef unsigned int u32;
 
@@ -60,39 +62,10 @@ __device__ __forceinline__ bool qsa_row_launch_ok(u32 hd, u32 rot) {
            qsa_dynamic_smem_bytes() >= (hd + 32) * 4;
 }
 
-// Sum of v over the CTA (blockDim.x a multiple of 32); every thread gets the same value. One use per kernel:
-// red[0] is rewritten by thread 0 between the two barriers and read by all after the second.
-__device__ __forceinline__ float qsa_block_sum(float v, float* red) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float s = red[0];
-        for (u32 w = 1; w < (blockDim.x >> 5); ++w) s += red[w];
-        red[0] = s;
-    }
-    __syncthreads();
-    return red[0];
-}
-
-// RoPE of the normed row `y` (shared, [hd]) at dim d, position pos.
-__device__ __forceinline__ float qsa_rope(const float* y, u32 d, u32 rot, double pos, float theta) {
-    if (d >= rot) return y[d];
-    const u32 half = rot >> 1;
-    const u32 j = d < half ? d : d - half;
-    const double inv_freq = exp(-((double)(2 * j) / (double)rot) * log((double)theta));
-    double s, c;
-    sincos(pos * inv_freq, &s, &c);
-    const float fs = (float)s, fc = (float)c;
-    const float x1 = y[j], x2 = y[j + half];
-    return d < half ? x1 * fc - x2 * fs : x2 * fc + x1 * fs;
-}
-
 // y[d] = x * rsqrtf(mean(x^2) + eps) * (1 + w[d]) into shared y; ends with a barrier.
 __device__ __forceinline__ void qsa_rms_norm(float x, const __nv_bfloat16* __restrict__ w, u32 hd, float eps, float* y,
                                              float* red) {
-    const float ms = qsa_block_sum(x * x, red);
+    const float ms = hss_block_sum<false>(x * x, red);
     const float rms = rsqrtf(ms / (float)hd + eps);
     const u32 d = threadIdx.x;
     y[d] = x * rms * (1.0f + __bfloat162float(w[d]));
@@ -112,7 +85,7 @@ extern "C" __global__ void qsa_block_pool(const __nv_bfloat16* __restrict__ raw_
     for (u32 r = 0; r < ratio; ++r) sum += __bfloat162float(src[(size_t)r * hd]);
     const float v = sum / (float)ratio;
     qsa_rms_norm(v, k_norm_w, hd, eps, smem, smem + hd);
-    block_keys[b * hd + d] = __float2bfloat16_rn(qsa_rope(smem, d, rot, (double)b * (double)ratio, theta));
+    block_keys[b * hd + d] = __float2bfloat16_rn(hss_rope(smem, d, rot, (double)b * (double)ratio, theta));
 }
 
 extern "C" __global__ void qsa_qprep(const __nv_bfloat16* __restrict__ q_in, const __nv_bfloat16* __restrict__ q_norm_w,
@@ -122,12 +95,8 @@ extern "C" __global__ void qsa_qprep(const __nv_bfloat16* __restrict__ q_in, con
     const u32 d = threadIdx.x;
     const size_t row = (size_t)blockIdx.x * hd;
     qsa_rms_norm(__bfloat162float(q_in[row + d]), q_norm_w, hd, eps, smem, smem + hd);
-    q_out[row + d] = qsa_rope(smem, d, rot, (double)pos, theta);
+    q_out[row + d] = hss_rope(smem, d, rot, (double)pos, theta);
 }
-
-// bf16 pair (little-endian: element 0 in the low half) -> two f32 (exact).
-__device__ __forceinline__ float qsa_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float qsa_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 // Fast path: LPB = hd / 8 lanes per block (one 16-byte chunk each), G = 32 / LPB blocks per warp step, a warp
 // tile = QSA_SCORE_STEPS steps. Warps walk tiles grid-stride. qs: shared [n_heads, hd], staged here.
@@ -159,8 +128,10 @@ __device__ __forceinline__ void qsa_score_chunks(const float* __restrict__ q, co
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const size_t b = t * TILE + u * G + sub;
-            const float k0 = qsa_lo(kv[u].x), k1 = qsa_hi(kv[u].x), k2 = qsa_lo(kv[u].y), k3 = qsa_hi(kv[u].y);
-            const float k4 = qsa_lo(kv[u].z), k5 = qsa_hi(kv[u].z), k6 = qsa_lo(kv[u].w), k7 = qsa_hi(kv[u].w);
+            const float k0 = hss_bf16_lo(kv[u].x), k1 = hss_bf16_hi(kv[u].x);
+            const float k2 = hss_bf16_lo(kv[u].y), k3 = hss_bf16_hi(kv[u].y);
+            const float k4 = hss_bf16_lo(kv[u].z), k5 = hss_bf16_hi(kv[u].z);
+            const float k6 = hss_bf16_lo(kv[u].w), k7 = hss_bf16_hi(kv[u].w);
             float acc = 0.0f;
             for (u32 h = 0; h < n_heads; ++h) {
                 const float4 qa = *reinterpret_cast<const float4*>(qs + h * hd + 8 * c);
@@ -173,8 +144,7 @@ __device__ __forceinline__ void qsa_score_chunks(const float* __restrict__ q, co
                 dot = fmaf(qb.y, k5, dot);
                 dot = fmaf(qb.z, k6, dot);
                 dot = fmaf(qb.w, k7, dot);
-#pragma unroll
-                for (int off = LPB / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                dot = hss_warp_sum<LPB>(dot);   // over the block's LPB lanes
                 acc += fmaxf(dot, 0.0f);
             }
             if (c == 0 && b < n_blocks) scores[b] = acc * scale;

@@ -1,5 +1,5 @@
 // qsa_prefill.cuh: the QSA prefill kernels (SPEC §12.5-12.8 as amended by SPEC §0), part of PTX module
-// qsa_indexer (included at the end of qsa_indexer.cu; ptx/qsa_prefill_dev.cu wraps it alone for tests).
+// qsa_indexer (included at the end of qsa_indexer.cu).
 // Built without --use_fast_math, as the original. All scalars u32 except theta/eps/inv_sqrt_d (f32).
 // Tensor cores through inline PTX mma.sync (sm_80+), so the base compute_80 build carries everything.
 // Every pointer below is assumed 16-byte aligned (allocations are) unless it says otherwise.
@@ -7,7 +7,7 @@
 // qsa_qprep_rows(qk, q_norm_w, q_out, first_pos, qkw, n_heads, hd, rot, theta, eps)          [SPEC §12.5]
 //   qk [rows, qkw] bf16 (query heads in the first n_heads*hd columns), q_norm_w [hd] bf16 (offset from 1),
 //   q_out [rows, n_heads, hd] f32. Row r is at position first_pos + r. Per (row, head): x = f32(qk);
-//   rms = rsqrtf(blocksum(x^2)/hd + eps); normed = x*rms*(1+w); RoPE rotate-half on dims < rot with
+//   rms = rsqrtf(hss_block_sum(x^2)/hd + eps); normed = x*rms*(1+w); RoPE rotate-half on dims < rot with
 //   double-precision angles (sincos(pos * exp(-(2j/rot) ln theta))), f32 out, no bf16 rounding.
 //   Grid (rows, n_heads, 1), block (hd, 1, 1) with hd % 32 == 0, dynamic smem (hd + 32) * 4 B. rot is
 //   clamped to hd (the launcher requires an even rot <= hd).
@@ -61,11 +61,11 @@
 //   the column order of O are permuted so that a lane's fragments are contiguous 16-byte runs), so the
 //   ring needs no barrier. The two warps merge through smem at the end.
 #pragma once
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "hss_async.cuh"
 #include "hss_common.cuh"
+#include "hss_mma.cuh"
+#include "hss_rope.cuh"
 
-#define QSP_FULL 0xffffffffu
 #define QSP_MASKED (-1e30f)
 
 extern __shared__ __align__(16) unsigned char qsp_dynsmem[];
@@ -73,76 +73,6 @@ extern __shared__ __align__(16) unsigned char qsp_dynsmem[];
 // ------------------------------------------------------------------------------------------------
 // small helpers
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ float qsp_neg_inf() { return __int_as_float(0xff800000); }
-
-// SPEC §12 block reduction: shuffle-down tree per warp, warp sums to red[w], thread 0 adds them in order.
-__device__ __forceinline__ float qsp_block_sum(float v, float* red) {
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31u) >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(QSP_FULL, v, off);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float s = 0.f;
-        for (unsigned w = 0; w < nwarps; ++w) s += red[w];
-        red[0] = s;
-    }
-    __syncthreads();
-    return red[0];
-}
-
-// SPEC §12 common RoPE for output dim d < rot <= hd (rotate-half pairs (j, j + rot/2)).
-__device__ __forceinline__ float qsp_rope(const float* normed, unsigned d, unsigned rot, unsigned pos, float theta) {
-    const unsigned half = rot >> 1;
-    const unsigned j = d < half ? d : d - half;
-    const double inv_freq = exp(-(2.0 * (double)j / (double)rot) * log((double)theta));
-    double s, c;
-    sincos((double)pos * inv_freq, &s, &c);
-    const float sf = (float)s, cf = (float)c;
-    const float x1 = normed[j], x2 = normed[j + half];
-    return d < half ? x1 * cf - x2 * sf : x2 * cf + x1 * sf;
-}
-
-// bf16 pair packing: `a` in the low half (the lower k / column index of an mma fragment register).
-__device__ __forceinline__ uint32_t qsp_pack(__nv_bfloat16 a, __nv_bfloat16 b) {
-    return (uint32_t)__bfloat16_as_ushort(a) | ((uint32_t)__bfloat16_as_ushort(b) << 16);
-}
-
-// x = hi + lo with hi = bf16(x), lo = bf16(x - f32(hi)) (x - f32(hi) is exact in f32), for a pair.
-__device__ __forceinline__ void qsp_split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-    const __nv_bfloat16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
-    hi = qsp_pack(h0, h1);
-    lo = qsp_pack(__float2bfloat16_rn(x0 - __bfloat162float(h0)), __float2bfloat16_rn(x1 - __bfloat162float(h1)));
-}
-
-__device__ __forceinline__ float qsp_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float qsp_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-// D += A (16x16 bf16, row) * B (16x8 bf16, col), f32 accumulate. Fragments as in the PTX ISA: with
-// g = lane/4, c = lane%4: a[0] = A[g][2c..2c+1], a[1] = A[g+8][2c..], a[2] = A[g][2c+8..], a[3] = A[g+8][2c+8..];
-// b0 = B[2c..2c+1][g], b1 = B[2c+8..2c+9][g]; d[0..1] = D[g][2c..2c+1], d[2..3] = D[g+8][2c..2c+1].
-__device__ __forceinline__ void qsp_mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// D += A (16x8 bf16, row) * B (8x8 bf16, col): a0 = A[g][2c..2c+1], a1 = A[g+8][2c..2c+1], b = B[2c..2c+1][g].
-__device__ __forceinline__ void qsp_mma1688(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(b));
-}
-
-__device__ __forceinline__ void qsp_cp_async16(void* smem_dst, const void* gmem_src) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem_src) : "memory");
-}
-__device__ __forceinline__ void qsp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void qsp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // Token t of a row's selection (t < sel = topk*ratio: list order; then the tail).
 __device__ __forceinline__ unsigned qsp_token(unsigned t, unsigned sel, const int* __restrict__ list_r,
                                               unsigned ratio, unsigned complete) {
@@ -172,13 +102,13 @@ extern "C" __global__ void qsa_qprep_rows(const __nv_bfloat16* __restrict__ qk, 
     const unsigned r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     if (h >= n_heads || hd == 0) return;   // uniform per CTA
     const float x = d < hd ? __bfloat162float(qk[(size_t)r * qkw + (size_t)h * hd + d]) : 0.f;
-    const float ss = qsp_block_sum(x * x, red);
+    const float ss = hss_block_sum<true>(x * x, red);
     const float rms = rsqrtf(ss / (float)hd + eps);
     if (d < hd) normed[d] = x * rms * (1.f + __bfloat162float(q_norm_w[d]));
     __syncthreads();
     if (d >= hd) return;
     const unsigned rot_e = rot < hd ? rot : hd;
-    const float out = d < rot_e ? qsp_rope(normed, d, rot_e, first_pos + r, theta) : normed[d];
+    const float out = hss_rope(normed, d, rot_e, (double)(first_pos + r), theta);
     q_out[((size_t)r * n_heads + h) * hd + d] = out;
 }
 
@@ -260,8 +190,8 @@ extern "C" __global__ void __launch_bounds__(256) qsa_score_rows(
                             const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                v[2 * e] = qsp_bf16_lo(w[e]);
-                                v[2 * e + 1] = qsp_bf16_hi(w[e]);
+                                v[2 * e] = hss_bf16_lo(w[e]);
+                                v[2 * e + 1] = hss_bf16_hi(w[e]);
                             }
                         } else {
 #pragma unroll
@@ -333,14 +263,14 @@ __device__ __forceinline__ void qsp_tc_load_a(const float* __restrict__ q, unsig
             xa[e] = fa.x; xa[e + 1] = fa.y; xa[e + 2] = fa.z; xa[e + 3] = fa.w;
             xb[e] = fb.x; xb[e + 1] = fb.y; xb[e + 2] = fb.z; xb[e + 3] = fb.w;
         }
-        qsp_split2(xa[0], xa[1], ahi[2 * m][0], alo[2 * m][0]);
-        qsp_split2(xb[0], xb[1], ahi[2 * m][1], alo[2 * m][1]);
-        qsp_split2(xa[2], xa[3], ahi[2 * m][2], alo[2 * m][2]);
-        qsp_split2(xb[2], xb[3], ahi[2 * m][3], alo[2 * m][3]);
-        qsp_split2(xa[4], xa[5], ahi[2 * m + 1][0], alo[2 * m + 1][0]);
-        qsp_split2(xb[4], xb[5], ahi[2 * m + 1][1], alo[2 * m + 1][1]);
-        qsp_split2(xa[6], xa[7], ahi[2 * m + 1][2], alo[2 * m + 1][2]);
-        qsp_split2(xb[6], xb[7], ahi[2 * m + 1][3], alo[2 * m + 1][3]);
+        hss_bf16_split2(xa[0], xa[1], ahi[2 * m][0], alo[2 * m][0]);
+        hss_bf16_split2(xb[0], xb[1], ahi[2 * m][1], alo[2 * m][1]);
+        hss_bf16_split2(xa[2], xa[3], ahi[2 * m][2], alo[2 * m][2]);
+        hss_bf16_split2(xb[2], xb[3], ahi[2 * m][3], alo[2 * m][3]);
+        hss_bf16_split2(xa[4], xa[5], ahi[2 * m + 1][0], alo[2 * m + 1][0]);
+        hss_bf16_split2(xb[4], xb[5], ahi[2 * m + 1][1], alo[2 * m + 1][1]);
+        hss_bf16_split2(xa[6], xa[7], ahi[2 * m + 1][2], alo[2 * m + 1][2]);
+        hss_bf16_split2(xb[6], xb[7], ahi[2 * m + 1][3], alo[2 * m + 1][3]);
     }
 }
 
@@ -376,21 +306,21 @@ extern "C" __global__ void __launch_bounds__(32 * QSP_TC_WARPS, 2) qsa_score_row
             for (unsigned i = 0; i < PIECES / NT; ++i) {
                 const unsigned p = tid + NT * i, n = p >> 4, ch = p & 15u, b = chunk * QSP_TC_BN + n;
                 uint4* dst = &ks[stage * PIECES + n * 16 + (ch ^ ((n & 1u) << 2))];
-                if (b < lim) qsp_cp_async16(dst, block_keys + (size_t)b * QSP_TC_HD + ch * 8);
+                if (b < lim) hss_cp_async16(dst, block_keys + (size_t)b * QSP_TC_HD + ch * 8);
                 else *dst = make_uint4(0u, 0u, 0u, 0u);   // past the scorable blocks: zeros
             }
         };
         issue(cb, 0);   // the first two chunks fly while q is loaded and split
-        qsp_cp_commit();
+        hss_cp_commit();
         if (cb + 1 < cl) issue(cb + 1, 1);
-        qsp_cp_commit();
+        hss_cp_commit();
         const unsigned row = r0 + 4 * warp + (g & 3u), hi_half = g >> 2;   // hi_half: lane holds heads 1, 3
         uint32_t ahi[8][4], alo[8][4];
         qsp_tc_load_a(q, row, hi_half, row, 2 + hi_half, rows, c, ahi, alo);
         const unsigned comp = (first_pos + row + 1) / ratio;
         unsigned st = 0;
         for (unsigned ci = cb; ci < cl; ++ci) {
-            qsp_cp_wait<1>();   // this thread's copies of chunk ci have landed
+            hss_cp_wait<1>();   // this thread's copies of chunk ci have landed
             __syncthreads();    // everyone's have, and everyone is done with chunk ci - 1's stage
             const uint4* kst = ks + st * PIECES;
             float acc[8][4];
@@ -404,10 +334,10 @@ extern "C" __global__ void __launch_bounds__(32 * QSP_TC_WARPS, 2) qsa_score_row
                 for (int j = 0; j < 8; ++j) {
                     const unsigned n = j * 8 + g;
                     const uint4 w = kst[n * 16 + ((4u * m + c) ^ ((n & 1u) << 2))];
-                    qsp_mma16816(acc[j], ahi[2 * m], w.x, w.y);
-                    qsp_mma16816(acc[j], alo[2 * m], w.x, w.y);
-                    qsp_mma16816(acc[j], ahi[2 * m + 1], w.z, w.w);
-                    qsp_mma16816(acc[j], alo[2 * m + 1], w.z, w.w);
+                    hss_mma16816(acc[j], ahi[2 * m], w.x, w.y);
+                    hss_mma16816(acc[j], alo[2 * m], w.x, w.y);
+                    hss_mma16816(acc[j], ahi[2 * m + 1], w.z, w.w);
+                    hss_mma16816(acc[j], alo[2 * m + 1], w.z, w.w);
                 }
             }
 #pragma unroll
@@ -421,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(32 * QSP_TC_WARPS, 2) qsa_score_row
                 const unsigned b = ci * QSP_TC_BN + (2 * p + hi_half) * 8 + 2 * c;
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {   // (h0 + h2) + (h1 + h3)
-                    const float other = __shfl_xor_sync(QSP_FULL, hi_half ? s0[e] : s1[e], 16);
+                    const float other = __shfl_xor_sync(HSS_FULL_MASK, hi_half ? s0[e] : s1[e], 16);
                     const float mine = hi_half ? s1[e] : s0[e];
                     const float lo_heads = hi_half ? other : mine, hi_heads = hi_half ? mine : other;
                     o[e] = (b + e >= comp) ? QSP_MASKED : (lo_heads + hi_heads) * scale;
@@ -438,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(32 * QSP_TC_WARPS, 2) qsa_score_row
             {   // chunk ci + 2 into chunk ci - 1's stage (free since this iteration's barrier), with acc dead
                 const unsigned nst = st >= QSP_TC_STAGES - 2 ? st + 2 - QSP_TC_STAGES : st + 2;
                 if (ci + 2 < cl) issue(ci + 2, nst);
-                qsp_cp_commit();
+                hss_cp_commit();
             }
             st = st + 1 == QSP_TC_STAGES ? 0u : st + 1;
         }
@@ -489,7 +419,7 @@ __device__ __forceinline__ QspRaw<VEC> qsp_load_vec(const __nv_bfloat16* p) {   
 template <int VEC>
 __device__ __forceinline__ void qsp_unpack_vec(const QspRaw<VEC>& r, float (&f)[VEC]) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) f[i] = (i & 1) ? qsp_bf16_hi(r.w[i >> 1]) : qsp_bf16_lo(r.w[i >> 1]);
+    for (int i = 0; i < VEC; ++i) f[i] = (i & 1) ? hss_bf16_hi(r.w[i >> 1]) : hss_bf16_lo(r.w[i >> 1]);
 }
 
 template <int VEC>
@@ -651,21 +581,21 @@ __device__ __forceinline__ void qsp_attn_tc_body(
     auto issue = [&](unsigned stage, long long off) {   // warp-uniform call
         unsigned char* ks = wst + stage * SB;
         unsigned char* vs = ks + KB;
-        const long long ok = __shfl_sync(QSP_FULL, off, g);
-        const long long ov0 = __shfl_sync(QSP_FULL, off, 2 * c), ov1 = __shfl_sync(QSP_FULL, off, 2 * c + 1);
+        const long long ok = __shfl_sync(HSS_FULL_MASK, off, g);
+        const long long ov0 = __shfl_sync(HSS_FULL_MASK, off, 2 * c), ov1 = __shfl_sync(HSS_FULL_MASK, off, 2 * c + 1);
 #pragma unroll
         for (unsigned m = 0; m < NM; ++m) {
             void* dst = ks + (m * 32 + lane) * 16;
-            if (ok >= 0) qsp_cp_async16(dst, k_cache + ok + 32 * m + 8 * c);
+            if (ok >= 0) hss_cp_async16(dst, k_cache + ok + 32 * m + 8 * c);
             else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (unsigned i = 0; i < NI; ++i) {
             void* d0 = vs + ((2 * i) * 32 + lane) * 16;
             void* d1 = vs + ((2 * i + 1) * 32 + lane) * 16;
-            if (ov0 >= 0) qsp_cp_async16(d0, v_cache + ov0 + 64 * i + 8 * g);
+            if (ov0 >= 0) hss_cp_async16(d0, v_cache + ov0 + 64 * i + 8 * g);
             else *reinterpret_cast<uint4*>(d0) = make_uint4(0u, 0u, 0u, 0u);
-            if (ov1 >= 0) qsp_cp_async16(d1, v_cache + ov1 + 64 * i + 8 * g);
+            if (ov1 >= 0) hss_cp_async16(d1, v_cache + ov1 + 64 * i + 8 * g);
             else *reinterpret_cast<uint4*>(d1) = make_uint4(0u, 0u, 0u, 0u);
         }
     };
@@ -680,16 +610,16 @@ __device__ __forceinline__ void qsp_attn_tc_body(
     if (n_my > 0) {
         unsigned sc = warp;
         issue(0, off_of(tok_of(sc)));
-        qsp_cp_commit();
+        hss_cp_commit();
         long long off_n1 = off_of(tok_of(sc + 2));   // next sub-chunk's rows (lists -> table resolved)
         unsigned tok_n2 = tok_of(sc + 4);             // the one after: lists read, table not yet
         for (unsigned it = 0; it < n_my; ++it, sc += 2) {
             const unsigned st = it & 1u;
             if (it + 1 < n_my) issue(st ^ 1u, off_n1);
-            qsp_cp_commit();
+            hss_cp_commit();
             off_n1 = off_of(tok_n2);   // these loads complete while sub-chunk sc is computed
             tok_n2 = tok_of(sc + 6);
-            qsp_cp_wait<1>();          // sub-chunk sc has landed (each lane reads only its own copies)
+            hss_cp_wait<1>();          // sub-chunk sc has landed (each lane reads only its own copies)
             const unsigned char* ks = wst + st * SB;
             const unsigned char* vs = ks + KB;
 
@@ -704,22 +634,22 @@ __device__ __forceinline__ void qsp_attn_tc_body(
                 if (g + 8 < G) qb = *reinterpret_cast<const uint4*>(qsm + (g + 8) * QST + (32 * m + 8 * c) * 2);
                 const uint32_t a0[4] = {qa.x, qb.x, qa.y, qb.y};
                 const uint32_t a1[4] = {qa.z, qb.z, qa.w, qb.w};
-                qsp_mma16816(sacc[(2 * m) & 3u], a0, kw.x, kw.y);
-                qsp_mma16816(sacc[(2 * m + 1) & 3u], a1, kw.z, kw.w);
+                hss_mma16816(sacc[(2 * m) & 3u], a0, kw.x, kw.y);
+                hss_mma16816(sacc[(2 * m + 1) & 3u], a1, kw.z, kw.w);
             }
             float s[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[e] = (sacc[0][e] + sacc[1][e]) + (sacc[2][e] + sacc[3][e]);
             const unsigned t0 = sc * 8 + 2 * c;
             const bool v0 = t0 < n_tok, v1 = t0 + 1 < n_tok;
-            const float ninf = qsp_neg_inf();
+            const float ninf = hss_neg_inf();
             const float x0 = v0 ? s[0] * sl2 : ninf, x1 = v1 ? s[1] * sl2 : ninf;
             const float x2 = v0 ? s[2] * sl2 : ninf, x3 = v1 ? s[3] * sl2 : ninf;
             float mxa = fmaxf(x0, x1), mxb = fmaxf(x2, x3);
-            mxa = fmaxf(mxa, __shfl_xor_sync(QSP_FULL, mxa, 1));
-            mxa = fmaxf(mxa, __shfl_xor_sync(QSP_FULL, mxa, 2));
-            mxb = fmaxf(mxb, __shfl_xor_sync(QSP_FULL, mxb, 1));
-            mxb = fmaxf(mxb, __shfl_xor_sync(QSP_FULL, mxb, 2));
+            mxa = fmaxf(mxa, __shfl_xor_sync(HSS_FULL_MASK, mxa, 1));
+            mxa = fmaxf(mxa, __shfl_xor_sync(HSS_FULL_MASK, mxa, 2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(HSS_FULL_MASK, mxb, 1));
+            mxb = fmaxf(mxb, __shfl_xor_sync(HSS_FULL_MASK, mxb, 2));
             const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
             const float ala = exp2f(m_a - mna), alb = exp2f(m_b - mnb);
             const float p0 = exp2f(x0 - mna), p1 = exp2f(x1 - mna), p2 = exp2f(x2 - mnb), p3 = exp2f(x3 - mnb);
@@ -728,8 +658,8 @@ __device__ __forceinline__ void qsp_attn_tc_body(
             m_a = mna;
             m_b = mnb;
             uint32_t ph0, pl0, ph1, pl1;
-            qsp_split2(p0, p1, ph0, pl0);
-            qsp_split2(p2, p3, ph1, pl1);
+            hss_bf16_split2(p0, p1, ph0, pl0);
+            hss_bf16_split2(p2, p3, ph1, pl1);
 #pragma unroll
             for (unsigned i = 0; i < NI; ++i) {
                 const uint4 va = *reinterpret_cast<const uint4*>(vs + ((2 * i) * 32 + lane) * 16);
@@ -739,8 +669,8 @@ __device__ __forceinline__ void qsp_attn_tc_body(
                 for (unsigned e = 0; e < 8; ++e) {
                     const uint32_t b = __byte_perm(wa[e >> 1], wb[e >> 1], (e & 1u) ? 0x7632u : 0x5410u);
                     float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-                    qsp_mma1688(tmp, ph0, ph1, b);
-                    qsp_mma1688(tmp, pl0, pl1, b);
+                    hss_mma1688(tmp, ph0, ph1, b);
+                    hss_mma1688(tmp, pl0, pl1, b);
                     float(&oj)[4] = o[8 * i + e];
                     oj[0] = fmaf(oj[0], ala, tmp[0]);
                     oj[1] = fmaf(oj[1], ala, tmp[1]);
@@ -750,11 +680,11 @@ __device__ __forceinline__ void qsp_attn_tc_body(
             }
         }
     }
-    l_a += __shfl_xor_sync(QSP_FULL, l_a, 1);
-    l_a += __shfl_xor_sync(QSP_FULL, l_a, 2);
-    l_b += __shfl_xor_sync(QSP_FULL, l_b, 1);
-    l_b += __shfl_xor_sync(QSP_FULL, l_b, 2);
-    qsp_cp_wait<0>();
+    l_a += __shfl_xor_sync(HSS_FULL_MASK, l_a, 1);
+    l_a += __shfl_xor_sync(HSS_FULL_MASK, l_a, 2);
+    l_b += __shfl_xor_sync(HSS_FULL_MASK, l_b, 1);
+    l_b += __shfl_xor_sync(HSS_FULL_MASK, l_b, 2);
+    hss_cp_wait<0>();
     __syncthreads();   // both warps are done with their rings: reuse them for the merge
     float* ob = reinterpret_cast<float*>(stg);   // [16][OST] f32, natural column order
     float* mlb = ob + 16 * OST;                  // [16][2] (m, l) of warp 1
@@ -796,10 +726,10 @@ __device__ __forceinline__ void qsp_attn_tc_body(
         const float4 f0 = *reinterpret_cast<const float4*>(ob + row * OST + col);
         const float4 f1 = *reinterpret_cast<const float4*>(ob + row * OST + col + 4);
         uint4 u;
-        u.x = qsp_pack(__float2bfloat16_rn(f0.x), __float2bfloat16_rn(f0.y));
-        u.y = qsp_pack(__float2bfloat16_rn(f0.z), __float2bfloat16_rn(f0.w));
-        u.z = qsp_pack(__float2bfloat16_rn(f1.x), __float2bfloat16_rn(f1.y));
-        u.w = qsp_pack(__float2bfloat16_rn(f1.z), __float2bfloat16_rn(f1.w));
+        u.x = hss_bf16_pack(__float2bfloat16_rn(f0.x), __float2bfloat16_rn(f0.y));
+        u.y = hss_bf16_pack(__float2bfloat16_rn(f0.z), __float2bfloat16_rn(f0.w));
+        u.z = hss_bf16_pack(__float2bfloat16_rn(f1.x), __float2bfloat16_rn(f1.y));
+        u.w = hss_bf16_pack(__float2bfloat16_rn(f1.z), __float2bfloat16_rn(f1.w));
         *reinterpret_cast<uint4*>(attn_out + (qrow + row) * HD + col) = u;
     }
 }

@@ -1,0 +1,160 @@
+"""The kernel sources against the Python side, no GPU or nvcc needed: every ``extern "C" __global__`` signature in
+``ptx/*.cu`` / ``*.cuh`` against its declaration in :data:`hss.kernels.DECLARATIONS` (parameter names and C types),
+and the ``#define``d constants (and launch bounds) against the Python constants that mirror them.
+
+``tests/test_build_ptx.py`` compares the declarations with the committed PTX's ``.entry`` parameter types; this
+module reads the sources, so it also sees parameter names, the constants and which file a kernel lives in.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hss import ptx
+from hss.kernels import DECLARATIONS, attention, predictor, qsa, qsa_prefill
+from hss.reference import qsa_prefill as ref_qsa_prefill
+
+PTX_DIR = ptx.ptx_dir()
+SOURCES = sorted([*PTX_DIR.glob("*.cu"), *PTX_DIR.glob("*.cuh")])
+KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+'
+                    r"(?:__launch_bounds__\s*\((?P<bounds>(?:[^()]|\([^()]*\))*)\)\s*)?"
+                    r"(?P<name>\w+)\s*\((?P<params>[^)]*)\)")
+DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(?![\w(])[ \t]*(.*?)[ \t]*$", re.MULTILINE)
+TYPEDEF = re.compile(r"\btypedef\s+([\w\s]+?)\s+(\w+)\s*;")
+SCALAR_KINDS = {"int": "i32", "int32_t": "i32", "unsigned": "u32", "unsigned int": "u32", "uint32_t": "u32",
+                "long long": "i64", "long long int": "i64", "int64_t": "i64", "float": "f32"}
+
+
+def code(path: Path) -> str:
+    """The source without its comments (no kernel source puts // or /* inside a string)."""
+    text = re.sub(r"/\*.*?\*/", " ", path.read_text(), flags=re.DOTALL)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def param_kind(decl: str, typedefs: dict[str, str]) -> tuple[str, str]:
+    """(name, kind) of one C parameter declaration such as ``const float* __restrict__ q``."""
+    words = re.sub(r"\b(?:const|volatile|__restrict__)\b", " ", decl).replace("*", " * ").split()
+    name, ctype = words[-1], words[:-1]
+    if "*" in ctype:
+        return name, "ptr"
+    spelled = " ".join(ctype)
+    spelled = typedefs.get(spelled, spelled)
+    assert spelled in SCALAR_KINDS, f"parameter {name}: C type {spelled!r} has no declaration kind"
+    return name, SCALAR_KINDS[spelled]
+
+
+@functools.cache
+def source_kernels() -> dict[str, dict]:
+    """Every extern "C" kernel in ptx/: its file, (name, kind) parameters and __launch_bounds__ text."""
+    typedefs = {name: " ".join(t.split()) for path in SOURCES for t, name in TYPEDEF.findall(code(path))}
+    found: dict[str, dict] = {}
+    for path in SOURCES:
+        for m in KERNEL.finditer(code(path)):
+            name = m.group("name")
+            assert name not in found, f"kernel {name} is defined in {found.get(name, {}).get('file')} and {path.name}"
+            params = [param_kind(p, typedefs) for p in m.group("params").split(",") if p.strip()]
+            found[name] = {"file": path.name, "params": params, "bounds": m.group("bounds")}
+    return found
+
+
+@functools.cache
+def defines() -> dict[str, str]:
+    """Every object-like ``#define`` in ptx/ (the default where ``#ifndef`` lets a build-time flag override it)."""
+    out: dict[str, str] = {}
+    for path in SOURCES:
+        for name, value in DEFINE.findall(code(path)):
+            assert out.get(name, value) == value, f"#define {name} differs between files"
+            out[name] = value
+    return out
+
+
+def evaluate(expr: str, table: dict[str, str], depth: int = 0) -> int | float:
+    """The value of a constant expression over the #defines (C literal suffixes dropped; / on integers is C's)."""
+    assert depth < 16, f"#define cycle at {expr!r}"
+    expr = re.sub(r"\b(0[xX][0-9a-fA-F]+|\d+\.?\d*(?:[eE][+-]?\d+)?)[uUlLfF]+\b", r"\1", expr)
+    expr = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: f"({evaluate(table[m.group(0)], table, depth + 1)!r})", expr)
+    floating = re.search(r"[.eE]", re.sub(r"0[xX][0-9a-fA-F]+", "", expr))
+    return eval(expr if floating else expr.replace("/", "//"), {"__builtins__": {}})
+
+
+def test_every_source_kernel_is_declared():
+    missing = sorted(set(source_kernels()) - set(DECLARATIONS))
+    assert not missing, f"kernels in ptx/ without a declaration in hss.kernels: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(DECLARATIONS))
+def test_declaration_matches_source_signature(name):
+    decl = DECLARATIONS[name]
+    assert name in source_kernels(), f"{name} is declared (module {decl.module}) but no ptx/ source defines it"
+    kernel = source_kernels()[name]
+    in_module = [p.name for p in ptx.sources(decl.module, PTX_DIR)]
+    assert kernel["file"] in in_module, f"{name} is in {kernel['file']}, not part of module {decl.module} {in_module}"
+    declared = list(zip(decl.names, decl.kinds, strict=True))
+    differ = [(i, src, dec) for i, (src, dec) in enumerate(zip(kernel["params"], declared, strict=False)) if src != dec]
+    assert len(kernel["params"]) == len(declared) and not differ, (
+        f"{name}: {kernel['file']} has {len(kernel['params'])} parameters, the declaration {len(declared)}; "
+        f"(index, source, declared) that differ: {differ}")
+
+
+# (#define or an expression over them, the Python value that mirrors it)
+MIRRORS = [
+    ("ATT_THREADS", attention.STEP_THREADS),
+    ("ATT_UNIT", attention.UNIT_TOKENS),
+    ("ATT_STAGES", attention.STAGES),
+    ("ATT_HG", attention.HEAD_GROUP),
+    ("ATT_MAX_HD", attention.MAX_HEAD_DIM),
+    ("HSS_LR_ROWS", predictor.LOWRANK_ROWS),
+    ("HSS_LR_HEAD_DIM", predictor.LOWRANK_HEAD_DIM),
+    ("QSA_SCORE_THREADS", qsa.SCORE_THREADS),
+    ("QSA_SCORE_STEPS", qsa.SCORE_STEPS),
+    ("QSP_SR_BM", qsa_prefill.SCORE_TILE),
+    ("QSP_SR_BN", qsa_prefill.SCORE_TILE),
+    ("QSP_TC_BM", qsa_prefill.TC_ROWS),
+    ("QSP_TC_BN", qsa_prefill.TC_BLOCKS),
+    ("QSP_TC_H", qsa_prefill.TC_HEADS),
+    ("QSP_TC_HD", qsa_prefill.TC_HD),
+    ("32 * QSP_PA_WARPS", qsa_prefill.ATTN_THREADS),   # its __launch_bounds__ says 256: both are checked
+    ("QSP_PA_HG", qsa_prefill.ATTN_HEAD_GROUP),
+    ("QSP_AT_MAXG", qsa_prefill.ATTN_TC_MAX_GROUP),
+]
+
+
+@pytest.mark.parametrize("expr, python", MIRRORS, ids=[m[0] for m in MIRRORS])
+def test_define_matches_python_constant(expr, python):
+    value = evaluate(expr, defines())
+    assert value == python, f"{expr} = {value} in ptx/, {python} in Python"
+
+
+def test_masked_score_matches_reference():
+    assert np.float32(evaluate("QSP_MASKED", defines())) == np.float32(ref_qsa_prefill.MASKED)
+
+
+# kernel -> the block size (threads) the Python side launches it with; a block above __launch_bounds__ fails
+BLOCKS = {
+    "paged_decode_attn_tiled": attention.STEP_THREADS,
+    "attention_finalize": attention.FINALIZE_THREADS,
+    "qsa_score": qsa.SCORE_THREADS,
+    "qsa_score_rows": qsa_prefill.score_rows_geometry(1, 1).block[0],
+    "qsa_score_rows_tc": qsa_prefill.score_rows_tc_geometry(1, 1).block[0],
+    "qsa_prefill_attn": qsa_prefill.prefill_attn_geometry(1, 4, 1, 128).block[0],
+    "qsa_prefill_attn_tc": qsa_prefill.prefill_attn_tc_geometry(1, 1).block[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_launch_bounds_match_python_block(name):
+    bounds = source_kernels()[name]["bounds"]
+    assert bounds, f"{name} has no __launch_bounds__"
+    max_threads = evaluate(bounds.split(",")[0], defines())
+    assert max_threads == BLOCKS[name], f"{name}: __launch_bounds__({bounds}) but Python launches {BLOCKS[name]}"
+
+
+def test_parser_sees_every_kernel_and_override():
+    """The regexes above found what they should (a silent parse failure would pass the tests vacuously)."""
+    text = "".join(code(p) for p in SOURCES)
+    assert len(source_kernels()) == len(re.findall(r'extern\s+"C"\s+__global__', text)) == len(DECLARATIONS)
+    assert re.search(r"#ifndef ATT_UNIT\s+#define ATT_UNIT 1024\s", text) and defines()["ATT_UNIT"] == "1024"
