@@ -219,12 +219,19 @@ class DeviceArg:
 # A reader turns an object of one type into a DeviceArg (raising HssError/TypeError naming `name`).
 Reader = Callable[[Any, str, "int | None"], DeviceArg]
 _READERS: dict[type, Reader] = {}
+# hss's own array types: obj -> (address, bytes, dtype name or None), or None when closed (then the reader
+# raises); what pointer_arg decides without building a DeviceArg
+Quick = Callable[[Any], "tuple[int, int, str | None] | None"]
+_QUICK: dict[type, Quick] = {}
 _stream_join: Callable[[int, int], None] | None = None
 
 
-def register_pointer_type(cls: type, reader: Reader) -> None:
-    """Teach the argument layer a device-array type: ``reader(obj, name, stream) -> DeviceArg``."""
+def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None) -> None:
+    """Teach the argument layer a device-array type: ``reader(obj, name, stream) -> DeviceArg`` (raising for a
+    closed or unusable object), and optionally ``quick(obj) -> (address, bytes, dtype) | None`` for hot paths."""
     _READERS[cls] = reader
+    if quick is not None:
+        _QUICK[cls] = quick
 
 
 def set_stream_join(join: Callable[[int, int], None]) -> None:
@@ -305,6 +312,12 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
                     if i >= 0 and obj < ends[i] < obj + need:
                         snapshot.check(obj, need, name)
                 return obj
+        elif cls in _QUICK:
+            got = _QUICK[cls](obj)
+            if got is not None:
+                p, size, dt = got
+                if size >= need and not p % align and (dt is None or dt == dtype or dtype is None or dt == "u8"):
+                    return p
         elif _READERS.get(cls) is _read_torch:
             if not torch_dtypes:
                 torch_dtypes.update(_torch_matching(dtype))
@@ -463,7 +476,9 @@ def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
         raise HssError(f"{name}: reading a __dlpack__ producer needs cuda.core (pip install cuda-core), or pass "
                        "its device address")
     try:
-        view = view_cls(obj, stream_ptr=-1 if stream is None else stream)
+        consumer = -1 if stream is None else stream
+        from_dlpack = getattr(view_cls, "from_dlpack", None)   # cuda.core >= 0.5; older: the constructor
+        view = from_dlpack(obj, consumer) if from_dlpack is not None else view_cls(obj, consumer)
     except BufferError as exc:
         raise HssError(f"{name}: its DLPack export failed ({exc})") from None
     if not view.is_device_accessible or view.device_id < 0:

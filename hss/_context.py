@@ -181,17 +181,19 @@ class _Owner:
     to run exactly once: at :meth:`close`, or when the object is collected."""
 
     _finalizer: weakref.finalize | None = None
+    _open = False   # True from _own until close(): the one fact `closed` derives from (a finalizer runs only
+    #                 once nothing can reach the object, so it never needs to clear it)
     _pctx: _PrimaryContext
 
     def _own(self, call: str | None, handle: int, pctx: _PrimaryContext) -> None:
         pctx.hold()
         self._pctx = pctx
         self._finalizer = weakref.finalize(self, _destroy, call, handle, pctx, False)
+        self._open = True
 
     @property
     def closed(self) -> bool:
-        f = self._finalizer
-        return f is None or not f.alive
+        return not self._open
 
     def _live_pctx(self) -> _PrimaryContext:
         if self.closed:
@@ -202,6 +204,7 @@ class _Owner:
         """Free the driver object now; later calls do nothing."""
         f = self._finalizer
         info = f.detach() if f is not None else None
+        self._open = False
         if info is not None:
             _, func, args, _ = info
             try:
@@ -321,10 +324,18 @@ class CudaStream(_Owner):
 
 
 def _read_ctx_stream(ctx: CudaCtx) -> int:
-    return ctx.stream
+    if ctx._open:
+        return ctx._stream._handle
+    raise HssError("this CudaCtx is closed")
 
 
-_args.register_stream_type(CudaStream, lambda s: s.handle)
+def _read_stream(stream: CudaStream) -> int:
+    if stream._open:
+        return stream._handle
+    raise HssError("this CudaStream is closed")
+
+
+_args.register_stream_type(CudaStream, _read_stream)
 _args.register_stream_type(CudaCtx, _read_ctx_stream)
 stream_handle = _args.stream
 

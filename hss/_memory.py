@@ -40,7 +40,7 @@ class DeviceBuffer(_Owner):
 
     @property
     def ptr(self) -> int:
-        if self.closed:
+        if not self._open:
             raise HssError(f"this DeviceBuffer ({self.bytes} bytes) is closed")
         return self._ptr
 
@@ -136,7 +136,7 @@ def _dlpack_checks(dl_device: Any, copy: bool | None, device: int) -> None:
 
 
 def _read_buffer(buf: DeviceBuffer, name: str, stream: int | None) -> DeviceArg:
-    if buf.closed:
+    if not buf._open:
         raise HssError(f"{name} is a closed DeviceBuffer ({buf.bytes} bytes)")
     return DeviceArg(buf._ptr, buf.bytes)
 
@@ -148,8 +148,17 @@ def _read_view(view: DeviceView, name: str, stream: int | None) -> DeviceArg:
     return DeviceArg(buf._ptr + view.offset, view.nbytes, view.dtype)
 
 
-_args.register_pointer_type(DeviceBuffer, _read_buffer)
-_args.register_pointer_type(DeviceView, _read_view)
+def _quick_buffer(buf: DeviceBuffer) -> tuple[int, int, None] | None:
+    return (buf._ptr, buf.bytes, None) if buf._open else None
+
+
+def _quick_view(view: DeviceView) -> tuple[int, int, str] | None:
+    buf = view.buffer
+    return (buf._ptr + view.offset, view.nbytes, view.dtype) if buf._open else None
+
+
+_args.register_pointer_type(DeviceBuffer, _read_buffer, _quick_buffer)
+_args.register_pointer_type(DeviceView, _read_view, _quick_view)
 
 
 class PinnedBuffer(_Owner):

@@ -480,3 +480,130 @@ def test_emulator_requires_a_current_context():
 
 def test_on_gpu_flag_matches_driver():
     assert ON_GPU == (cm.driver_status().kind == "cuda")
+
+
+# -- hostile input at the driver layer: refused before any device work ----------------------
+@pytest.mark.parametrize("call", [
+    lambda s, b: cm.DeviceBuffer(3.7),
+    lambda s, b: cm.DeviceBuffer(True),
+    lambda s, b: cm.PinnedBuffer(2.5),
+    lambda s, b: cm.memset_d32_async(b, 1.9, 1, s),
+    lambda s, b: cm.memset_d32_async(b, 1, 1.0, s),
+    lambda s, b: cm.memset_d8_async(b, 0, np.float32(2), s),
+    lambda s, b: cm.copy_d_to_d_async(b, b, 2.0, s),
+    lambda s, b: cm.copy_h_to_d_async(b, np.zeros(4, np.uint8), True, s),
+    lambda s, b: cm.copy_2d_d_to_d_async(b, 8.0, b, 8, 4, 2, s),
+    lambda s, b: cm.CudaCtx(0.0),
+    lambda s, b: cm.CudaCtx(True),
+    lambda s, b: cm.memset_d8_async(b, 0, 4, None),
+    lambda s, b: cm.memset_d8_async(b, 0, 4, 1.5),
+    lambda s, b: cm.memset_d8_async(3.0, 0, 4, s),
+], ids=["DeviceBuffer float", "DeviceBuffer bool", "PinnedBuffer float", "memset value float",
+        "memset count float", "memset8 count np.float32", "d2d nbytes float", "h2d nbytes bool", "2d pitch float",
+        "CudaCtx float", "CudaCtx bool", "stream None", "stream float", "dst float"])
+def test_wrong_types_are_type_errors(ctx, stream, call):
+    with cm.DeviceBuffer(64) as buf:
+        before = cm.mem_info()[0]
+        with pytest.raises(TypeError):
+            call(stream, buf)
+        assert cm.mem_info()[0] == before
+
+
+def test_launch_geometry_and_parameters_are_checked(ctx, stream, selftest):
+    f = selftest.function("selftest_fill_u32")
+    with cm.DeviceBuffer(4 * 64) as out:
+        pack = SELFTEST_FILL.pack(out, 1, 64)
+        for grid in ((1.5, 1, 1), (0, 1, 1), (1, 1, 1, 1), "1"):
+            with pytest.raises((TypeError, HssError)):
+                cm.launch_kernel(f, grid, 64, 0, stream, pack)
+        with pytest.raises(TypeError, match="shared_bytes must be an int"):
+            cm.launch_kernel(f, 1, 64, 0.5, stream, pack)
+        with pytest.raises(HssError, match="takes 3 parameters, the pack holds 2"):
+            cm.launch_kernel(f, 1, 64, 0, stream, cm.ParamPack(("ptr", "u32"), ("a", "b")))
+        with pytest.raises(HssError, match="parameter #2 is 4 bytes"):
+            cm.launch_kernel(f, 1, 64, 0, stream, cm.ParamPack(("ptr", "u32", "i64"), ("a", "b", "c")))
+        with pytest.raises(TypeError, match="CudaFunction"):
+            cm.launch_kernel(f.handle, 1, 64, 0, stream, pack)
+        assert f.param_kinds == ("ptr", "u32", "i32") and f.param_sizes == (8, 4, 4)
+
+
+def test_closed_objects_say_closed(ctx, stream):
+    buf = cm.DeviceBuffer(64)
+    ptr = buf.ptr
+    buf.close()
+    with pytest.raises(HssError, match="closed"):
+        buf.ptr  # noqa: B018
+    for call in (lambda: cm.memset_d8_async(buf, 0, 4, stream), lambda: cm.copy_d_to_h_async(np.zeros(4), buf, 4, 0)):
+        with pytest.raises(HssError, match="closed"):
+            call()
+    assert "closed" in repr(buf) and ptr
+    c = cm.CudaCtx(0)
+    s = cm.CudaStream(c)
+    ev = cm.CudaEvent(ctx=c)
+    for obj in (s, ev, c):
+        obj.close()
+        obj.close()   # idempotent
+    for call in (lambda: c.stream, lambda: s.handle, lambda: ev.record(stream), lambda: cm.stream_sync(s),
+                 lambda: cm.DeviceBuffer(16, c), lambda: c.synchronize()):
+        with pytest.raises(HssError, match="closed"):
+            call()
+
+
+LAST_OWNER = r"""
+import sys
+from hss import cuda_min as cm
+from hss._driver import api
+ctx = cm.CudaCtx(0)
+buf = cm.DeviceBuffer(1 << 20, ctx)
+mod_ctx = ctx._pctx
+def active():
+    if cm.driver_status().kind == "emulator":
+        return api.state.ctx_refs
+    return api.cuDevicePrimaryCtxGetState(mod_ctx.device)[2]
+assert active(), "retained while owners live"
+ctx.close()
+assert active(), "the buffer still holds the context"
+buf.close()
+print("released" if not active() else "still retained")
+"""
+
+
+def test_the_last_owner_releases_the_primary_context(tmp_path):
+    """CudaCtx.close() and the other owners give back their holds; the last one releases the retain (a fresh
+    process, so that nothing else holds the device)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(__import__("pathlib").Path(__file__).parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", LAST_OWNER], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "released"
+
+
+@pytest.mark.emulator
+def test_a_fault_in_queued_work_surfaces_at_the_next_sync_and_frees(ctx):
+    from hss import emulator
+    from hss.emulator.driver import enqueue, stream_of
+    from hss.errors import MemoryFault
+    s = cm.CudaStream(ctx)
+
+    def fault():
+        raise MemoryFault("planted fault")
+
+    buf = cm.DeviceBuffer(1 << 20, ctx)
+    used = emulator.state.arena.used
+    enqueue(stream_of(s.handle), fault)
+    with pytest.raises(MemoryFault, match="planted"):
+        buf.close()                         # the free drains the queue: the fault is reported...
+    assert emulator.state.arena.used == used - (1 << 20) and buf.closed   # ...and the memory is freed anyway
+    cm.stream_sync(s)                       # reported once
+    # a fault met by a finalizer (which cannot raise) is kept for the next sync
+    buf = cm.DeviceBuffer(4096, ctx)
+    enqueue(stream_of(s.handle), fault)
+    del buf
+    import gc
+    gc.collect()
+    with pytest.raises(MemoryFault, match="planted"):
+        cm.stream_sync(s)
+    s.close()

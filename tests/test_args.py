@@ -1,0 +1,308 @@
+"""The argument layer (hss._args): integers, device pointers, streams, host buffers — on any driver."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from hss import _args
+from hss import cuda_min as cm
+from hss.errors import HssError
+
+from helpers import download, upload
+
+
+class CAI:
+    """A foreign array that speaks the CUDA array interface (as CuPy / Numba do)."""
+
+    def __init__(self, ptr: int, shape: tuple, typestr: str, strides=None, readonly=False, stream=None,
+                 version=3) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, readonly),
+                                         "version": version, "strides": strides, "stream": stream}
+
+
+class DLPackOnly:
+    """A foreign array that speaks only DLPack (as JAX does for bf16)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __dlpack__(self, **kw):
+        return self.inner.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.inner.__dlpack_device__()
+
+
+# -- integers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [1.5, 2.0, float("nan"), True, np.bool_(True), "3", None, np.float32(1)])
+def test_as_int_refuses_what_is_not_an_integer(bad):
+    with pytest.raises(TypeError, match="width must be an int"):
+        _args.as_int("width", bad)
+
+
+@given(v=st.integers(-2**70, 2**70))
+def test_as_int_gives_python_ints(v):
+    for form in (v, *(t(v) for t in (np.int64, np.int32, np.uint32, np.uint64) if _fits(t, v))):
+        got = _args.as_int("v", form)
+        assert type(got) is int and got == v
+
+
+def _fits(t, v) -> bool:
+    info = np.iinfo(t)
+    return info.min <= v <= info.max
+
+
+def test_as_int_ranges_name_the_parameter_and_reason():
+    assert _args.as_int("n", 5, 0, 10) == 5
+    with pytest.raises(HssError, match=r"n = 11 must be in 0\.\.10: why not"):
+        _args.as_int("n", 11, 0, 10, "why not")
+    with pytest.raises(HssError, match="n = -1 must be >= 0"):
+        _args.as_count("n", -1)
+    with pytest.raises(HssError, match=r"layer 3 is out of range: there are 3 layers \(0\.\.2\)"):
+        _args.as_index("layer", 3, 3, "layers")
+
+
+def test_numpy_int32_products_do_not_wrap():
+    a, b = np.int32(65536), np.int32(65536)
+    assert _args.as_int("a", a) * _args.as_int("b", b) == 2**32
+
+
+def test_dims3():
+    assert _args.dims3("grid", 4) == (4, 1, 1)
+    assert _args.dims3("grid", (np.int64(2), 3)) == (2, 3, 1)
+    for bad in ((1.5, 1, 1), (0, 1, 1), (1, 1, 1, 1), (), (True, 1, 1), "4"):
+        with pytest.raises((TypeError, HssError)):
+            _args.dims3("grid", bad)
+
+
+def test_as_float():
+    assert _args.as_float("eps", np.float32(0.5)) == 0.5
+    with pytest.raises(HssError, match="finite"):
+        _args.as_float("eps", float("nan"))
+    with pytest.raises(TypeError):
+        _args.as_float("eps", True)
+
+
+# -- device pointers --------------------------------------------------------------------------
+def test_int_pointers_inside_hss_buffers_are_bounds_checked(ctx):
+    with cm.DeviceBuffer(256) as buf:
+        base = buf.ptr
+        assert _args.pointer(base + 64, "x", 192) == base + 64
+        with pytest.raises(HssError, match="x: 193 bytes at offset 64 run past the end of its 256-byte buffer"):
+            _args.pointer(base + 64, "x", 193)
+        check = _args.pointer_arg("x", 192, 4)
+        assert check(base + 64) == base + 64
+        with pytest.raises(HssError, match="run past the end"):
+            check(base + 68)
+        with pytest.raises(HssError, match="4-byte aligned"):
+            check(base + 2)
+    with pytest.raises(HssError, match="null pointer"):
+        _args.pointer(0, "x", 4)
+    with pytest.raises(HssError, match="not a device address"):
+        _args.pointer(-8, "x", 4)
+    assert _args.pointer(0, "x", 0) == 0   # nothing to read: null is fine
+
+
+def test_closed_buffers_and_views_say_closed(ctx):
+    buf = cm.DeviceBuffer(64)
+    view = buf.view("f32")
+    buf.close()
+    for obj in (buf, view):
+        with pytest.raises(HssError, match="closed"):
+            _args.pointer(obj, "x", 4)
+        with pytest.raises(HssError, match="closed"):
+            _args.pointer_arg("x", 4)(obj)
+    with pytest.raises(HssError, match="closed"):
+        buf.ptr  # noqa: B018 (the stale address is never handed out)
+
+
+def test_buffers_and_views_carry_size_and_dtype(ctx):
+    with cm.DeviceBuffer(64) as buf:
+        assert _args.pointer(buf, "x", 64) == buf.ptr
+        with pytest.raises(HssError, match="x holds 64 bytes but 65 are needed"):
+            _args.pointer(buf, "x", 65)
+        assert _args.pointer(buf, "x", 8, dtype="bf16") == buf.ptr          # raw bytes match any dtype
+        f = buf.view("f32", (4, 2), offset=16)
+        assert (f.ptr, f.nbytes, f.shape, f.dtype) == (buf.ptr + 16, 32, (4, 2), "f32")
+        assert _args.pointer(f, "x", 32, 4, "f32") == buf.ptr + 16
+        with pytest.raises(HssError, match="x holds f32 but bf16 is needed"):
+            _args.pointer(f, "x", 8, dtype="bf16")
+        with pytest.raises(HssError, match="needs 72 bytes"):
+            buf.view("f32", (4, 2), offset=40)
+        with pytest.raises(HssError, match="multiple of the f32 item size"):
+            buf.view("f32", offset=2)
+        assert buf.view(ml_dtypes.bfloat16).shape == (32,)
+        assert buf.view(np.int32, 3).nbytes == 12
+
+
+def test_cuda_array_interface_is_read_and_checked(ctx):
+    with cm.DeviceBuffer(4096) as buf:
+        p = buf.ptr
+        assert _args.pointer(CAI(p, (4, 8), "<f4"), "x", 128, 4, "f32") == p
+        with pytest.raises(HssError, match="x holds 16 bytes but 4096 are needed"):
+            _args.pointer(CAI(p, (4,), "<f4"), "x", 4096)
+        with pytest.raises(HssError, match="not C-contiguous"):
+            _args.pointer(CAI(p, (4, 8), "<f4", strides=(4, 16)), "x", 4)
+        assert _args.pointer(CAI(p, (4, 8), "<f4", strides=(32, 4)), "x", 128) == p   # explicit C strides
+        assert _args.pointer(CAI(p, (1, 8), "<f4", strides=(999, 4)), "x", 32) == p   # size-1 dims: any stride
+        with pytest.raises(HssError, match="holds i32 but f32 is needed"):
+            _args.pointer(CAI(p, (4,), "<i4"), "x", 16, dtype="f32")
+        assert _args.pointer(CAI(p, (8,), "<V2"), "x", 16, dtype="bf16") == p      # untyped 2-byte items
+        with pytest.raises(HssError, match="read-only but is written"):
+            _args.pointer(CAI(p, (4,), "<f4", readonly=True), "x", 16, write=True)
+        with pytest.raises(HssError, match="stream 0 is disallowed"):
+            _args.pointer(CAI(p, (4,), "<f4", stream=0), "x", 16, stream=1)
+        with pytest.raises(HssError, match="malformed"):
+            _args.pointer(type("Bad", (), {"__cuda_array_interface__": {"shape": (4,)}})(), "x")
+
+
+def test_a_copy_never_overruns_what_the_interface_says(ctx, stream):
+    with cm.DeviceBuffer(4096) as buf:
+        small = CAI(buf.ptr, (4,), "<f4")   # says 16 bytes
+        with pytest.raises(HssError, match="holds 16 bytes but 4096 are needed"):
+            cm.copy_h_to_d_async(small, np.zeros(4096, np.uint8), 4096, stream)
+
+
+@pytest.mark.emulator
+def test_cai_stream_orders_the_consumer_after_the_producer(ctx):
+    """A producer's pending work on its stream is ordered before the consumer's copy (the protocol's promise)."""
+    producer, consumer = cm.CudaStream(ctx), cm.CudaStream(ctx)
+    with cm.DeviceBuffer(64) as src, cm.DeviceBuffer(64) as dst:
+        cm.memset_d8_async(src, 7, 64, producer)          # queued on the producer, not run yet (emulator)
+        cm.copy_d_to_d_async(dst, CAI(src.ptr, (64,), "|u1", stream=producer.handle), 64, consumer)
+        assert (download(dst, 64, np.uint8, consumer) == 7).all()
+        cm.memset_d8_async(src, 9, 64, producer)
+        cm.copy_d_to_d_async(dst, CAI(src.ptr, (64,), "|u1", stream=None), 64, consumer)   # None: no ordering
+        got = download(dst, 64, np.uint8, consumer)
+        assert (got == 7).all()   # the memset was not ordered before the copy
+    producer.close()
+    consumer.close()
+
+
+def test_dlpack_producers_are_read(ctx, stream):
+    with cm.DeviceBuffer(256) as buf:
+        view = buf.view("bf16", (8, 16))
+        assert _args.pointer(DLPackOnly(view), "x", 256, 2, "bf16") == buf.ptr
+        with pytest.raises(HssError, match="holds 256 bytes but 512"):
+            _args.pointer(DLPackOnly(view), "x", 512)
+        with pytest.raises(HssError, match="holds bf16 but f32"):
+            _args.pointer(DLPackOnly(view), "x", 16, dtype="f32")
+    with pytest.raises(HssError, match="host numpy array"):
+        _args.pointer(np.zeros(4, np.float32), "x")
+    with pytest.raises(HssError, match="host memory"):
+        _args.pointer(DLPackOnly(np.zeros(4, np.float32)), "x")
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "0x10", None, object(), [1, 2]])
+def test_non_pointers_are_type_errors(bad):
+    with pytest.raises(TypeError, match="x: cannot use"):
+        _args.pointer(bad, "x")
+
+
+def test_numpy_integer_addresses_are_addresses(ctx):
+    with cm.DeviceBuffer(64) as buf:
+        assert _args.pointer(np.uint64(buf.ptr), "x", 64) == buf.ptr
+        with pytest.raises(HssError, match="run past the end"):
+            _args.pointer(np.uint64(buf.ptr), "x", 65)
+
+
+# -- exports ----------------------------------------------------------------------------------
+def test_device_memory_exports_the_interfaces(ctx, stream):
+    data = np.arange(32, dtype=np.float32)
+    with upload(data, stream) as buf:
+        cai = buf.__cuda_array_interface__
+        assert cai == {"shape": (128,), "typestr": "|u1", "data": (buf.ptr, False), "version": 3, "strides": None,
+                       "stream": None}
+        view = buf.view("f32", (4, 8))
+        assert view.__cuda_array_interface__["typestr"] == "<f4"
+        assert view.__cuda_array_interface__["shape"] == (4, 8)
+        with pytest.raises(TypeError, match="cannot describe bf16"):
+            buf.view("bf16").__cuda_array_interface__  # noqa: B018
+        assert buf.__dlpack_device__() == (2, 0) and view.__dlpack_device__() == (2, 0)
+        # a DLPack consumer (cuda.core's view) sees the same memory, shape and dtype, zero-copy
+        smv = pytest.importorskip("cuda.core.utils").StridedMemoryView.from_dlpack
+        v = smv(view, -1)
+        assert (v.ptr, tuple(v.shape), np.dtype(v.dtype)) == (buf.ptr, (4, 8), np.float32)
+        vb = smv(buf.view("bf16", (64,)), -1)
+        assert np.dtype(vb.dtype) == np.dtype(ml_dtypes.bfloat16)
+        with pytest.raises(BufferError):
+            buf.__dlpack__(dl_device=(1, 0))
+        with pytest.raises(BufferError):
+            buf.__dlpack__(copy=True)
+
+
+def test_dlpack_capsules_keep_their_owner_and_are_released():
+    import gc
+
+    from hss import _dlpack
+    before = len(_dlpack._live)
+    with cm.DeviceBuffer(64) as buf:
+        for max_version in (None, (1, 0), (0, 8)):
+            cap = buf.__dlpack__(max_version=max_version)
+            assert len(_dlpack._live) == before + 1
+            assert ("versioned" in repr(cap)) == (max_version == (1, 0))
+            del cap
+            gc.collect()
+            assert len(_dlpack._live) == before   # an unconsumed capsule frees its tensor
+
+
+# -- streams ----------------------------------------------------------------------------------
+def test_every_stream_form(ctx):
+    s = cm.CudaStream(ctx)
+
+    class Proto:
+        def __cuda_stream__(self):
+            return (0, s.handle)
+
+    assert _args.stream(s) == s.handle
+    assert _args.stream(Proto()) == s.handle
+    assert _args.stream(ctx) == ctx.stream
+    assert _args.stream(np.uint64(s.handle)) == s.handle
+    assert _args.stream(0) == 0
+    s.close()
+    with pytest.raises(HssError, match="CudaStream is closed"):
+        _args.stream(s)
+    for bad in (None, 1.5, True, "s", object()):
+        with pytest.raises(TypeError, match="stream is required"):
+            _args.stream(bad)
+    with pytest.raises(HssError, match="not a stream handle"):
+        _args.stream(-1)
+
+
+# -- host buffers -----------------------------------------------------------------------------
+def test_host_buffers(ctx):
+    a = np.zeros(16, np.float32)
+    assert _args.host_buffer(a, 64, True, "h") == a.ctypes.data
+    with pytest.raises(HssError, match="holds 64 bytes but 65"):
+        _args.host_buffer(a, 65, False, "h")
+    with pytest.raises(HssError, match="C-contiguous"):
+        _args.host_buffer(a[::2], 4, False, "h")
+    ro = a.copy()
+    ro.setflags(write=False)
+    with pytest.raises(HssError, match="read-only"):
+        _args.host_buffer(ro, 4, True, "h")
+    with pytest.raises(HssError, match="not a host address"):
+        _args.host_buffer(0, 4, False, "h")
+    assert _args.host_buffer(b"abcd", 4, False, "h")
+    with cm.PinnedBuffer(32) as pin:
+        assert _args.host_buffer(pin, 32, True, "h") == pin.ptr
+        with pytest.raises(HssError, match="run past the end"):
+            _args.host_buffer(pin.ptr + 8, 32, True, "h")
+    with pytest.raises(HssError, match="closed"):
+        _args.host_buffer(pin, 4, False, "h")
+    with cm.DeviceBuffer(32) as dev, pytest.raises(HssError, match="is device memory"):
+        _args.host_buffer(dev, 4, False, "h")
+    with pytest.raises(TypeError, match="host buffer"):
+        _args.host_buffer(1.5, 4, False, "h")
+
+
+def test_dtype_names():
+    assert _args.dtype_name(ml_dtypes.bfloat16) == "bf16"
+    assert _args.dtype_name(np.float32) == "f32" and _args.dtype_name("i32") == "i32"
+    with pytest.raises(TypeError):
+        _args.dtype_name(np.complex64)
+    assert math.prod(()) == 1
