@@ -475,10 +475,16 @@ def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
     if not view_cls:
         raise HssError(f"{name}: reading a __dlpack__ producer needs cuda.core (pip install cuda-core), or pass "
                        "its device address")
+    from_dlpack = getattr(view_cls, "from_dlpack", None) or view_cls   # cuda.core >= 0.5; older: the constructor
     try:
-        consumer = -1 if stream is None else stream
-        from_dlpack = getattr(view_cls, "from_dlpack", None)   # cuda.core >= 0.5; older: the constructor
-        view = from_dlpack(obj, consumer) if from_dlpack is not None else view_cls(obj, consumer)
+        try:
+            view = from_dlpack(obj, -1 if stream is None else stream)   # -1: the protocol's "no ordering"
+        except BufferError:
+            raise
+        except Exception:
+            if stream is not None:
+                raise
+            view = from_dlpack(obj, 1)   # producers that cannot take -1 (JAX): order before the legacy stream
     except BufferError as exc:
         raise HssError(f"{name}: its DLPack export failed ({exc})") from None
     if not view.is_device_accessible or view.device_id < 0:
