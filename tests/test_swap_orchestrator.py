@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import conftest
-import hss.predictor as hp
+from hss import _driver
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
@@ -330,7 +330,7 @@ def test_queue_order_reads_first_host_waits_late(ctx, tmp_path, rng, monkeypatch
         real = getattr(obj, name)
         monkeypatch.setattr(obj, name, lambda *a, **kw: (order.append(label), real(*a, **kw))[1])
 
-    trace(s.h.attn, "step_tile_on_stream", "attend")
+    trace(s.h.attn, "step_tile", "attend")
     trace(s.h.attn, "_next_tile", "attend")
     trace(s.h._ev_scores, "synchronize", "wait")
     trace(PreparedReads, "issue", "read")
@@ -423,14 +423,27 @@ def test_a_read_error_mid_step_names_the_page_and_the_swap_recovers(ctx, tmp_pat
     s.close()
 
 
+DEVICE_WORK = ("cuLaunchKernel", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync", "cuMemcpyBatchAsync",
+               "cuMemsetD8Async", "cuMemsetD32Async", "cuEventRecord", "cuStreamWaitEvent")
+
+
+def record_device_work(monkeypatch) -> list[str]:
+    """Every driver call that queues device work or orders streams, recorded at the driver seam (then made)."""
+    calls: list[str] = []
+    for name in DEVICE_WORK:
+        real = getattr(_driver.api, name)
+        monkeypatch.setattr(_driver.api, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
+    return calls
+
+
 def test_argument_errors_queue_nothing(ctx, tmp_path, rng, monkeypatch) -> None:
     s = Setup(ctx, tmp_path, rng, "host", resident_blocks=4, tile=1, max_blocks=8,
               dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
     s.offload(0, [0, 1, 2])
     q, q_dev = s.query()
-    launched: list = []
-    for module in (cm, hp):              # TiledAttention launches through cm, the Predictor through its import
-        monkeypatch.setattr(module, "launch_kernel", lambda func, *a: launched.append(func))
+    kpage = upload(s.k[0, 0], s.stream)
+    cm.stream_sync(s.stream)
+    launched = record_device_work(monkeypatch)
     small = cm.DeviceBuffer(64)
     for call, err, words in [
         (lambda: s.step(0, [0, 1, 0, 2, 1], q_dev), HssError, r"seq_block_ids repeats block ids \[0, 1\]"),
@@ -445,15 +458,17 @@ def test_argument_errors_queue_nothing(ctx, tmp_path, rng, monkeypatch) -> None:
         (lambda: s.step(0, [0], q_dev, last_block_valid_slots=2**31), HssError, "int32"),
         (lambda: s.step(0, [0], small), HssError, "q_dev holds 64 bytes but 512 are needed"),
         (lambda: s.h.attend_layer(ctx, 0, [0], q_dev, 0), HssError, "out_dev is a null pointer"),
-        (lambda: s.h.offload_block(ctx, 0, 3, q_dev, s.k[0, 0], s.v[0, 0, :8]), HssError, "v_host holds 2048 bytes"),
+        (lambda: s.h.offload_block(ctx, 0, 3, kpage, s.k[0, 0], s.v[0, 0, :8]), HssError, "v_host holds 2048 bytes"),
+        (lambda: s.h.offload_block(ctx, 0, 3, q_dev, s.k[0, 0], s.v[0, 0]), HssError,
+         r"k_block_dev holds 512 bytes but 4096 are needed \(one bf16 \[block_size, num_kv_heads, head_dim\] KV "
+         r"page\)"),
         (lambda: s.h.offload_block(ctx, 0, 8, q_dev, s.k[0, 0], s.v[0, 0]), HssError, r"block 8 is out of range 0..7"),
         (lambda: s.h.offload_block(ctx, -1, 0, q_dev, s.k[0, 0], s.v[0, 0]), HssError, "layer -1")]:
         with pytest.raises(err, match=words):
             call()
     assert launched == [] and not s.h.store.page_valid(0, 3)
-    kpage = upload(s.k[0, 0], s.stream)
     s.h.offload_block(ctx, 0, 3, kpage, s.k[0, 0], s.v[0, 0])          # the control: a good call launches
-    assert [getattr(f, "name", f) for f in launched] == ["kv_lowrank_project"] and s.h.store.page_valid(0, 3)
+    assert launched == ["cuLaunchKernel"] and s.h.store.page_valid(0, 3)
     monkeypatch.undo()
     kpage.close()
     assert s.h.diagnostic_summary().steps == 0
@@ -485,3 +500,129 @@ def test_new_on_stream_and_no_resident_set(ctx, tmp_path, rng) -> None:
         check_step(s, 0, ids, q, q_dev, rec, got, 10, "stream only")
     q_dev.close()
     s.close()
+
+
+# -- hostile arguments ---------------------------------------------------------------------------
+class ReadOnlyCAI:
+    """A read-only CUDA array interface over ``nbytes`` of ``buf`` (bytes: the interface has no bf16)."""
+
+    def __init__(self, buf: cm.DeviceBuffer, nbytes: int) -> None:
+        self.__cuda_array_interface__ = dict(version=3, shape=(nbytes,), typestr="|u1", data=(buf.ptr, True),
+                                             strides=None, stream=None)
+
+
+def test_config_and_dims_convert_numpy_ints_and_refuse_others(tmp_path) -> None:
+    """Fields become Python ints at construction (np.int32 never wraps later); float, bool, str, NaN are a
+    TypeError naming the field; validate() keeps its range checks."""
+    cfg = HighSpeedSwapConfig(tmp_path, np.int64(1 << 40), np.int32(8), np.uint8(32), np.int16(4), False,
+                              np.uint64(2**64 - 1), stream_tile_blocks=np.int8(2))
+    assert all(type(getattr(cfg, f)) is int for f in ("bytes", "resident_blocks", "rank", "qd", "projection_seed",
+                                                      "stream_tile_blocks"))
+    assert cfg.projection_seed == 2**64 - 1 and cfg.tile_blocks == 2
+    cfg.validate()
+    dims = ModelDims(*(np.int32(v) for v in (2, 40000, 32, 8, 128, 16)))
+    assert all(type(getattr(dims, f.name)) is int for f in dataclasses.fields(dims) if f.name != "model_fp")
+    # 2 layers x 40000 pages x 64 KiB: an np.int32 product would wrap
+    with pytest.raises(HssError, match=r"the backing store needs 5242880000 bytes \(2 layers x 40000 pages"):
+        HighSpeedSwap(cm.CudaCtx(0), replace(cfg, bytes=1 << 20), dims)
+    good = dict(dir=tmp_path, bytes=1 << 20, resident_blocks=8, rank=32, qd=4, graph=False, projection_seed=7)
+    for change, words in [(dict(bytes=True), "HighSpeedSwapConfig.bytes must be an int, got bool"),
+                          (dict(resident_blocks=8.0), "HighSpeedSwapConfig.resident_blocks must be an int, got float"),
+                          (dict(rank=float("nan")), "HighSpeedSwapConfig.rank must be an int, got float nan"),
+                          (dict(qd="4"), "HighSpeedSwapConfig.qd must be an int, got str"),
+                          (dict(projection_seed=np.float64(1)), "HighSpeedSwapConfig.projection_seed must be an int"),
+                          (dict(stream_tile_blocks=2.0), "HighSpeedSwapConfig.stream_tile_blocks must be an int"),
+                          (dict(stream_tile_blocks=np.bool_(True)), "stream_tile_blocks must be an int, got bool")]:
+        with pytest.raises(TypeError, match=words):
+            HighSpeedSwapConfig(**{**good, **change})
+    for i, name in enumerate(("num_layers", "max_blocks_per_layer", "num_q_heads", "num_kv_heads", "head_dim",
+                              "block_size")):
+        for bad, kind in ((2.0, "float"), (True, "bool"), ("2", "str"), (float("nan"), "float")):
+            args = [2, 64, 32, 8, 128, 16]
+            args[i] = bad
+            with pytest.raises(TypeError, match=rf"ModelDims.{name} must be an int, got {kind}"):
+                ModelDims(*args)
+
+
+def test_hostile_arguments_raise_before_any_device_work(ctx, tmp_path, rng, monkeypatch) -> None:
+    """Every entry point: a wrong type is a TypeError naming the parameter, a closed, too small, misaligned,
+    read-only, host or wrongly typed buffer an HssError naming it; nothing reaches the device, nothing changes."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=4, tile=1, max_blocks=8,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    s.offload(0, [0, 1, 2])
+    q, q_dev = s.query()
+    kpage = upload(s.k[0, 0], s.stream)
+    closed, small, pinned = cm.DeviceBuffer(512), cm.DeviceBuffer(64), cm.PinnedBuffer(64)
+    closed.close()
+    pinned.close()
+    f32 = s.out.view(np.float32)
+    cm.stream_sync(s.stream)
+    work = record_device_work(monkeypatch)
+    h, k, v = s.h, s.k[0, 0], s.v[0, 0]
+    step = lambda *a, **kw: h.attend_layer(ctx, *a, **kw)                     # noqa: E731
+    for call, err, words in [
+        (lambda: step(0.0, [0], q_dev, s.out), TypeError, "layer must be an int, got float 0.0"),
+        (lambda: step(True, [0], q_dev, s.out), TypeError, "layer must be an int, got bool"),
+        (lambda: step("0", [0], q_dev, s.out), TypeError, "layer must be an int, got str"),
+        (lambda: step(float("nan"), [0], q_dev, s.out), TypeError, "layer must be an int, got float nan"),
+        (lambda: step(0, [0, float("nan")], q_dev, s.out), TypeError, "seq_block_ids must hold ints, got float64"),
+        (lambda: step(0, [True, False], q_dev, s.out), TypeError, "seq_block_ids must hold ints, got bool"),
+        (lambda: step(0, "01", q_dev, s.out), TypeError, "seq_block_ids must hold ints"),
+        (lambda: step(0, [0, None], q_dev, s.out), TypeError, "seq_block_ids must hold ints, got object"),
+        (lambda: step(0, [0], q_dev, s.out, 3.0), TypeError, "last_block_valid_slots must be an int, got float"),
+        (lambda: step(0, [0], q_dev, s.out, True), TypeError, "last_block_valid_slots must be an int, got bool"),
+        (lambda: step(0, [0], q_dev, s.out, q_pos=float("nan")), TypeError, "q_pos must be an int, got float nan"),
+        (lambda: step(0, [0], q_dev, s.out, q_pos="3"), TypeError, "q_pos must be an int, got str"),
+        (lambda: h.attend_layer_on_stream(None, 0, [0], q_dev, s.out), TypeError, "stream: a stream is required"),
+        (lambda: h.attend_layer_on_stream(1.5, 0, [0], q_dev, s.out), TypeError, "stream: a stream is required"),
+        (lambda: h.attend_layer("ctx", 0, [0], q_dev, s.out), TypeError, "ctx: a stream is required"),
+        (lambda: step(0, [0], closed, s.out), HssError, "q_dev is a closed DeviceBuffer"),
+        (lambda: step(0, [0], q_dev, closed), HssError, "out_dev is a closed DeviceBuffer"),
+        (lambda: step(0, [0], q_dev, small), HssError,
+         r"out_dev holds 64 bytes but 512 are needed \(a bf16 \[num_q_heads, head_dim\] output\)"),
+        (lambda: step(0, [0], q_dev, small.ptr), HssError,
+         "out_dev: 512 bytes at offset 0 run past the end of its 64-byte buffer"),
+        (lambda: step(0, [0], q_dev, s.out.ptr + 1), HssError, "out_dev .* must be 2-byte aligned"),
+        (lambda: step(0, [0], q_dev, ReadOnlyCAI(s.out, 512)), HssError, "out_dev is read-only but is written"),
+        (lambda: step(0, [0], q_dev, np.zeros(256, BF16)), HssError, "out_dev is a host numpy array"),
+        (lambda: step(0, [0], f32, s.out), HssError, "q_dev holds f32 but bf16 is needed"),
+        (lambda: step(0, [0], 2.5, s.out), TypeError, "q_dev: cannot use float"),
+        (lambda: step(0, [0], None, s.out), TypeError, "q_dev: cannot use NoneType"),
+        (lambda: h.offload_block(ctx, 0, 1.0, kpage, k, v), TypeError, "block must be an int, got float"),
+        (lambda: h.offload_block(ctx, 0, True, kpage, k, v), TypeError, "block must be an int, got bool"),
+        (lambda: h.offload_block(ctx, "0", 3, kpage, k, v), TypeError, "layer must be an int, got str"),
+        (lambda: h.offload_block(ctx, 0, 3, closed, k, v), HssError, "k_block_dev is a closed DeviceBuffer"),
+        (lambda: h.offload_block(ctx, 0, 3, small, k, v), HssError, "k_block_dev holds 64 bytes but 4096"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, kpage, v), HssError, "k_host is device memory"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, "abc", v), TypeError, "k_host must be a host buffer"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, k, 7), TypeError, "v_host must be host data .* not an address"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, pinned, v), HssError, "k_host is a closed PinnedBuffer"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, k, np.asfortranarray(v.reshape(16, 128))), HssError,
+         "v_host must be C-contiguous"),
+        (lambda: h.offload_block_on_stream(None, 0, 3, kpage, k, v), TypeError, "stream: a stream is required"),
+        (lambda: h.offload_block_no_predict_on_stream("s", 0, 3, k, v), TypeError, "stream: a stream is required"),
+        (lambda: h.offload_block_no_predict_on_stream(s.stream, 0, 3.0, k, v), TypeError, "block must be an int"),
+        (lambda: h.inc_ref(0.5), TypeError, "block must be an int, got float"),
+        (lambda: h.dec_ref(True), TypeError, "block must be an int, got bool")]:
+        with pytest.raises(err, match=words):
+            call()
+        assert work == [], f"{words}: device work was queued before the error"
+    assert not h.store.page_valid(0, 3) and h.diagnostic_summary().steps == 0 and h.last_step is None
+    # numpy integers are ids like any other
+    s.k[0, 3], s.v[0, 3], s.k[0, 4], s.v[0, 4] = k, v, k, v          # the host truth of what is offloaded
+    h.offload_block(ctx, np.int32(0), np.uint16(3), kpage, k, v)
+    h.offload_block_no_predict_on_stream(s.stream, np.int64(0), np.uint8(4), k, v)
+    assert h.store.page_valid(0, 3) and h.store.page_valid(0, 4)
+    rec = step(np.int64(0), np.array([2, 0, 3], np.int32), q_dev, s.out, np.int16(7))
+    assert rec.layer == 0 and type(rec.layer) is int and rec.tiles[-1].last_block_valid_slots == 7
+    rec = step(np.uint8(0), np.array([4, 1], np.uint64), q_dev, s.out, q_pos=np.int64(16 + 2))
+    assert rec.tiles[-1].block_ids[-1] == 1 and rec.tiles[-1].last_block_valid_slots == 3
+    monkeypatch.undo()
+    check_step(s, 0, [4, 1], q, q_dev, rec, download(s.out, (4, 64), BF16, s.stream), 3, "numpy ids")
+    s.close()
+    for call in (lambda: h.alloc_disk_block(), lambda: h.inc_ref(0), lambda: h.dec_ref(0),
+                 lambda: h.offload_block(ctx, 0, 3, kpage, k, v), lambda: step(0, [0], q_dev, s.out)):
+        with pytest.raises(HssError, match="this HighSpeedSwap is closed"):
+            call()
+    for b in (kpage, small, q_dev):
+        b.close()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.swap import DiskBlockAllocator, EvictionPolicy, GroupLayout, PoolExhausted, ScratchPool
@@ -139,7 +140,7 @@ def test_touch_record_reset_and_epoch_wrap() -> None:
     assert p.epoch == 1 and (p.last_access == 0).all() and np.isneginf(p.last_score).all()
     with pytest.raises(HssError, match=r"slot 4 is out of range 0..3"):
         p.touch(4)
-    with pytest.raises(HssError, match="slots must be in 0..3"):
+    with pytest.raises(HssError, match="pinned must be in 0..3"):
         p.rank([9])
     with pytest.raises(HssError, match="num_slots must be >= 0"):
         EvictionPolicy(-1)
@@ -233,3 +234,134 @@ def test_disk_block_allocator() -> None:
     assert a.free_count == 0 and a.active == 3
     assert DiskBlockAllocator(0).alloc() is None
     assert math.isclose(a.refcount(2), 1)
+
+
+# -- hostile arguments ---------------------------------------------------------------------------
+def test_layout_converts_numpy_ints_and_refuses_others(ctx, rng) -> None:
+    """GroupLayout's fields become Python ints at construction: an np.int32 layout's sizes never wrap."""
+    g = GroupLayout(np.int32(40000), np.int32(8), np.int32(16), np.int32(128))
+    assert all(type(getattr(g, f)) is int for f in ("num_blocks", "num_kv_heads", "block_size", "head_dim"))
+    assert g.bytes_per_layer == 40000 * 65536 and g.group_offset(np.int64(39999), np.uint8(1), np.int16(7)) == \
+        39999 * 65536 + 8 * 4096 + 7 * 4096
+    for args, words in [((1, 1, True, 1), "GroupLayout.block_size must be an int, got bool"),
+                        ((1, 1, 1, "64"), "GroupLayout.head_dim must be an int, got str"),
+                        ((1.0, 1, 1, 1), "GroupLayout.num_blocks must be an int, got float"),
+                        ((1, float("nan"), 1, 1), "GroupLayout.num_kv_heads must be an int, got float nan")]:
+        with pytest.raises(TypeError, match=words):
+            GroupLayout(*args)
+    for call, words in [(lambda: LLAMA.group_offset(0, 0.0, 0), "kind must be an int, got float"),
+                        (lambda: LLAMA.group_offset(True, 0, 0), "page must be an int, got bool"),
+                        (lambda: LLAMA.group_id(0, 0, 0, "1"), "kv_head must be an int, got str"),
+                        (lambda: LLAMA.locate(1.5), "offset_in_page must be an int")]:
+        with pytest.raises(TypeError, match=words):
+            call()
+    # host pages by the argument layer's host-buffer rules
+    small = GroupLayout(num_blocks=2, num_kv_heads=1, block_size=4, head_dim=64)
+    k = rng.standard_normal((4, 1, 64)).astype(np.float32).astype(BF16)
+    dev, pinned, gone = cm.DeviceBuffer(512), cm.PinnedBuffer(512), cm.PinnedBuffer(512)
+    gone.close()
+    pinned.array[:] = k.view(np.uint8).reshape(-1)
+    assert np.array_equal(small.pack_page(pinned, memoryview(k.tobytes())), small.pack_page(k, k))
+    for call, err, words in [(lambda: small.pack_page(dev, k), HssError, "k_host is device memory"),
+                             (lambda: small.pack_page(k, gone), HssError, "v_host is a closed PinnedBuffer"),
+                             (lambda: small.pack_page(k, pinned.ptr), TypeError, "v_host must be host data"),
+                             (lambda: small.pack_page(k, np.int64(5)), TypeError, "not an address"),
+                             (lambda: small.pack_page(k, None), TypeError, "v_host must be a host buffer"),
+                             (lambda: small.pack_page(np.full(256, None, object), k), TypeError,
+                              "k_host holds Python objects"),
+                             (lambda: small.unpack_page("x" * small.block_bytes), TypeError,
+                              "image must be a host buffer")]:
+        with pytest.raises(err, match=words):
+            call()
+    dev.close()
+    pinned.close()
+
+
+def test_hostile_policy_arguments() -> None:
+    p = EvictionPolicy(4)
+    for call, err, words in [(lambda: EvictionPolicy(2.0), TypeError, "num_slots must be an int, got float"),
+                             (lambda: EvictionPolicy(True), TypeError, "num_slots must be an int, got bool"),
+                             (lambda: p.touch(1.0), TypeError, "slot must be an int, got float"),
+                             (lambda: p.touch(float("nan")), TypeError, "slot must be an int, got float nan"),
+                             (lambda: p.touch_many([0.5]), TypeError, "slots must be integers, got float64"),
+                             (lambda: p.touch_many([True, False]), TypeError, "slots must be integers, got bool"),
+                             (lambda: p.touch_many(["1"]), TypeError, "slots must be integers"),
+                             (lambda: p.touch_many([-1]), HssError, "slots must be in 0..3"),
+                             (lambda: p.touch_many(1.5), TypeError, "slots must be a sequence of slot indices"),
+                             (lambda: p.record_scores([0], 2.0), TypeError, "scores must be a sequence of scores"),
+                             (lambda: p.record_score(True, 1.0), TypeError, "slot must be an int, got bool"),
+                             (lambda: p.record_score(0, "1.0"), TypeError, "score must be a number, got str"),
+                             (lambda: p.record_scores([0], ["1.0"]), TypeError, "scores must be numbers"),
+                             (lambda: p.record_scores([0, 1], [1.0]), HssError, "2 slots but 1 scores"),
+                             (lambda: p.rank([1.5]), TypeError, "pinned must be integers"),
+                             (lambda: EvictionPolicy.yields_to("a", 1.0), TypeError, "old_score must be a number")]:
+        with pytest.raises(err, match=words):
+            call()
+    assert p.epoch == 1 and (p.last_access == 0).all() and np.isneginf(p.last_score).all(), "nothing changed"
+    p.touch(np.int64(1))
+    p.touch_many(np.array([3, 0], np.uint8))
+    p.record_score(np.int32(2), np.float32(0.5))
+    p.record_score(1, float("nan"))                       # NaN scores are allowed: recency places them
+    p.record_scores(np.array([0], np.int16), np.array([2], np.int64))
+    assert p.last_access.tolist() == [3, 1, 0, 2] and p.rank(np.array([2], np.uint16)).tolist() == [1, 3, 0]
+
+
+def test_hostile_pool_arguments(pool: ScratchPool) -> None:
+    g = pool.layout
+    for call, err, words in [
+        (lambda: ScratchPool(g, 5.0), TypeError, "num_slots must be an int, got float"),
+        (lambda: ScratchPool(g, 5, reserved_slots=True), TypeError, "reserved_slots must be an int, got bool"),
+        (lambda: ScratchPool(g, 5, num_layers="3"), TypeError, "num_layers must be an int, got str"),
+        (lambda: pool.lookup((0.0, 1)), TypeError, r"key\[0\] \(layer\) must be an int, got float"),
+        (lambda: pool.lookup((0, True)), TypeError, r"key\[1\] \(page\) must be an int, got bool"),
+        (lambda: pool.lookup((0, float("nan"))), TypeError, r"key\[1\] \(page\) must be an int, got float nan"),
+        (lambda: pool.lookup((0, 1, 2)), TypeError, r"a key is \(layer, page\)"),
+        (lambda: pool.assign(("0", 1)), TypeError, r"key\[0\] \(layer\) must be an int, got str"),
+        (lambda: pool.put((0, 1), 1.0), TypeError, "slot must be an int, got float"),
+        (lambda: pool.put((0, 1), True), TypeError, "slot must be an int, got bool"),
+        (lambda: pool.put((0, 1), -1), HssError, r"slot -1 is not a poolable slot \(0..3\)"),
+        (lambda: pool.slot_ptr(2.0), TypeError, "slot must be an int, got float"),
+        (lambda: pool.stripe_ptr(0, 1.0, 0), TypeError, "kind must be an int, got float"),
+        (lambda: pool.stripe_ptr(0, True, 0), TypeError, "kind must be an int, got bool"),
+        (lambda: pool.stripe_ptr(0, 0, 0.0), TypeError, "kv_head must be an int, got float"),
+        (lambda: pool.key_of(-1), HssError, "slot -1 is not a poolable slot"),
+        (lambda: pool.key_of(4), HssError, "slot 4 is not a poolable slot"),       # reserved
+        (lambda: pool.key_of(1.0), TypeError, "slot must be an int, got float"),
+        (lambda: pool.lookup_many(0.0, [1]), TypeError, "layer must be an int, got float"),
+        (lambda: pool.lookup_many(3, [1]), HssError, r"layer 3 is out of range 0..2"),
+        (lambda: pool.lookup_many(0, [1.5]), TypeError, "pages must be integers, got float64"),
+        (lambda: pool.lookup_many(0, [True]), TypeError, "pages must be integers, got bool"),
+        (lambda: pool.lookup_many(0, [10, -1]), HssError, r"pages \[10, -1\] are out of range 0..9"),
+        (lambda: pool.holds([0.5]), TypeError, "slots must be integers"),
+        (lambda: pool.holds([4]), HssError, r"slots \[4\] are out of range 0..3"),
+        (lambda: pool.invalidate((0, 1.0)), TypeError, r"key\[1\] \(page\) must be an int"),
+        (lambda: pool.invalidate_page(1.0), TypeError, "page must be an int, got float"),
+        (lambda: pool.invalidate_page(10), HssError, r"page 10 is out of range 0..9")]:
+        with pytest.raises(err, match=words):
+            call()
+    assert pool.free_slots() == [0, 1, 2, 3] and pool.residents() == {}, "nothing changed"
+    slot = pool.assign((np.int64(0), np.int32(5)))
+    assert pool.lookup((np.uint8(0), np.int16(5))) == slot and pool.key_of(np.int64(slot)) == (0, 5)
+    assert all(type(x) is int for x in pool.key_of(slot)) and pool.residents() == {(0, 5): slot}
+    assert pool.lookup_many(np.int32(0), np.array([5, 6], np.uint16)).tolist() == [slot, -1]
+    assert pool.put((0, 6), np.int64(1)) is None and pool.holds(np.array([0, 1, 2], np.uint8)).tolist() == \
+        [True, True, False]
+    assert pool.slot_ptr(np.int8(1)) == pool.ptr + g.block_bytes
+    for p in (7, 8):
+        pool.assign((1, p))
+    with pytest.raises(TypeError, match=r"candidates\[1\] must be an int, got float"):
+        pool.assign((2, 9), candidates=[4, 0.5])                  # full: the candidates are read
+    assert pool.assign((2, 9), candidates=[np.int64(9), np.uint8(2)]) == 2 and pool.lookup((1, 7)) is None
+
+
+def test_hostile_allocator_arguments() -> None:
+    a = DiskBlockAllocator(np.int32(3))
+    assert type(a.capacity) is int and a.alloc() == 0
+    for call, words in [(lambda: DiskBlockAllocator(3.0), "capacity must be an int, got float"),
+                        (lambda: a.inc_ref(0.5), "block must be an int, got float"),
+                        (lambda: a.dec_ref(True), "block must be an int, got bool"),
+                        (lambda: a.refcount("0"), "block must be an int, got str")]:
+        with pytest.raises(TypeError, match=words):
+            call()
+    a.inc_ref(np.int64(0))
+    assert a.refcount(np.uint8(0)) == 2 and a.dec_ref(np.int16(0)) is False

@@ -181,18 +181,20 @@ def test_validity_bitmap(ctx, stream, rng, tmp_path, monkeypatch) -> None:
 def test_write_and_read_argument_errors(ctx, stream, tmp_path, kind: str) -> None:
     store = make(kind, tmp_path, ctx)
     img = np.zeros(LAYOUT.block_bytes, np.uint8)
+    sink = cm.DeviceBuffer(2 * LAYOUT.block_bytes)
     for call, err, words in [
         (lambda: store.write_page(0, 0, img[:-1]), StoreError,
          r"a page image is block_bytes = .* = 16384 bytes, got 16383"),
         (lambda: store.write_page(2, 0, img), StoreError, "layer 2 is out of range: this store has 2 layers"),
-        (lambda: store.write_page(0, 12, img), StoreError, r"pages \[12\] are out of range 0..11"),
+        (lambda: store.write_page(0, 12, img), StoreError, r"page 12 is out of range 0..11"),
         (lambda: store.write_group(0, 0, 0, 0, b"\0" * 4096), StoreError, "a group is .* = 1024 bytes, got 4096"),
         (lambda: store.write_group(0, 0, 2, 0, b"\0" * 1024), HssError, "kind 2 must be 0"),
-        (lambda: store.read_pages(stream, 0, [0, 1], [0]), HssError, "2 pages but 1 destinations"),
+        (lambda: store.read_pages(stream, 0, [0, 1], [sink.ptr]), HssError, "2 pages but 1 destinations"),
         (lambda: store.read_pages(stream, 0, [0.5], [0]), TypeError, "pages must be integers"),
         (lambda: store.read_pages(stream, -1, [0], [0]), StoreError, "layer -1 is out of range")]:
         with pytest.raises(err, match=words):
             call()
+    sink.close()
     store.close()
     store.close()
     with pytest.raises(HssError, match=f"this {type(store).__name__} is closed"):
@@ -365,3 +367,100 @@ def test_prepare_reads_checks_everything_first(ctx, stream, rng, tmp_path, monke
     with pytest.raises(HssError, match="is closed"):
         reads.issue(0, stream)
     dev.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_hostile_store_arguments(ctx, stream, rng, tmp_path, monkeypatch, kind: str) -> None:
+    """Writes, reads and prepared groups: a wrong type is a TypeError naming the parameter; closed, null, too
+    small, host or device-instead-of-host buffers an HssError naming it; none of it reaches the device or
+    changes what is valid. numpy integers are ids like any other."""
+    bb = LAYOUT.block_bytes
+    img = images(rng, 1)[0]
+    store = make(kind, tmp_path, ctx)
+    store.write_page(0, 0, img)
+    sink, small, closed, gone = cm.DeviceBuffer(2 * bb), cm.DeviceBuffer(100), cm.DeviceBuffer(bb), \
+        cm.PinnedBuffer(bb)
+    closed.close()
+    gone.close()
+    reads = store.prepare_reads(0, [0], [sink.ptr], [0, 1])
+    cm.stream_sync(stream)
+    work: list = []
+    for call in ("cuMemcpyBatchAsync", "cuMemcpyHtoDAsync", "cuEventRecord", "cuStreamWaitEvent"):
+        real = getattr(_driver.api, call)
+        monkeypatch.setattr(_driver.api, call, lambda *a, _r=real, _c=call: (work.append(_c), _r(*a))[1])
+    group = img[:LAYOUT.group_bytes]
+    for call, err, words in [
+        (lambda: store.write_page(0.0, 1, img), TypeError, "layer must be an int, got float"),
+        (lambda: store.write_page(0, True, img), TypeError, "page must be an int, got bool"),
+        (lambda: store.write_page(0, float("nan"), img), TypeError, "page must be an int, got float nan"),
+        (lambda: store.write_page(0, "1", img), TypeError, "page must be an int, got str"),
+        (lambda: store.write_page(0, 1, "abc"), TypeError, "image must be a host buffer"),
+        (lambda: store.write_page(0, 1, 12345), TypeError, "image must be host data .* not an address"),
+        (lambda: store.write_page(0, 1, gone), HssError, "image is a closed PinnedBuffer"),
+        (lambda: store.write_page(0, 1, sink), HssError, "image is device memory"),
+        (lambda: store.write_page(0, 1, img.reshape(4, -1)[:, ::2]), HssError, "image must be C-contiguous"),
+        (lambda: store.write_group(0, 1, 0.0, 0, group), TypeError, "kind must be an int, got float"),
+        (lambda: store.write_group(0, 1, 0, True, group), TypeError, "kv_head must be an int, got bool"),
+        (lambda: store.write_group(0, np.float32(1), 0, 0, group), TypeError, "page must be an int, got float32"),
+        (lambda: store.write_group(0, 1, 0, 0, None), TypeError, "data must be a host buffer"),
+        (lambda: store.read_pages(None, 0, [0], [sink.ptr]), TypeError, "stream: a stream is required"),
+        (lambda: store.read_pages(stream, 0, [True], [sink.ptr]), TypeError, "pages must be integers, got bool"),
+        (lambda: store.read_pages(stream, 0, ["0"], [sink.ptr]), TypeError, "pages must be integers"),
+        (lambda: store.read_pages(stream, 0, [0], [1.5]), TypeError, r"dsts\[0\]: cannot use float"),
+        (lambda: store.read_pages(stream, 0, [0], np.array([1.5])), TypeError,
+         r"dsts must be device addresses \(integers\), got float64"),
+        (lambda: store.read_pages(stream, 0, [0], sink), TypeError, "dsts must be a sequence of device addresses"),
+        (lambda: store.read_pages(stream, 0, [0], [closed]), HssError, r"dsts\[0\] is a closed DeviceBuffer"),
+        (lambda: store.read_pages(stream, 0, [0], [small]), HssError,
+         r"dsts\[0\] holds 100 bytes but 16384 are needed \(room for one page\)"),
+        (lambda: store.read_pages(stream, 0, [0], [small.ptr]), HssError, r"dsts\[0\]: 16384 bytes .* run past"),
+        (lambda: store.read_pages(stream, 0, [0], [0]), HssError, r"dsts\[0\] is a null pointer"),
+        (lambda: store.read_pages(stream, 0, [0], [np.zeros(bb, np.uint8)]), HssError,
+         r"dsts\[0\] is a host numpy array"),
+        (lambda: store.read_pages(stream, 0, [0], np.array([0])), HssError, "dsts holds 0, not a device address"),
+        (lambda: store.read_pages(stream, 0, [0], np.array([small.ptr])), HssError, "run past the end"),
+        (lambda: store.prepare_reads(0, [0], [sink.ptr], [0, 0.5]), TypeError, "bounds must be integers"),
+        (lambda: reads.issue(0.0, stream), TypeError, "group must be an int, got float"),
+        (lambda: reads.issue(True, stream), TypeError, "group must be an int, got bool"),
+        (lambda: reads.issue(0, None), TypeError, "stream: a stream is required"),
+        (lambda: reads.issue(0, "s"), TypeError, "stream: a stream is required"),
+        (lambda: reads.issue(-1, stream), IndexError, "group -1 is out of range: 1 groups"),
+        (lambda: reads.nbytes(-1), IndexError, "group -1 is out of range"),
+        (lambda: reads.nbytes(0.0), TypeError, "group must be an int"),
+        (lambda: store.page_valid(0, 1.5), TypeError, "page must be an int, got float"),
+        (lambda: store.page_valid(np.float64(0), 1), TypeError, "layer must be an int, got float64"),
+        (lambda: store.invalidate_page(0, True), TypeError, "page must be an int, got bool"),
+        (lambda: store.invalidate_block("3"), TypeError, "page must be an int, got str"),
+        (lambda: store.missing_pages(0, [1.0]), TypeError, "pages must be integers")]:
+        with pytest.raises(err, match=words):
+            call()
+        assert work == [], f"{words}: device work was queued before the error"
+    assert store.page_valid(0, 0) and store.missing_pages(0, range(12)).tolist() == list(range(1, 12))
+    for call, words in [(lambda: HostStore(LAYOUT, 2.0, ctx=ctx), "num_layers must be an int, got float"),
+                        (lambda: FileStore(tmp_path / "x", LAYOUT, True), "num_layers must be an int, got bool"),
+                        (lambda: FileStore(tmp_path / "y", LAYOUT, 1, qd=2.5), "qd must be an int, got float"),
+                        (lambda: FileStore(tmp_path / "z", LAYOUT, 1, bounce_pages=True),
+                         "bounce_pages must be an int, got bool")]:
+        with pytest.raises(TypeError, match=words):
+            call()
+    monkeypatch.undo()
+    # numpy integers, a PinnedBuffer image, numpy addresses and an issued numpy group index
+    pin = cm.PinnedBuffer(bb)
+    pin.array[:] = img
+    store.write_page(np.int64(1), np.uint8(3), pin)
+    assert store.page_valid(np.int32(1), np.int16(3))
+    assert store.read_pages(stream, np.int64(1), np.array([3], np.uint16), [np.int64(sink.ptr + bb)]) == bb
+    assert reads.issue(np.int64(0), stream) == bb and reads.nbytes(np.uint8(0)) == bb
+    got = download(sink, (2, bb), np.uint8, stream)
+    assert np.array_equal(got[0], img) and np.array_equal(got[1], img)
+    if kind == "host":
+        assert store.offset(np.int8(1), np.uint16(3)) == LAYOUT.bytes_per_layer + 3 * bb
+        with pytest.raises(TypeError, match="page must be an int"):
+            store.offset(0, 1.0)
+    store.close()
+    for call in (lambda: store.write_page(0, 0, img), lambda: store.read_pages(stream, 0, [0], [sink.ptr]),
+                 lambda: store.prepare_reads(0, [0], [sink.ptr], [0, 1]), lambda: reads.issue(0, stream)):
+        with pytest.raises(HssError, match="is closed"):
+            call()
+    for b in (sink, small, pin):
+        b.close()

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hss import _args
 from hss.errors import HssError
-from hss._args import as_int
 
 __all__ = ["HighSpeedSwapConfig", "ModelDims", "DiskBlockAllocator", "HighSpeedSwapDiagnostic", "STORES"]
 
@@ -43,6 +43,12 @@ class HighSpeedSwapConfig:
     stream_tile_blocks: int | None = None
     direct: bool | None = None
 
+    def __post_init__(self) -> None:
+        _args.int_fields(self)      # numpy integers become Python ints; float, bool, str: TypeError naming the field
+        if self.stream_tile_blocks is not None:
+            object.__setattr__(self, "stream_tile_blocks",
+                               _args.as_int("HighSpeedSwapConfig.stream_tile_blocks", self.stream_tile_blocks))
+
     def validate(self) -> None:
         """Raise :class:`HssError` (``TypeError`` for wrong types) naming the first bad field."""
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
@@ -50,7 +56,7 @@ class HighSpeedSwapConfig:
         checks = (("bytes", 1, None), ("resident_blocks", 1, None), ("rank", 1, 128), ("qd", 1, 64),
                   ("projection_seed", 0, 2**64 - 1))
         for name, lo, hi in checks:
-            v = as_int(f"HighSpeedSwapConfig.{name}", getattr(self, name))
+            v = getattr(self, name)        # an int: __post_init__ converted it
             if v < lo or (hi is not None and v > hi):
                 span = f">= {lo}" if hi is None else f"in {lo}..{hi}"
                 raise HssError(f"HighSpeedSwapConfig.{name} must be {span} (got {v})")
@@ -70,8 +76,8 @@ class HighSpeedSwapConfig:
     def tile_blocks(self) -> int:
         """T: pages per streamed tile."""
         if self.stream_tile_blocks is None:
-            return max(1, as_int("HighSpeedSwapConfig.resident_blocks", self.resident_blocks) // 4)
-        return as_int("HighSpeedSwapConfig.stream_tile_blocks", self.stream_tile_blocks)
+            return max(1, self.resident_blocks // 4)
+        return self.stream_tile_blocks
 
     @property
     def resident_capacity(self) -> int:
@@ -99,13 +105,16 @@ class ModelDims:
     block_size: int
     model_fp: str | None = None
 
+    def __post_init__(self) -> None:
+        _args.int_fields(self)      # numpy integers become Python ints; float, bool, str: TypeError naming the field
+
     def validate(self) -> None:
         limits = {"num_layers": 2**32 - 1, "max_blocks_per_layer": _I32_MAX, "num_q_heads": 65535,
                   "num_kv_heads": 65535, "head_dim": 256, "block_size": 65535}
         for f in dataclasses.fields(self):
             if f.name == "model_fp":
                 continue
-            v = as_int(f"ModelDims.{f.name}", getattr(self, f.name))
+            v = getattr(self, f.name)      # an int: __post_init__ converted it
             if not 1 <= v <= limits[f.name]:
                 raise HssError(f"ModelDims.{f.name} must be in 1..{limits[f.name]} (got {v})")
         if self.num_q_heads % self.num_kv_heads:
@@ -124,7 +133,7 @@ class DiskBlockAllocator:
     """
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = as_int("capacity", capacity)
+        self.capacity = _args.as_int("capacity", capacity)
         if self.capacity < 0:
             raise HssError(f"capacity must be >= 0 (got {self.capacity})")
         self.next_id = 0
@@ -144,7 +153,7 @@ class DiskBlockAllocator:
         return i
 
     def _id(self, block: int) -> int:
-        b = as_int("block", block)
+        b = _args.as_int("block", block)
         if not 0 <= b < self.next_id:
             raise HssError(f"disk block id {b} was never allocated (ids so far: 0..{self.next_id - 1})")
         return b

@@ -10,11 +10,11 @@ overwrite, never what attention reads. Pure host bookkeeping.
 """
 from __future__ import annotations
 
-import operator
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
+from hss import _args
 from hss.errors import HssError
 
 __all__ = ["EvictionPolicy"]
@@ -22,11 +22,21 @@ __all__ = ["EvictionPolicy"]
 _U64 = 2**64
 
 
+def _array(name: str, values: Any, what: str) -> np.ndarray:
+    """``values`` (an array or any iterable) as a numpy array; its dtype is the caller's to check."""
+    if isinstance(values, np.ndarray):
+        return values
+    try:
+        return np.asarray(list(values))
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of {what}, got {type(values).__name__}") from None
+
+
 class EvictionPolicy:
     """Scores and recency of ``num_slots`` scratch slots (0 slots is allowed: nothing is ever ranked)."""
 
     def __init__(self, num_slots: int) -> None:
-        n = operator.index(num_slots)
+        n = _args.as_int("num_slots", num_slots)
         if n < 0:
             raise HssError(f"num_slots must be >= 0 (got {n})")
         self.num_slots = n
@@ -34,16 +44,19 @@ class EvictionPolicy:
         self.last_access = np.zeros(n, dtype=np.uint64)
         self.epoch = 1
 
-    def _slot(self, slot: int) -> int:
-        s = operator.index(slot)
+    def _slot(self, slot: Any) -> int:
+        s = _args.as_int("slot", slot)
         if not 0 <= s < self.num_slots:
             raise HssError(f"slot {s} is out of range 0..{self.num_slots - 1}")
         return s
 
-    def _slots(self, slots: Iterable[int]) -> np.ndarray:
-        arr = np.asarray(list(slots) if not isinstance(slots, np.ndarray) else slots, dtype=np.int64).reshape(-1)
+    def _slots(self, slots: Iterable[int], name: str = "slots") -> np.ndarray:
+        arr = _array(name, slots, "slot indices")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False).reshape(-1)
         if arr.size and arr.view(np.uint64).max() >= self.num_slots:     # a negative slot wraps to a huge one
-            raise HssError(f"slots must be in 0..{self.num_slots - 1}")
+            raise HssError(f"{name} must be in 0..{self.num_slots - 1}")
         return arr
 
     def touch(self, slot: int) -> None:
@@ -59,11 +72,17 @@ class EvictionPolicy:
 
     def record_score(self, slot: int, score: float) -> None:
         """Remember the predictor score of the page now held by ``slot``."""
-        self.last_score[self._slot(slot)] = np.float32(score)
+        self.last_score[self._slot(slot)] = np.float32(_args.as_float("score", score, finite=False))
 
     def record_scores(self, slots: Iterable[int], scores: Iterable[float]) -> None:
+        """:meth:`record_score` of each ``(slots[i], scores[i])``."""
         arr = self._slots(slots)
-        self.last_score[arr] = np.asarray(scores, dtype=np.float32).reshape(-1)
+        sc = _array("scores", scores, "scores")
+        if sc.size and sc.dtype.kind not in "fiu":
+            raise TypeError(f"scores must be numbers, got {sc.dtype}")
+        if sc.size != arr.size:
+            raise HssError(f"{arr.size} slots but {sc.size} scores")
+        self.last_score[arr] = sc.astype(np.float32, copy=False).reshape(-1)
 
     def reset(self) -> None:
         """Scores -inf, accesses 0, epoch 1."""
@@ -73,7 +92,7 @@ class EvictionPolicy:
 
     def rank(self, pinned: Iterable[int] = ()) -> np.ndarray:
         """Every slot not in ``pinned``, first eviction choice first (see the module docstring)."""
-        pin = self._slots(pinned)
+        pin = self._slots(pinned, "pinned")
         if pin.size:
             keep = np.ones(self.num_slots, dtype=bool)
             keep[pin] = False
@@ -101,5 +120,6 @@ class EvictionPolicy:
     def yields_to(old_score: float, new_score: float) -> bool:
         """Whether a slot scored ``old_score`` ranks before a page scored ``new_score`` touched now (so the
         page may take the slot): the new page is the most recent, so it wins ties and any NaN comparison."""
-        o, n = np.float32(old_score), np.float32(new_score)
+        o = np.float32(_args.as_float("old_score", old_score, finite=False))
+        n = np.float32(_args.as_float("new_score", new_score, finite=False))
         return bool(np.isnan(o) or np.isnan(n) or o <= n)

@@ -5,6 +5,7 @@ A *group* is one (layer, page, kind, kv_head) stripe, kind K = 0 or V = 1: bf16 
 every group and every page is O_DIRECT-aligned). A page is ``block_bytes = 2 * num_kv_heads *
 group_stride``: all K stripes (kv_head ascending) then all V stripes. A layer file is ``num_blocks`` pages
 back to back; a scratch slot holds one page in the same layout. Pure arithmetic: no device, no files.
+:func:`host_bytes` reads a host page argument (the argument layer's host-buffer rules).
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hss import _args
+from hss import cuda_min as cm
 from hss.errors import HssError
-from hss._args import as_int
 
-__all__ = ["GroupLayout", "K", "V", "KIND_NAMES"]
+__all__ = ["GroupLayout", "K", "V", "KIND_NAMES", "host_bytes"]
 
 K, V = 0, 1
 KIND_NAMES = ("K", "V")
@@ -25,6 +27,24 @@ KIND_NAMES = ("K", "V")
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def host_bytes(name: str, data: Any) -> np.ndarray:
+    """The bytes of host argument ``name`` as a flat uint8 array (a view where ``data`` allows one): a numpy array
+    (C-contiguous), a bytes-like object or a :class:`~hss.cuda_min.PinnedBuffer`, by the argument layer's
+    host-buffer rules (device memory and closed buffers: :class:`HssError`; anything else: ``TypeError``).
+    The caller checks the size."""
+    if isinstance(data, (int, np.integer)) and not isinstance(data, (bool, np.bool_)):
+        raise TypeError(f"{name} must be host data (a numpy array, a bytes-like object or a PinnedBuffer), not an "
+                        "address: its bytes are read on the host")
+    _args.host_buffer(data, 0, False, name)
+    if isinstance(data, np.ndarray):
+        if data.dtype.hasobject:
+            raise TypeError(f"{name} holds Python objects ({data.dtype}); pass a numeric array")
+        return data.reshape(-1).view(np.uint8)
+    if isinstance(data, cm.PinnedBuffer):
+        return data.array
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -43,8 +63,9 @@ class GroupLayout:
     fs_block_size: int = 4096
 
     def __post_init__(self) -> None:
+        _args.int_fields(self)      # numpy integers become Python ints (no int32 wrap in the sizes); else TypeError
         for name in ("num_blocks", "num_kv_heads", "block_size", "head_dim", "elem_bytes", "fs_block_size"):
-            if as_int(name, getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise HssError(f"GroupLayout.{name} must be >= 1 (got {getattr(self, name)})")
         fs = self.fs_block_size
         if fs & (fs - 1):
@@ -77,7 +98,7 @@ class GroupLayout:
 
     # -- addresses -----------------------------------------------------------------------------
     def _check(self, page: int, kind: int, kv_head: int) -> tuple[int, int, int]:
-        page, kind, kv_head = as_int("page", page), as_int("kind", kind), as_int("kv_head", kv_head)
+        page, kind, kv_head = _args.as_int("page", page), _args.as_int("kind", kind), _args.as_int("kv_head", kv_head)
         if not 0 <= page < self.num_blocks:
             raise HssError(f"page {page} is out of range: a layer has {self.num_blocks} pages "
                            f"(0..{self.num_blocks - 1})")
@@ -100,7 +121,7 @@ class GroupLayout:
 
     def group_id(self, layer: int, page: int, kind: int, kv_head: int) -> int:
         """Dense id: layer*groups_per_layer + page*(2*nkv) + kind*nkv + kv_head."""
-        layer = as_int("layer", layer)
+        layer = _args.as_int("layer", layer)
         if layer < 0:
             raise HssError(f"layer must be >= 0 (got {layer})")
         page, kind, kv_head = self._check(page, kind, kv_head)
@@ -109,7 +130,7 @@ class GroupLayout:
 
     def locate(self, offset_in_page: int) -> tuple[int, int]:
         """(kind, kv_head) of the group holding byte ``offset_in_page`` of a page."""
-        g = as_int("offset_in_page", offset_in_page) // self.group_stride
+        g = _args.as_int("offset_in_page", offset_in_page) // self.group_stride
         if not 0 <= g < 2 * self.num_kv_heads:
             raise HssError(f"offset {offset_in_page} is outside a {self.block_bytes}-byte page")
         return g // self.num_kv_heads, g % self.num_kv_heads
@@ -117,16 +138,7 @@ class GroupLayout:
     # -- page images ---------------------------------------------------------------------------
     def _tokens(self, name: str, data: Any) -> np.ndarray:
         want = self.block_size * self.num_kv_heads * self.head_dim * 2
-        if isinstance(data, np.ndarray):
-            if not data.flags.c_contiguous:
-                raise HssError(f"{name} must be C-contiguous; pass np.ascontiguousarray(...)")
-            raw = data.reshape(-1).view(np.uint8)
-        else:
-            try:
-                raw = np.frombuffer(data, dtype=np.uint8)
-            except TypeError:
-                raise TypeError(f"{name} must be a numpy array or a bytes-like object, "
-                                f"not {type(data).__name__}") from None
+        raw = host_bytes(name, data)
         if raw.nbytes != want:
             raise HssError(f"{name} holds {raw.nbytes} bytes but one page is block_size*num_kv_heads*head_dim "
                            f"bf16 = {self.block_size}*{self.num_kv_heads}*{self.head_dim}*2 = {want} bytes "
@@ -146,7 +158,7 @@ class GroupLayout:
 
     def unpack_page(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Host K and V ``[block_size, nkv, hd]`` bf16 of a page image (the inverse of :meth:`pack_page`)."""
-        raw = np.asarray(image).reshape(-1).view(np.uint8)
+        raw = host_bytes("image", image)
         if raw.nbytes != self.block_bytes:
             raise HssError(f"a page image is {self.block_bytes} bytes, got {raw.nbytes}")
         n = self.block_size * self.head_dim

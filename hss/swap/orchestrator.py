@@ -51,14 +51,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
-from hss.attention import _pointer as _device_arg
 from hss.predictor import Predictor, PredictorDims
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
-from hss._args import as_int
 from hss.swap.layout import GroupLayout
 from hss.swap.pool import ScratchPool
 from hss.swap.stores import BackingStore, FileStore, HostStore, StoreError
@@ -153,13 +152,13 @@ class HighSpeedSwap:
     def __init__(self, ctx: cm.CudaCtx, cfg: HighSpeedSwapConfig, model: ModelDims) -> None:
         if not isinstance(ctx, cm.CudaCtx):
             raise TypeError(f"ctx must be a CudaCtx, got {type(ctx).__name__}; new_on_stream takes a stream")
-        self._build(ctx, ctx.stream, cfg, model)
+        self._build(ctx, _args.stream(ctx, "ctx"), cfg, model)
 
     @classmethod
     def new_on_stream(cls, stream: Any, cfg: HighSpeedSwapConfig, model: ModelDims) -> "HighSpeedSwap":
         """The original's constructor: set up on ``stream`` in the thread's current context."""
         self = cls.__new__(cls)
-        self._build(None, cm.stream_handle(stream), cfg, model)
+        self._build(None, _args.stream(stream), cfg, model)
         return self
 
     def _build(self, ctx: cm.CudaCtx | None, stream: int, cfg: HighSpeedSwapConfig, model: ModelDims) -> None:
@@ -231,6 +230,11 @@ class HighSpeedSwap:
         self.eviction = EvictionPolicy(R)
         self.disk = DiskBlockAllocator(model.max_blocks_per_layer)
         self._operands = self.pool.attention_operands(self.attn)
+        rowbytes = 2 * model.num_q_heads * model.head_dim      # q and out: bf16 [num_q_heads, head_dim]
+        self._q_arg = _args.pointer_arg("q_dev", rowbytes, 2, "bf16", False, "bf16 [num_q_heads, head_dim]")
+        self._out_arg = _args.pointer_arg("out_dev", rowbytes, 2, "bf16", True,
+                                          "a bf16 [num_q_heads, head_dim] output")
+        self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
         self._stepped = False
         self.last_step: StepRecord | None = None
         self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0)
@@ -246,13 +250,13 @@ class HighSpeedSwap:
             raise HssError("this HighSpeedSwap is closed")
 
     def _layer(self, layer: Any) -> int:
-        v = as_int("layer", layer)
+        v = _args.as_int("layer", layer)
         if not 0 <= v < self.model.num_layers:
             raise HssError(f"layer {v} is out of range: the model has {self.model.num_layers} layers")
         return v
 
     def _block(self, block: Any) -> int:
-        v = as_int("block", block)
+        v = _args.as_int("block", block)
         if not 0 <= v < self.model.max_blocks_per_layer:
             raise HssError(f"block {v} is out of range 0..{self.model.max_blocks_per_layer - 1} "
                            "(ModelDims.max_blocks_per_layer)")
@@ -260,10 +264,10 @@ class HighSpeedSwap:
 
     def _seq_ids(self, seq_block_ids: Any) -> np.ndarray:
         arr = np.asarray(seq_block_ids)
+        if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind not in "f"):   # [] is float64
+            raise TypeError(f"seq_block_ids must hold ints, got {arr.dtype}")
         if arr.ndim != 1:
             raise HssError(f"seq_block_ids must be a 1-D sequence of block ids, got shape {arr.shape}")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"seq_block_ids must hold ints, got {arr.dtype}")
         arr = arr.astype(np.int64)       # our own copy: the step record keeps it
         if not arr.size:
             return arr
@@ -280,17 +284,17 @@ class HighSpeedSwap:
     def _lbvs(self, lbvs: Any, q_pos: Any) -> int:
         bs = self.model.block_size
         if q_pos is not None:
-            qp = as_int("q_pos", q_pos)
+            qp = _args.as_int("q_pos", q_pos)
             if qp < 0:
                 raise HssError(f"q_pos must be >= 0 (got {qp})")
             from_pos = qp % bs + 1
-            if lbvs is not None and as_int("last_block_valid_slots", lbvs) != from_pos:
+            if lbvs is not None and _args.as_int("last_block_valid_slots", lbvs) != from_pos:
                 raise HssError(f"last_block_valid_slots ({lbvs}) disagrees with q_pos {qp} (which gives "
                                f"q_pos % block_size + 1 = {from_pos}); pass one of them")
             return from_pos
         if lbvs is None:
             return bs
-        v = as_int("last_block_valid_slots", lbvs)
+        v = _args.as_int("last_block_valid_slots", lbvs)
         if not -2**31 <= v < 2**31:
             raise HssError(f"last_block_valid_slots ({v}) must fit in int32")
         return v
@@ -299,7 +303,7 @@ class HighSpeedSwap:
     def offload_block(self, ctx: cm.CudaCtx, layer: int, block: int, k_block_dev: Any, k_host: Any,
                       v_host: Any) -> None:
         """:meth:`offload_block_on_stream` on ``ctx.stream``."""
-        self.offload_block_on_stream(ctx.stream, layer, block, k_block_dev, k_host, v_host)
+        self.offload_block_on_stream(_args.stream(ctx, "ctx"), layer, block, k_block_dev, k_host, v_host)
 
     def offload_block_on_stream(self, stream: Any, layer: int, block: int, k_block_dev: Any, k_host: Any,
                                 v_host: Any) -> None:
@@ -311,9 +315,12 @@ class HighSpeedSwap:
         page is dropped from the scratch pool.
         """
         self._live()
+        s = _args.stream(stream)
         layer, block = self._layer(layer), self._block(block)
+        k = _args.pointer(k_block_dev, "k_block_dev", self._page_bytes, 2, "bf16", stream=s,
+                          what="one bf16 [block_size, num_kv_heads, head_dim] KV page")
         image = self.layout.pack_page(k_host, v_host)
-        self.predictor.project_kv_block_on_stream(cm.stream_handle(stream), layer, block, k_block_dev)
+        self.predictor.project_kv_block_on_stream(s, layer, block, k)
         self._store(layer, block, image)
 
     def offload_block_no_predict_on_stream(self, stream: Any, layer: int, block: int, k_host: Any,
@@ -321,7 +328,7 @@ class HighSpeedSwap:
         """:meth:`offload_block_on_stream` without the projection (quantized caches): the block's A_g slot
         keeps what it had (zeros if never written), so its score is stale; eviction still works."""
         self._live()
-        cm.stream_handle(stream)
+        _args.stream(stream)
         layer, block = self._layer(layer), self._block(block)
         self._store(layer, block, self.layout.pack_page(k_host, v_host))
 
@@ -334,14 +341,18 @@ class HighSpeedSwap:
     # -- disk block ids --------------------------------------------------------------------------
     def alloc_disk_block(self) -> int | None:
         """A free disk block id (refcount 1), or None when all ``max_blocks_per_layer`` are in use."""
+        self._live()
         return self.disk.alloc()
 
     def inc_ref(self, block: int) -> None:
+        self._live()
         self.disk.inc_ref(block)
 
     def dec_ref(self, block: int) -> bool:
         """Drop a reference; at 0 the id is freed and its pages (every layer) are forgotten by the store and
         the scratch pool, so a recycled id never serves stale data. Returns True when freed."""
+        self._live()
+        block = _args.as_int("block", block)
         freed = self.disk.dec_ref(block)
         if freed:
             self.store.invalidate_block(block)
@@ -355,7 +366,7 @@ class HighSpeedSwap:
     def attend_layer(self, ctx: cm.CudaCtx, layer: int, seq_block_ids: Any, q_dev: Any, out_dev: Any,
                      last_block_valid_slots: int | None = None, *, q_pos: int | None = None) -> StepRecord:
         """:meth:`attend_layer_on_stream` on ``ctx.stream``."""
-        return self.attend_layer_on_stream(ctx.stream, layer, seq_block_ids, q_dev, out_dev,
+        return self.attend_layer_on_stream(_args.stream(ctx, "ctx"), layer, seq_block_ids, q_dev, out_dev,
                                            last_block_valid_slots, q_pos=q_pos)
 
     def attend_layer_on_stream_with_q_pos(self, stream: Any, layer: int, seq_block_ids: Any, q_dev: Any,
@@ -376,14 +387,12 @@ class HighSpeedSwap:
         the predictor scores; otherwise asynchronous on ``stream``.
         """
         self._live()
-        s = cm.stream_handle(stream)
+        s = _args.stream(stream)
         layer = self._layer(layer)
         ids = self._seq_ids(seq_block_ids)
         lbvs = self._lbvs(last_block_valid_slots, q_pos)
         d = self.model
-        rowbytes = 2 * d.num_q_heads * d.head_dim
-        q = _device_arg(q_dev, "q_dev", 2, rowbytes, "bf16 [num_q_heads, head_dim]")
-        out = _device_arg(out_dev, "out_dev", 2, rowbytes, "a bf16 [num_q_heads, head_dim] output")
+        q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
         slots = self.pool.lookup_many(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)
@@ -426,7 +435,7 @@ class HighSpeedSwap:
         def attend(row: int, tile_lbvs: int) -> None:
             output = out if row == first + ns - 1 else 0   # the step's last tile also writes the output
             if row == 0:   # checks q, the pool and the strides once per step
-                ta.step_tile_on_stream(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs, output or None)
+                ta.step_tile(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs, output or None)
             else:
                 ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs, output)
 
@@ -443,7 +452,7 @@ class HighSpeedSwap:
                 self._queue_scores(s, layer, q, ids)
                 self._upload_tables(s, slots[hit_pos], first, ns, m)
                 self._ev_scores.record(s)   # covers the table upload: the next step may refill the pinned tables
-            ta.begin_step_on_stream(s, 1)
+            ta.begin_step(s, 1)
             if first:
                 attend(0, lbvs if last_is_hit else bs)
             if ns:
@@ -469,7 +478,7 @@ class HighSpeedSwap:
                 if i + 2 < ns:
                     read(i + 2)
             if not first + ns:   # no tile: the output of the empty state
-                ta.finalize_on_stream(s, out, 1)
+                ta.finalize(s, out, 1)
         finally:
             self._ev_step_done.record(s)
             self._stepped = True

@@ -14,11 +14,11 @@ device contents change only through copies the caller orders on its streams.
 from __future__ import annotations
 
 import collections
-import operator
 from typing import Any, Iterable
 
 import numpy as np
 
+from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError, PoolExhausted
 from hss.swap.layout import K, V, GroupLayout
@@ -39,7 +39,8 @@ class ScratchPool:
                  ctx: cm.CudaCtx | None = None) -> None:
         if not isinstance(layout, GroupLayout):
             raise TypeError(f"layout must be a GroupLayout, not {type(layout).__name__}")
-        n, r, nl = operator.index(num_slots), operator.index(reserved_slots), operator.index(num_layers)
+        n, r = _args.as_int("num_slots", num_slots), _args.as_int("reserved_slots", reserved_slots)
+        nl = _args.as_int("num_layers", num_layers)
         if n < 1:
             raise HssError(f"num_slots must be >= 1 (got {n})")
         if not 0 <= r <= n:
@@ -67,13 +68,14 @@ class ScratchPool:
 
     def slot_ptr(self, slot: int) -> int:
         """Device address of ``slot`` (any slot, reserved ones included)."""
-        s = operator.index(slot)
+        s = _args.as_int("slot", slot)
         if not 0 <= s < self.num_slots:
             raise HssError(f"slot {s} is out of range 0..{self.num_slots - 1}")
         return self.buffer.ptr + s * self.slot_bytes
 
     def stripe_ptr(self, slot: int, kind: int, kv_head: int) -> int:
         """Device address of the K (kind 0) or V (kind 1) stripe of ``kv_head`` in ``slot``."""
+        kind, kv_head = _args.as_int("kind", kind), _args.as_int("kv_head", kv_head)
         if kind not in (K, V) or not 0 <= kv_head < self.layout.num_kv_heads:
             raise HssError(f"kind must be 0 (K) or 1 (V) and kv_head in 0..{self.layout.num_kv_heads - 1}")
         return self.slot_ptr(slot) + (kind * self.layout.num_kv_heads + kv_head) * self.layout.group_stride
@@ -86,9 +88,10 @@ class ScratchPool:
     # -- bookkeeping -----------------------------------------------------------------------------
     def _key(self, key: Any) -> Key:
         try:
-            layer, page = (operator.index(x) for x in key)
+            layer, page = key
         except (TypeError, ValueError):
             raise TypeError(f"a key is (layer, page), got {key!r}") from None
+        layer, page = _args.as_int("key[0] (layer)", layer), _args.as_int("key[1] (page)", page)
         if not 0 <= layer < self.num_layers or not 0 <= page < self.layout.num_blocks:
             raise HssError(f"key (layer {layer}, page {page}) is out of range: layers 0..{self.num_layers - 1}, "
                            f"pages 0..{self.layout.num_blocks - 1}")
@@ -100,17 +103,38 @@ class ScratchPool:
         s = int(self._slot_of[layer, page])
         return s if s >= 0 else None
 
-    def lookup_many(self, layer: int, pages: np.ndarray) -> np.ndarray:
-        """Slots holding (layer, pages[i]) (int32; -1 where not resident). Pages must be in range."""
-        return self._slot_of[layer, np.asarray(pages, dtype=np.int64)]      # fancy indexing: a new array
+    def lookup_many(self, layer: int, pages: Any) -> np.ndarray:
+        """Slots holding (layer, pages[i]) (int32; -1 where not resident)."""
+        layer = _args.as_int("layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise HssError(f"layer {layer} is out of range 0..{self.num_layers - 1}")
+        return self._slot_of[layer, self._ints("pages", pages, self.layout.num_blocks)]   # fancy indexing: a copy
 
     def key_of(self, slot: int) -> Key | None:
         """The (layer, page) that ``slot`` holds, or None (free)."""
-        return self._key_of[slot]
+        return self._key_of[self._poolable(slot)]
 
-    def holds(self, slots: np.ndarray) -> np.ndarray:
+    def holds(self, slots: Any) -> np.ndarray:
         """Whether each of ``slots`` (poolable slots, an int array) holds a page (bool array)."""
-        return self._held[slots]
+        return self._held[self._ints("slots", slots, self.poolable_slots)]
+
+    def _poolable(self, slot: Any) -> int:
+        s = _args.as_int("slot", slot)
+        if not 0 <= s < self.poolable_slots:
+            raise HssError(f"slot {s} is not a poolable slot (0..{self.poolable_slots - 1})")
+        return s
+
+    @staticmethod
+    def _ints(name: str, values: Any, size: int) -> np.ndarray:
+        """``values`` (an int sequence or array) as int64, each in 0..size-1."""
+        arr = np.asarray(values)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False).reshape(-1)
+        if arr.size and arr.view(np.uint64).max() >= size:      # a negative value wraps to a huge one
+            bad = arr[(arr < 0) | (arr >= size)]
+            raise HssError(f"{name} {bad[:8].tolist()} are out of range 0..{size - 1}")
+        return arr
 
     @property
     def free_count(self) -> int:
@@ -139,8 +163,8 @@ class ScratchPool:
         if self._free:
             slot = self._free.popleft()
         else:
-            for c in candidates:
-                c = operator.index(c)
+            for i, c in enumerate(candidates):
+                c = _args.as_int(f"candidates[{i}]", c)
                 if 0 <= c < self.poolable_slots and self._key_of[c] is not None:
                     slot = c
                     break
@@ -155,10 +179,7 @@ class ScratchPool:
 
     def put(self, key: Key, slot: int) -> Key | None:
         """Place ``key`` in ``slot`` (free or resident); return the key it evicted, if any."""
-        key = self._key(key)
-        slot = operator.index(slot)
-        if not 0 <= slot < self.poolable_slots:
-            raise HssError(f"slot {slot} is not a poolable slot (0..{self.poolable_slots - 1})")
+        key, slot = self._key(key), self._poolable(slot)
         if self._slot_of[key] >= 0:
             raise HssError(f"{key} is already resident in slot {int(self._slot_of[key])}")
         old = self._key_of[slot]
@@ -184,6 +205,9 @@ class ScratchPool:
 
     def invalidate_page(self, page: int) -> list[int]:
         """:meth:`invalidate` ``page`` in every layer (a disk block id was freed); returns the freed slots."""
+        page = _args.as_int("page", page)
+        if not 0 <= page < self.layout.num_blocks:
+            raise HssError(f"page {page} is out of range 0..{self.layout.num_blocks - 1}")
         slots = []
         for layer in range(self.num_layers):
             s = self.invalidate((layer, page))

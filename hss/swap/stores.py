@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError, StoreError, StoreIOError
-from hss._args import as_int
-from hss.swap.layout import KIND_NAMES, GroupLayout
+from hss.swap.layout import GroupLayout, host_bytes
 
 __all__ = ["BackingStore", "HostStore", "FileStore", "PreparedReads", "StoreError", "StoreIOError", "layer_path"]
 
@@ -39,13 +39,6 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 def layer_path(directory: str | os.PathLike, layer: int) -> Path:
     """``<dir>/layer_{layer:05}.kv`` (SPEC §7.2)."""
     return Path(directory) / f"layer_{layer:05}.kv"
-
-
-def _raw(data: Any) -> np.ndarray:
-    """The bytes of a numpy array or a bytes-like object, as a flat uint8 array."""
-    if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(data, dtype=np.uint8)
 
 
 def _plan_runs(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int,
@@ -86,16 +79,25 @@ class PreparedReads:
     def __len__(self) -> int:
         return max(len(self.bounds) - 1, 0)
 
+    def _group(self, i: Any) -> int:
+        if type(i) is not int:
+            i = _args.as_int("group", i)
+        if not 0 <= i < len(self.bounds) - 1:
+            raise IndexError(f"group {i} is out of range: {len(self)} groups were prepared")
+        return i
+
     def nbytes(self, i: int) -> int:
         """Bytes that group i reads."""
+        i = self._group(i)
         return (self.bounds[i + 1] - self.bounds[i]) * self._block_bytes
 
     def issue(self, i: int, stream: Any) -> int:
         """Queue group i's reads on ``stream``; returns the bytes queued. A group issued after the store was
         written or invalidated is checked again (:class:`StoreError`, nothing queued). May block the host
         like ``read_pages``, never on ``stream`` itself."""
-        if not 0 <= i < len(self.bounds) - 1:
-            raise IndexError(f"group {i} is out of range: {len(self)} groups were prepared")
+        if type(i) is not int or not 0 <= i < len(self.bounds) - 1:   # the hot path: one check of an int
+            i = self._group(i)
+        s = _args.stream(stream)
         store = self.store
         lo, hi = self.bounds[i], self.bounds[i + 1]
         if store._closed or store._epoch != self._epoch:
@@ -103,7 +105,7 @@ class PreparedReads:
             store._check_valid(self.layer, self.pages[lo:hi])
         if hi == lo:
             return 0
-        store._issue(self, i, cm.stream_handle(stream))
+        store._issue(self, i, s)
         return (hi - lo) * self._block_bytes
 
     def __repr__(self) -> str:
@@ -124,11 +126,11 @@ class BackingStore:
     def __init__(self, layout: GroupLayout, num_layers: int, run_cap_bytes: int = 1 << 20) -> None:
         if not isinstance(layout, GroupLayout):
             raise TypeError(f"layout must be a GroupLayout, not {type(layout).__name__}")
-        nl = as_int("num_layers", num_layers)
+        nl = _args.as_int("num_layers", num_layers)
         if nl < 1:
             raise HssError(f"num_layers must be >= 1 (got {nl})")
         self.layout, self.num_layers = layout, nl
-        self.run_cap_pages = max(1, as_int("run_cap_bytes", run_cap_bytes) // layout.block_bytes)
+        self.run_cap_pages = max(1, _args.as_int("run_cap_bytes", run_cap_bytes) // layout.block_bytes)
         self._valid = np.zeros((nl, layout.num_blocks, 2 * layout.num_kv_heads), dtype=bool)
         self._page_ok = np.zeros((nl, layout.num_blocks), dtype=bool)   # every group of the page valid
         self._epoch = 0       # bumped whenever a page may stop being valid: prepared reads then check again
@@ -136,10 +138,16 @@ class BackingStore:
 
     # -- validity --------------------------------------------------------------------------------
     def _layer(self, layer: Any) -> int:
-        layer = as_int("layer", layer)
+        layer = _args.as_int("layer", layer)
         if not 0 <= layer < self.num_layers:
             raise StoreError(f"layer {layer} is out of range: this store has {self.num_layers} layers")
         return layer
+
+    def _page(self, page: Any) -> int:
+        page = _args.as_int("page", page)
+        if not 0 <= page < self.layout.num_blocks:
+            raise StoreError(f"page {page} is out of range 0..{self.layout.num_blocks - 1}")
+        return page
 
     def _pages(self, pages: Any) -> np.ndarray:
         arr = np.asarray(pages)
@@ -155,7 +163,7 @@ class BackingStore:
 
     def page_valid(self, layer: int, page: int) -> bool:
         """Whether every group of (layer, page) has been written completely."""
-        return bool(self._page_ok[self._layer(layer), self._pages([page])[0]])
+        return bool(self._page_ok[self._layer(layer), self._page(page)])
 
     def missing_pages(self, layer: int, pages: Any) -> np.ndarray:
         """Those of ``pages`` with a group never (or not completely) written."""
@@ -163,13 +171,13 @@ class BackingStore:
         return arr[~self._page_ok[self._layer(layer), arr]]
 
     def invalidate_page(self, layer: int, page: int) -> None:
-        layer, page = self._layer(layer), int(self._pages([page])[0])
+        layer, page = self._layer(layer), self._page(page)
         self._epoch += 1
         self._valid[layer, page] = self._page_ok[layer, page] = False
 
     def invalidate_block(self, page: int) -> None:
         """Invalidate ``page`` in every layer (its disk block id was freed)."""
-        page = int(self._pages([page])[0])
+        page = self._page(page)
         self._epoch += 1
         self._valid[:, page] = False
         self._page_ok[:, page] = False
@@ -185,8 +193,8 @@ class BackingStore:
     def write_page(self, layer: int, page: int, image: Any) -> None:
         """Write one page image (``block_bytes``; see :meth:`GroupLayout.pack_page`)."""
         self._live()
-        layer, page = self._layer(layer), int(self._pages([page])[0])
-        raw = _raw(image)
+        layer, page = self._layer(layer), self._page(page)
+        raw = host_bytes("image", image)
         if raw.nbytes != self.layout.block_bytes:
             raise StoreError(f"a page image is block_bytes = 2*num_kv_heads*group_stride = {self.layout.block_bytes} "
                              f"bytes, got {raw.nbytes}")
@@ -199,9 +207,10 @@ class BackingStore:
         """Write one group (the original's ``write_from_host``): exactly ``group_bytes`` bytes, zero-padded
         to ``group_stride``."""
         self._live()
-        layer = self._layer(layer)
-        off = self.layout.group_offset(page, kind, kv_head) - self.layout.page_offset(page)
-        raw = _raw(data)
+        layer, page = self._layer(layer), self._page(page)
+        kind, kv_head = _args.as_int("kind", kind), _args.as_int("kv_head", kv_head)
+        off = self.layout.group_offset(page, kind, kv_head) - page * self.layout.block_bytes
+        raw = host_bytes("data", data)
         if raw.nbytes != self.layout.group_bytes:
             raise StoreError(f"a group is block_size*head_dim*elem_bytes = {self.layout.group_bytes} bytes, "
                              f"got {raw.nbytes}")
@@ -219,7 +228,8 @@ class BackingStore:
         """Queue copies of (layer, pages[i]) into device addresses ``dsts[i]`` (``block_bytes`` each) on
         ``stream``; returns the bytes queued. May block the host (file reads, buffer reuse), never on
         ``stream`` itself. Raises :class:`StoreError` (nothing queued) if a page is not valid."""
-        return self.prepare_reads(layer, pages, dsts, [0, np.size(pages)]).issue(0, stream)
+        s = _args.stream(stream)
+        return self.prepare_reads(layer, pages, dsts, [0, np.size(pages)]).issue(0, s)
 
     def prepare_reads(self, layer: int, pages: Any, dsts: Any, bounds: Any) -> PreparedReads:
         """Check and plan reads of (layer, pages[i]) into device addresses ``dsts[i]`` once, in groups
@@ -230,8 +240,7 @@ class BackingStore:
         self._live()
         layer = self._layer(layer)
         pages = self._pages(pages)
-        dsts = np.array([cm.device_ptr(d) for d in dsts] if not isinstance(dsts, np.ndarray) else dsts,
-                        dtype=np.int64).reshape(-1)       # a copy, like pages: issued later, as prepared
+        dsts = self._dsts(dsts)
         if dsts.size != pages.size:
             raise HssError(f"{pages.size} pages but {dsts.size} destinations")
         b = np.asarray(bounds)
@@ -245,6 +254,25 @@ class BackingStore:
         reads = PreparedReads(self, layer, pages, dsts, b.tolist(), first, counts, at.tolist())
         self._prepared(reads)
         return reads
+
+    def _dsts(self, dsts: Any) -> np.ndarray:
+        """Destination addresses as int64 (a copy, like the pages: issued later, as prepared): an int array, each
+        non-null (its ranges are checked against the live hss buffers with the planned runs), or a sequence of
+        anything :func:`hss._args.pointer` takes, each with room for one page."""
+        if isinstance(dsts, np.ndarray):
+            if dsts.size and dsts.dtype.kind not in "iu":
+                raise TypeError(f"dsts must be device addresses (integers), got {dsts.dtype}")
+            arr = dsts.astype(np.int64).reshape(-1)
+            if arr.size and arr.min() <= 0:
+                raise HssError(f"dsts holds {int(arr.min())}, not a device address: pass non-null device addresses")
+            return arr
+        try:
+            items = list(dsts)
+        except TypeError:
+            raise TypeError(f"dsts must be a sequence of device addresses, got {type(dsts).__name__}") from None
+        bb = self.layout.block_bytes
+        return np.array([_args.pointer(d, f"dsts[{i}]", bb, write=True, what="room for one page")
+                         for i, d in enumerate(items)], dtype=np.int64)
 
     # -- subclass hooks, lifetime ----------------------------------------------------------------
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
@@ -293,7 +321,7 @@ class HostStore(BackingStore):
 
     def offset(self, layer: int, page: int) -> int:
         """Byte offset of (layer, page) in :attr:`buffer`."""
-        return self._layer(layer) * self.layout.bytes_per_layer + self.layout.page_offset(page)
+        return self._layer(layer) * self.layout.bytes_per_layer + self._page(page) * self.layout.block_bytes
 
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
         if self._reads_queued:
@@ -347,7 +375,7 @@ class FileStore(BackingStore):
         super().__init__(layout, num_layers, run_cap_bytes)
         if direct not in (None, True, False):
             raise TypeError(f"direct must be None (auto), True or False, not {direct!r}")
-        qd, bounce_pages = as_int("qd", qd), as_int("bounce_pages", bounce_pages)
+        qd, bounce_pages = _args.as_int("qd", qd), _args.as_int("bounce_pages", bounce_pages)
         if not 1 <= qd <= 64:
             raise HssError(f"qd ({qd}) must be in 1..64")
         if bounce_pages < 1:
@@ -452,6 +480,11 @@ class FileStore(BackingStore):
                                f"of {self.path(layer)}: {exc.strerror or exc}", exc.errno) from exc
 
     # -- reads -----------------------------------------------------------------------------------
+    def _prepared(self, reads: PreparedReads) -> None:
+        # every transfer's destination range against the live hss buffers, at once (HostStore's batch does this)
+        first = reads.run_starts
+        _args.RANGES.check_many(reads.dsts[first], reads.run_counts * self.layout.block_bytes, "dsts")
+
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         layer, pages, dsts = reads.layer, reads.pages, reads.dsts
         r0, r1 = reads.run_bounds[group], reads.run_bounds[group + 1]
