@@ -582,6 +582,12 @@ def host_buffer(obj: Any, nbytes: int, write: bool, name: str) -> int:
         arr = obj
         if not arr.flags.c_contiguous:
             raise HssError(f"{name} must be C-contiguous; pass np.ascontiguousarray(...)")
+    elif _is_torch_tensor(type(obj)) and not obj.is_cuda:   # a CPU torch tensor is host memory
+        if not obj.is_contiguous():
+            raise HssError(f"{name} is a non-contiguous torch tensor; pass .contiguous()")
+        if obj.nbytes < nbytes:
+            raise HssError(f"{name} holds {obj.nbytes} bytes but {nbytes} are to be copied")
+        return obj.data_ptr()
     elif _READERS.get(type(obj), _refuse) is not _refuse or _is_torch_tensor(type(obj)) or \
             hasattr(obj, "__cuda_array_interface__"):
         raise HssError(f"{name} is device memory; a host buffer (numpy array, bytes-like or PinnedBuffer) is needed")

@@ -319,7 +319,7 @@ class HostToDeviceBatch:
     ``cuMemcpyHtoDAsync`` per copy.
     """
 
-    __slots__ = ("_d", "_s", "_n")
+    __slots__ = ("_d", "_s", "_n", "_dp", "_sp")
 
     def __init__(self, dsts: Any, srcs: Any, nbytes: Any) -> None:
         d, s, n = _int64s(dsts, "destinations"), _int64s(srcs, "sources"), _int64s(nbytes, "sizes")
@@ -332,6 +332,9 @@ class HostToDeviceBatch:
         RANGES.check_many(d, n, "host-to-device batch dst")
         RANGES.check_many(s, n, "host-to-device batch src")
         self._d, self._s, self._n = d.tolist(), s.tolist(), n.tolist()
+        ptr = getattr(api, "CUdeviceptr", None)   # the batch call's argument lists, built once
+        self._dp = [ptr(v) for v in self._d] if ptr is not None else None
+        self._sp = [ptr(v) for v in self._s] if ptr is not None else None
 
     def __len__(self) -> int:
         return len(self._d)
@@ -359,8 +362,7 @@ class HostToDeviceBatch:
                 attr.srcLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
                 attr.dstLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 attr.dstLocHint.id = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
-            ptr = api.CUdeviceptr
-            err = batch([ptr(v) for v in d], [ptr(v) for v in x], n, count, [attr], [0], 1, s)[0]
+            err = batch(self._dp[start:stop], self._sp[start:stop], n, count, [attr], [0], 1, s)[0]
             if not err:
                 _batch_attrs[key] = attr
                 return
