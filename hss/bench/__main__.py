@@ -1,8 +1,8 @@
 """``python -m hss.bench [SUITE ...] [--smoke] [--json FILE]``: device benchmarks, tables printed last.
 
-Suites: launch, predictor, attention (each a module of this package with ``run(args)`` and
-``table(rows)``). ``--smoke`` runs tiny sizes (also on the emulator) to check the code paths only:
-its numbers mean nothing.
+Suites: launch, overhead, predictor, attention, qsa, qsa_prefill, swap (each a module of this package with
+``run(args)`` and ``table(rows)``; all time through :mod:`hss.bench._timer`). ``--smoke`` runs tiny sizes (also on
+the emulator) to check the code paths only: its numbers mean nothing.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 
 import hss.bench
 
-ORDER = ("launch", "predictor", "attention", "qsa", "qsa_prefill", "swap")
+ORDER = ("launch", "overhead", "predictor", "attention", "qsa", "qsa_prefill", "swap")
 _found = {m.name for m in pkgutil.iter_modules(hss.bench.__path__) if not m.name.startswith("_")}
 SUITES = tuple(sorted(_found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)))
 

@@ -42,21 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _timed(stream: int, fn: Any, iters: int, warmup: int) -> float:
-    """Mean microseconds of ``fn()`` over ``iters`` runs on ``stream`` (CUDA events around the loop)."""
-    from hss.cuda_min import CudaEvent, stream_sync
-    for _ in range(warmup):
-        fn()
-    stream_sync(stream)
-    with CudaEvent(timing=True) as start, CudaEvent(timing=True) as end:
-        start.record(stream)
-        for _ in range(iters):
-            fn()
-        end.record(stream)
-        end.synchronize()
-        return 1000.0 * start.elapsed_ms(end) / iters
-
-
 def run(args: argparse.Namespace) -> list[dict]:
     """Time every variant; one dict per row (variant, us, GB/s, check)."""
     if args.smoke:
@@ -65,6 +50,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from hss import cuda_min as cm
     from hss.attention import TiledAttention, TiledAttentionDims
+    from hss.bench._timer import gpu_us
 
     nq, nkv, hd, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
     pages = -(-args.tokens // bs)
@@ -110,7 +96,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     ta.step_tile(stream, q_dev, k_dev, v_dev, blocks, count, 1, *strides, bs,
                                  output=out if i == len(tiles) - 1 else None)
 
-            us = _timed(stream, step, args.iters, args.warmup)
+            us = gpu_us(stream, step, batch=args.iters, warmup=args.warmup).us
             got = np.empty((1, nq, hd), dtype=bf16)
             cm.copy_d_to_h_async(got, out, got.nbytes, stream)
             cm.stream_sync(stream)
@@ -137,6 +123,7 @@ def _sdpa(args: argparse.Namespace, stream: int, q: np.ndarray, k: np.ndarray, v
     except ImportError:
         return [dict(variant="torch SDPA: skipped (PyTorch is not installed)", us=float("nan"),
                      **{"GB/s": float("nan")}, check="-")]
+    from hss.bench._timer import gpu_us
     nq, nkv, hd = q.shape[1], k.shape[2], k.shape[3]
     bf = torch.bfloat16
 
@@ -163,7 +150,7 @@ def _sdpa(args: argparse.Namespace, stream: int, q: np.ndarray, k: np.ndarray, v
                 return F.scaled_dot_product_attention(qt, kt, vt)
             out = sdpa()
             label = "torch SDPA (kv heads expanded)"
-        us = _timed(stream, sdpa, args.iters, args.warmup)
+        us = gpu_us(stream, sdpa, batch=args.iters, warmup=args.warmup).us
         got = out.float().reshape(1, nq, hd).cpu().numpy()
     diff = float(np.abs(got - tiled.astype(np.float32)).max())
     rows.append(dict(variant=f"{label}, torch {torch.__version__}", us=us, **{"GB/s": kv_bytes / us / 1e3},

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -18,25 +16,26 @@ import numpy as np
 from hss import cuda_min as cm
 from hss import ptx
 from hss._driver import api, check
+from hss.bench._timer import Case, host_us
 from hss.kernels.selftest import SELFTEST_EMPTY
 
 
-def _time_all(variants: dict[str, tuple[Callable[[], None], Callable[[], None]]], batch: int,
-              batches: int) -> dict[str, float]:
-    """Median µs/launch of each variant; rounds interleave the variants so drift hits all alike."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for name, (fn, sync) in variants.items():   # warm-up
-        for _ in range(min(batch, 200)):
-            fn()
-        sync()
-    for _ in range(batches):
-        for name, (fn, sync) in variants.items():
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            sync()
-            samples[name].append((time.perf_counter() - t0) / batch * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
+def raw_launch(func: cm.CudaFunction, stream: int, a: int, b: int, n: int) -> Callable[[], None]:
+    """The floor: ``selftest_empty(a, b, n)`` through the binding called directly with a pre-built ``void**``
+    and no checks beyond the status."""
+    slots = (ctypes.c_uint64 * 3)(a, b, n)
+    base = ctypes.addressof(slots)
+    vp = (ctypes.c_void_p * 3)(base, base + 8, base + 16)
+    raw_params = ctypes.addressof(vp)
+    fh = func.handle
+    launch_raw = api.cuLaunchKernel
+
+    def raw(_keep: Any = (slots, vp)) -> None:   # _keep: the parameter arrays live as long as the call
+        err = launch_raw(fh, 1, 1, 1, 1, 1, 1, 0, stream, raw_params, 0)[0]
+        if err:
+            raise RuntimeError(err)
+
+    return raw
 
 
 def _peers(ctx: cm.CudaCtx, text: str, a: int, b: int, n: int) -> dict[str, Callable[[], None] | str]:
@@ -87,19 +86,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     na, nb, nn = np.uint64(a), np.uint64(b), np.int32(n)
     sync = lambda: cm.stream_sync(s)  # noqa: E731
 
-    # the floor: the binding called directly with a pre-built void** and no checks beyond the status
-    slots = (ctypes.c_uint64 * 3)(a, b, n)
-    base = ctypes.addressof(slots)
-    vp = (ctypes.c_void_p * 3)(base, base + 8, base + 16)
-    raw_params = ctypes.addressof(vp)
-    fh = func.handle
-    launch_raw = api.cuLaunchKernel
-
-    def raw() -> None:
-        err = launch_raw(fh, 1, 1, 1, 1, 1, 1, 0, s, raw_params, 0)[0]
-        if err:
-            raise RuntimeError(err)
-
+    raw = raw_launch(func, s, a, b, n)
+    fh, launch_raw = func.handle, api.cuLaunchKernel
     tuple_params = ((a, b, n), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32))
     variants: dict[str, Callable[[], None] | str] = {
         "raw cuda.bindings, pre-built void** (floor)": raw,
@@ -112,9 +100,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not args.smoke:
         variants.update(_peers(ctx, text, a, b, n))
     peer_sync = variants.pop("_cuda.core sync", None)
-    timed = {name: (fn, peer_sync if name == "cuda.core launch" and callable(peer_sync) else sync)
+    timed = {name: Case(fn, peer_sync if name == "cuda.core launch" and callable(peer_sync) else sync)
              for name, fn in variants.items() if callable(fn)}
-    us = _time_all(timed, batch, batches)
+    us = {name: t.us for name, t in host_us(timed, batch=batch, batches=batches, timed_sync=True).items()}
     floor = next(iter(us.values()))
     rows = []
     for name, fn in variants.items():

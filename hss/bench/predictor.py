@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss.bench._timer import Case, gpu_us, host_us, rotating
 from hss.predictor import Predictor, PredictorDims
 
 LLAMA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, r=32, block_size=16)
@@ -39,32 +38,9 @@ ROTATE_BYTES = 256 << 20     # distinct bytes a timing cycles through: several t
 SAMPLE_BYTES = 256 << 20     # bytes streamed per timed sample (short kernels are batched)
 
 
-def _timed(stream: int, sample: Callable[[], None], reps: int, warmup: int) -> list[float]:
-    """Event-timed durations (us) of ``reps`` calls of ``sample`` on ``stream``, after ``warmup`` calls."""
-    for _ in range(warmup):
-        sample()
-    events = [(cm.CudaEvent(timing=True), cm.CudaEvent(timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record(stream)
-        sample()
-        end.record(stream)
-    events[-1][1].synchronize()
-    times = [start.elapsed_ms(end) * 1000.0 for start, end in events]
-    for pair in events:
-        for e in pair:
-            e.close()
-    return times
-
-
 def _eager_us(stream: int, launch: Callable[[int], None], reps: int, warmup: int, inner: int) -> float:
     """Median time per launch of ``inner`` launches issued from Python (host launch cost included)."""
-    count = iter(range(1 << 62))
-
-    def sample() -> None:
-        for _ in range(inner):
-            launch(next(count))
-
-    return statistics.median(_timed(stream, sample, reps, warmup)) / inner
+    return gpu_us(stream, rotating(launch), batch=inner, batches=reps, warmup=warmup * inner).us
 
 
 def _graph_us(stream: int, launch: Callable[[int], None], reps: int, warmup: int, inner: int) -> float:
@@ -77,7 +53,7 @@ def _graph_us(stream: int, launch: Callable[[int], None], reps: int, warmup: int
     finally:
         graph = cm.end_capture(stream)
     with graph:
-        return statistics.median(_timed(stream, lambda: graph.launch(stream), reps, warmup)) / inner
+        return gpu_us(stream, lambda: graph.launch(stream), batches=reps, warmup=warmup).us / inner
 
 
 def _fill_random(stream: int, ptr: int, nbytes: int, rng: np.random.Generator, chunk: int = 64 << 20) -> None:
@@ -213,15 +189,12 @@ def _projections(ctx: cm.CudaCtx, pred: Predictor, q: cm.DeviceBuffer, q_proj: c
                                         pages.ptr + (i % 64) * page_bytes)
 
     per_launch_us = _graph_us(stream, kv, reps, warmup, 64)
-    start = time.perf_counter()
-    for i in range(count):
-        kv(i)
-    cm.stream_sync(stream)
-    wall = time.perf_counter() - start
+    loop = Case(rotating(kv), lambda: cm.stream_sync(stream))
+    loop_us = host_us({"loop": loop}, batch=count, batches=1, warmup=0, timed_sync=True)["loop"].us
     pages.close()
     q_us = _graph_us(stream, lambda i: pred.project_q_on_stream(stream, q, q_proj), reps, warmup, 64)
     return [{"bench": "project_kv_block", "us": per_launch_us, "pages/s (device)": 1e6 / per_launch_us,
-             "pages/s (python loop)": count / wall},
+             "pages/s (python loop)": 1e6 / loop_us},
             {"bench": "project_q", "us": q_us}]
 
 
@@ -238,23 +211,15 @@ def _decode_step(ctx: cm.CudaCtx, pred: Predictor, q: cm.DeviceBuffer, tokens: i
             pred.project_q_on_stream(stream, q, q_proj[layer])
             pred.score_layer_on_stream(stream, q_proj[layer], layer, 0, n, scores[layer])
 
-    def wall_us(body: Callable[[], None]) -> float:
-        for _ in range(warmup):
-            body()
-        cm.stream_sync(stream)
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            body()
-            cm.stream_sync(stream)
-            times.append((time.perf_counter() - start) * 1e6)
-        return statistics.median(times)
-
-    eager = wall_us(step)
+    step()   # warm, then one capture; eager steps and replays are timed in interleaved batches
+    cm.stream_sync(stream)
     cm.begin_capture(stream)
     step()
     graph = cm.end_capture(stream)
-    replay = wall_us(lambda: graph.launch(stream))
+    sync = lambda: cm.stream_sync(stream)  # noqa: E731
+    t = host_us({"eager": Case(step, sync), "graph": Case(lambda: graph.launch(stream), sync)}, batch=1,
+                batches=reps, warmup=warmup, timed_sync=True)
+    eager, replay = t["eager"].us, t["graph"].us
     graph.close()
     for buf in q_proj + scores:
         buf.close()

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss.bench._timer import Case, Flush, gpu_us, host_us, rotating
 from hss.gpu import CudaBackend
 from hss.kernels import qsa as kq
 from hss.qsa import QsaIndexer
@@ -45,30 +46,19 @@ SLAB = 2048                 # distinct hidden rows (reused cyclically for prefil
 
 
 class _Timer:
-    """GPU time per launch of a queued operation: REPS launches behind a blocker, between timing events."""
+    """GPU time per launch of a queued operation: REPS launches behind a blocker (a large memset, so they run back
+    to back), between timing events; the median of ROUNDS."""
 
     def __init__(self, stream: int, smoke: bool) -> None:
         self.s = stream
-        self.blocker = cm.DeviceBuffer(4096 if smoke else 1 << 30)
-        self.e0, self.e1 = cm.CudaEvent(timing=True), cm.CudaEvent(timing=True)
+        self.blocker = Flush(stream, 4096 if smoke else 1 << 30)   # ~0.4 ms: the queue fills
         self.reps, self.rounds = (2, 1) if smoke else (40, 5)
 
     def us(self, fn: Callable[[], None]) -> float:
-        fn()   # warm
-        out = []
-        for _ in range(self.rounds):
-            cm.memset_d32_async(self.blocker, 0, self.blocker.bytes // 4, self.s)   # ~0.4 ms: the queue fills
-            self.e0.record(self.s)
-            for _ in range(self.reps):
-                fn()
-            self.e1.record(self.s)
-            self.e1.synchronize()
-            out.append(self.e0.elapsed_ms(self.e1) * 1e3 / self.reps)
-        return statistics.median(out)
+        return gpu_us(self.s, fn, batch=self.reps, batches=self.rounds, warmup=1, prepare=self.blocker,
+                      sync_each=True).us
 
     def close(self) -> None:
-        self.e0.close()
-        self.e1.close()
         self.blocker.close()
 
 
@@ -104,18 +94,13 @@ def _context_row(gpu: CudaBackend, stream: int, timer: _Timer, n: int, d: dict, 
     def row(pos: int) -> int:
         return d_slab.ptr + (pos % SLAB) * H * 2
 
-    pos = n - 1
-    for _ in range(warm):
-        idx.decode_select(st, row(pos), pos, k_pool, v_pool, d_table, bs, stream)
-        pos += 1
-    cm.stream_sync(stream)
-    # whole steps
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        idx.decode_select(st, row(pos), pos, k_pool, v_pool, d_table, bs, stream)
-        pos += 1
-    cm.stream_sync(stream)
-    step_us = (time.perf_counter() - t0) / steps * 1e6
+    def step(p: int) -> None:
+        idx.decode_select(st, row(p), p, k_pool, v_pool, d_table, bs, stream)
+
+    # warm-up steps, then consecutive whole steps (positions n - 1, n, ...), synchronised at the end
+    whole = Case(rotating(step, n - 1), lambda: cm.stream_sync(stream))
+    step_us = host_us({"step": whole}, batch=steps, batches=1, warmup=warm, timed_sync=True)["step"].us
+    pos = n - 1 + warm + steps
     # the blocking host parts, one step at a time
     d2h, topk = [], []
     for _ in range(steps):
@@ -222,17 +207,9 @@ def _torch_step_us(w, qn, kn, slab, table, n, d, steps, warm, pages) -> float:
         kpool[page, slot]   # the gathered K and V (index_select through the page table)
         vpool[page, slot]
 
-    pos = n - 1
-    for _ in range(warm):
-        step(pos)
-        pos += 1
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(pos)
-        pos += 1
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e6
+    # warm-up steps, then consecutive timed steps, synchronised at the end
+    case = Case(rotating(step, n - 1), torch.cuda.synchronize)
+    return host_us({"torch": case}, batch=steps, batches=1, warmup=warm, timed_sync=True)["torch"].us
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

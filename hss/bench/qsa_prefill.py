@@ -15,7 +15,6 @@ per row at 32K. ``--smoke`` runs tiny sizes on any driver without torch: its num
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Any, Callable
 
 import ml_dtypes
@@ -23,6 +22,7 @@ import numpy as np
 
 from hss import cuda_min as cm
 from hss import ptx
+from hss.bench._timer import gpu_us
 from hss.kernels import qsa_prefill as kq
 
 BF16 = ml_dtypes.bfloat16
@@ -85,34 +85,13 @@ def _time_ms(fn: Callable[[], None], stream: int, reps: int, warmup: int, inner:
     """Median ms of one ``fn``: ``inner`` back-to-back launches between two timing events on ``stream`` (so
     host launch gaps do not count), ``reps`` times after ``warmup`` calls."""
     inner = inner if reps > 1 else 1
-    for _ in range(warmup):
-        fn()
-    e0, e1 = cm.CudaEvent(timing=True), cm.CudaEvent(timing=True)
-    times = []
-    for _ in range(max(reps, 1)):
-        e0.record(stream)
-        for _ in range(inner):
-            fn()
-        e1.record(stream)
-        e1.synchronize()
-        times.append(e0.elapsed_ms(e1) / inner)
-    e0.close()
-    e1.close()
-    return statistics.median(times)
+    return gpu_us(stream, fn, batch=inner, batches=max(reps, 1), warmup=warmup, sync_each=True).us / 1e3
 
 
 def _torch_time_ms(torch: Any, fn: Callable[[], Any], reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(max(reps, 1)):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of one ``fn`` (torch work) on torch's current stream, ``reps`` times after ``warmup`` calls."""
+    return gpu_us(torch.cuda.current_stream().cuda_stream, fn, batches=max(reps, 1), warmup=warmup,
+                  sync_each=True).us / 1e3
 
 
 def plausible_lists(rng: np.random.Generator, rows: int, first_pos: int, ratio: int, topk: int) -> np.ndarray:

@@ -26,7 +26,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
@@ -59,11 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _event_us(stream: int, fn: Any, iters: int, warmup: int) -> float:
-    from hss.bench.attention import _timed
-    return _timed(stream, fn, iters, warmup)
-
-
 def run(args: argparse.Namespace) -> list[dict]:
     """Every measurement at every context length; one dict per row (tokens, variant, us, GB/s, note)."""
     if args.smoke:
@@ -92,6 +86,7 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
 
     from hss import cuda_min as cm
     from hss.attention import TiledAttention, TiledAttentionDims
+    from hss.bench._timer import gpu_us
     from hss.bench.attention import _sdpa
 
     nq, nkv, hd, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
@@ -126,8 +121,8 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
         pinned = keep(cm.PinnedBuffer(h2d_bytes))
         pinned.array[:] = 1
         h2d_dst = keep(cm.DeviceBuffer(h2d_bytes))
-        us = _event_us(stream, lambda: cm.copy_h_to_d_async(h2d_dst, pinned, h2d_bytes, stream), args.iters,
-                       args.warmup)
+        us = gpu_us(stream, lambda: cm.copy_h_to_d_async(h2d_dst, pinned, h2d_bytes, stream), batch=args.iters,
+                    warmup=args.warmup).us
         h2d_bw = h2d_bytes / us / 1e3
         rows.append(row(f"pinned H2D ({h2d_bytes / 2**20:.3g} MiB)", us, h2d_bw, "measured for the floor"))
         k_copy, v_copy = (keep(cm.DeviceBuffer(k.nbytes)) for _ in range(2))
@@ -135,7 +130,7 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
         def copy() -> None:
             cm.copy_d_to_d_async(k_copy, k_dev, k.nbytes, stream)
             cm.copy_d_to_d_async(v_copy, v_dev, v.nbytes, stream)
-        us = _event_us(stream, copy, args.iters, args.warmup)
+        us = gpu_us(stream, copy, batch=args.iters, warmup=args.warmup).us
         copy_bw = 2 * kv_bytes / us / 1e3
         rows.append(row("device copy of K+V", us, copy_bw, "bandwidth = bytes read + written"))
         # in-HBM tiled attention, one tile in token order
@@ -146,7 +141,7 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
         def attend() -> None:
             ta.begin_step(stream, 1)
             ta.step_tile(stream, q_dev, k_dev, v_dev, table, count, 1, *ta.paged_strides(), bs, output=hbm_out)
-        us = _event_us(stream, attend, args.iters, args.warmup)
+        us = gpu_us(stream, attend, batch=args.iters, warmup=args.warmup).us
         frac = kv_bytes / us / 1e3 / copy_bw
         rows.append(dict(row("in-HBM tiled attention (1 tile)", us, kv_bytes / us / 1e3,
                              f"{frac:.2f} x copy bandwidth"), attn_fraction=frac))
@@ -169,6 +164,7 @@ def _swap_step(args: argparse.Namespace, ctx: Any, store: str, k: np.ndarray, v:
                v_dev: Any, q_dev: Any, kv_bytes: int, h2d_bw: float, copy_bw: float, row: Any) -> dict:
     """Offload every page, settle the resident set, time ``args.iters`` steps, replay the last schedule."""
     from hss import cuda_min as cm
+    from hss.bench._timer import Case, host_us
     from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims
 
     pages, bs, nkv, hd = k.shape
@@ -191,11 +187,10 @@ def _swap_step(args: argparse.Namespace, ctx: Any, store: str, k: np.ndarray, v:
             h.attend_layer(ctx, 0, ids, q_dev, out)
         cm.stream_sync(stream)
         before = h.diagnostic_summary()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            rec = h.attend_layer(ctx, 0, ids, q_dev, out)
-        cm.stream_sync(stream)
-        us = (time.perf_counter() - t0) / args.iters * 1e6
+        records = []
+        step = Case(lambda: records.append(h.attend_layer(ctx, 0, ids, q_dev, out)), lambda: cm.stream_sync(stream))
+        us = host_us({"step": step}, batch=args.iters, batches=1, warmup=0, timed_sync=True)["step"].us
+        rec = records[-1]
         after = h.diagnostic_summary()
         n = args.iters
         misses = (after.misses - before.misses) / n
