@@ -10,31 +10,34 @@ tiles give the same bits whatever the pool layout, ``tile_capacity`` or the othe
 into tiles rounds differently (both exact attention within SPEC §0). Every call is asynchronous on the
 given stream.
 
-Streams are ``int`` handles, :class:`~hss.cuda_min.CudaStream` objects or anything with
-``__cuda_stream__``; a :class:`~hss.cuda_min.CudaCtx` in the stream position means its stream. Device
-pointers are ``int`` addresses, :class:`~hss.cuda_min.DeviceBuffer` objects or anything with
-``__cuda_array_interface__`` (PyTorch / CuPy tensors).
+Arguments are checked by :mod:`hss._args` before anything is queued (a bad one raises naming the parameter;
+``TypeError`` for a wrong type): streams are any form :func:`hss._args.stream` reads (``int`` handles,
+:class:`~hss.cuda_min.CudaStream`, ``__cuda_stream__`` objects, a :class:`~hss.cuda_min.CudaCtx` meaning its
+stream); device arrays any form :func:`hss._args.pointer` reads (``int`` addresses,
+:class:`~hss.cuda_min.DeviceBuffer` / ``DeviceView``, torch tensors, ``__cuda_array_interface__`` and DLPack
+objects), their size, alignment and dtype checked where the object says them (bf16 q, pools and output, i32
+tables and counts), the output writable.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from hss import _args
 from hss import cuda_min as cm
+from hss._launch import launcher
 from hss.errors import HssError
 from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, PAGED_DECODE_ATTN_TILED,
                                    STEP_THREADS, UNIT_TOKENS, head_groups, max_units, padded_head_dim, step_grid_z,
                                    step_shared_bytes)
 from hss.ptx import load_module
-from hss._args import as_int
 
 __all__ = ["TiledAttentionDims", "TiledAttention"]
 
 NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
-# parameter indices of paged_decode_attn_tiled that change per call (see its declaration)
-_Q, _K, _V, _TABLE, _COUNTS, _OUT, _BLK, _TOK, _KVH, _LBVS, _FRESH = 0, 1, 2, 3, 4, 10, 19, 20, 21, 22, 23
 _I32_MAX = 2**31 - 1
+_STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addresses stay in range)
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,14 @@ class TiledAttentionDims:
     block_size: int
     tile_capacity: int
 
+    def __post_init__(self) -> None:
+        _args.int_fields(self)   # numpy integers become Python ints; float, bool, str: TypeError naming the field
+
     def validate(self) -> None:
-        """Raise :class:`HssError` naming the first field that the kernels cannot take."""
+        """Raise :class:`HssError` naming the first field that the kernels cannot take (the fields are ints by
+        construction)."""
         for name in ("max_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "tile_capacity"):
-            v = as_int(name, getattr(self, name))
+            v = getattr(self, name)
             if v <= 0:
                 raise HssError(f"TiledAttentionDims.{name} must be > 0 (got {v})")
         if self.num_q_heads % self.num_kv_heads:
@@ -104,44 +111,6 @@ class TiledAttentionDims:
         return 2 * self.block_size * self.head_dim
 
 
-def _stream(stream: Any) -> int:
-    return stream.stream if isinstance(stream, cm.CudaCtx) else cm.stream_handle(stream)
-
-
-def _device_size(obj: Any) -> int | None:
-    """Bytes a device object says it holds (DeviceBuffer, contiguous __cuda_array_interface__), else None."""
-    if isinstance(obj, cm.DeviceBuffer):
-        return obj.bytes
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None:
-        return None
-    if cai.get("strides") is not None:
-        itemsize = int(cai["typestr"][2:])
-        expect, strides = itemsize, tuple(cai["strides"])
-        for dim, stride in zip(reversed(cai["shape"]), reversed(strides)):
-            if dim > 1 and stride != expect:
-                return -1
-            expect *= dim
-    return math.prod(cai["shape"]) * int(cai["typestr"][2:])
-
-
-def _pointer(obj: Any, name: str, align: int, nbytes: int | None, fix: str) -> int:
-    """The address of ``obj`` after checking it is usable for ``nbytes`` (None: unknown) at ``align``."""
-    if getattr(obj, "closed", False):
-        raise HssError(f"{name} is a closed buffer")
-    ptr = cm.device_ptr(obj)
-    if ptr == 0:
-        raise HssError(f"{name} is a null pointer: pass the device address of {fix}")
-    if ptr % align:
-        raise HssError(f"{name} ({ptr:#x}) must be {align}-byte aligned ({fix})")
-    size = _device_size(obj)
-    if size == -1:
-        raise HssError(f"{name} must be contiguous ({fix})")
-    if nbytes is not None and size is not None and size < nbytes:
-        raise HssError(f"{name} holds {size} bytes but {nbytes} are needed ({fix})")
-    return ptr
-
-
 class TiledAttention:
     """Running (m, l, o) state for up to ``dims.max_seqs`` sequences and the kernels that use it.
 
@@ -150,6 +119,9 @@ class TiledAttention:
     zeroed: ``begin_step`` initialises it) and the split workspace (``dims.workspace_bytes``: one partial
     state per 1024-token unit of a full tile). ``ctx`` None uses the current device's primary context.
     ``close()`` (or leaving a ``with`` block) frees everything once.
+
+    ``begin_step`` / ``begin_step_on_stream`` (and ``step_tile``, ``finalize``) are one method each under the
+    original's two names: the stream may be any stream form, a CudaCtx meaning its stream.
     """
 
     def __init__(self, ctx: cm.CudaCtx | None, dims: TiledAttentionDims) -> None:
@@ -157,58 +129,82 @@ class TiledAttention:
             raise TypeError(f"dims must be a TiledAttentionDims, not {type(dims).__name__}")
         dims.validate()
         self.dims = dims
-        self._owned: list[Any] = []
+        self._closed = True
+        self._owned = contextlib.ExitStack()
         self._fresh = 0   # sequences begin_step initialised lazily: the next tile's merge writes their state
         self._counts_zeroed = False
+        own = self._owned.enter_context
         try:
-            step_mod = self._own(load_module("paged_decode_attn_tiled", ctx))
-            fin_mod = self._own(load_module("attention_finalize", ctx))
-            self._step_fn = step_mod.function(PAGED_DECODE_ATTN_TILED.name)
-            self._fin_fn = fin_mod.function("attention_finalize")
+            self._step_fn = own(load_module("paged_decode_attn_tiled", ctx)).function(PAGED_DECODE_ATTN_TILED.name)
+            self._fin_fn = own(load_module("attention_finalize", ctx)).function(ATTENTION_FINALIZE.name)
             self._step_shared = step_shared_bytes(dims.head_dim)
             self._sm_count = cm.multiprocessor_count(ctx)
             if self._step_shared > 48 * 1024:
                 self._step_fn.set_max_dynamic_shared(self._step_shared)
             rows = dims.max_seqs * dims.num_q_heads
-            self.m = self._own(cm.DeviceBuffer(4 * rows, ctx))
-            self.l = self._own(cm.DeviceBuffer(4 * rows, ctx))
-            self.o = self._own(cm.DeviceBuffer(4 * rows * dims.head_dim, ctx))
-            self._part_ml = self._own(cm.DeviceBuffer(4 * rows * dims.max_units * 2, ctx))
-            self._part_o = self._own(cm.DeviceBuffer(4 * rows * dims.max_units * padded_head_dim(dims.head_dim), ctx))
-            self._merge_count = self._own(cm.DeviceBuffer(4 * dims.merge_counters, ctx))
+            self.m = own(cm.DeviceBuffer(4 * rows, ctx))
+            self.l = own(cm.DeviceBuffer(4 * rows, ctx))
+            self.o = own(cm.DeviceBuffer(4 * rows * dims.head_dim, ctx))
+            self._part_ml = own(cm.DeviceBuffer(4 * rows * dims.max_units * 2, ctx))
+            self._part_o = own(cm.DeviceBuffer(4 * rows * dims.max_units * padded_head_dim(dims.head_dim), ctx))
+            self._merge_count = own(cm.DeviceBuffer(4 * dims.merge_counters, ctx))
+            self._prepare()
         except BaseException:
-            self.close()
+            self._owned.close()
             raise
-        d = dims
-        # Prepared once; the hot path only refills the arguments that change per call.
-        self._step_pack = PAGED_DECODE_ATTN_TILED.pack(
-            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr, out=0,
+        self._closed = False
+
+    def _prepare(self) -> None:
+        """The hot paths' prepared state: packs (refilled by slot), launchers and pointer checks."""
+        d = self.dims
+        self._step_pack = pack = PAGED_DECODE_ATTN_TILED.pack(
+            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
             merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, num_kv_heads=d.num_kv_heads,
             head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity, gqa_ratio=d.gqa_ratio,
             max_units=d.max_units)
+        (self._q_slot, self._k_slot, self._v_slot, self._table_slot, self._counts_slot, self._out_slot,
+         self._blk_slot, self._tok_slot, self._kvh_slot, self._lbvs_slot, self._fresh_slot) = (
+            pack.slot(name) for name in ("q", "k_pool", "v_pool", "tile_blocks", "tile_block_counts", "out",
+                                         "blk_stride", "tok_stride", "kvh_stride", "last_block_valid_slots",
+                                         "fresh"))
+        self._run_step = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack)
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
-        self._fin_pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
-                                                 head_dim=d.head_dim)
+        self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
+        self._fin_pack = pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
+                                                        head_dim=d.head_dim)
+        self._fin_out_slot = pack.slot("out")
+        self._run_fin = launcher(self._fin_fn, (FINALIZE_THREADS, 1, 1), 0, pack)
+        # per-call sizes: bytes per sequence of q / output and of a table row; a pool needs one token row of
+        # every kv head at least (page 0, slot 0: (num_kv_heads - 1) * kvh_stride + head_dim elements)
+        self._max_seqs = d.max_seqs
+        self._row_bytes, self._table_bytes = 2 * d.num_q_heads * d.head_dim, 4 * d.tile_capacity
+        self._pool_heads, self._head_dim = d.num_kv_heads - 1, d.head_dim
+        shape = "bf16 [num_seqs, num_q_heads, head_dim]"
+        self._q_arg = _args.pointer_arg("q", None, 2, "bf16", what=f"the {shape} query")
+        self._out_arg = _args.pointer_arg("output", None, 2, "bf16", write=True, what=f"a {shape} output")
+        self._k_arg = _args.pointer_arg("k_pool", None, 2, "bf16",
+                                        what="the bf16 K page pool (at least one token row of every kv head)")
+        self._v_arg = _args.pointer_arg("v_pool", None, 2, "bf16",
+                                        what="the bf16 V page pool (at least one token row of every kv head)")
+        self._table_arg = _args.pointer_arg("tile_blocks", None, 4, "i32",
+                                            what="i32 [num_seqs, tile_capacity] page ids")
+        self._counts_arg = _args.pointer_arg("tile_block_counts", None, 4, "i32", what="i32 [num_seqs] entry counts")
 
     @classmethod
     def new(cls, dims: TiledAttentionDims, ctx: cm.CudaCtx | None = None) -> "TiledAttention":
         """The original's constructor: allocations only, no stream."""
         return cls(ctx, dims)
 
-    def _own(self, obj: Any) -> Any:
-        self._owned.append(obj)
-        return obj
-
     # -- lifetime ------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return not self._owned
+        return self._closed
 
     def close(self) -> None:
-        """Free the state buffers and unload the modules; later calls do nothing."""
-        owned, self._owned = self._owned, []
-        for obj in reversed(owned):
-            obj.close()
+        """Free the state buffers and unload the modules (every part, even if one release raises); later calls
+        do nothing."""
+        self._closed = True
+        self._owned.close()
 
     def __enter__(self) -> "TiledAttention":
         return self
@@ -217,14 +213,24 @@ class TiledAttention:
         self.close()
 
     def _live(self) -> None:
-        if self.closed:
+        if self._closed:
             raise HssError("this TiledAttention is closed")
 
+    # -- argument checks off the fast paths ----------------------------------------------------
     def _num_seqs(self, num_seqs: Any) -> int:
-        n = as_int("num_seqs", num_seqs)
-        if not 0 <= n <= self.dims.max_seqs:
-            raise HssError(f"num_seqs ({n}) must be in 0..max_seqs ({self.dims.max_seqs})")
-        return n
+        return _args.as_int("num_seqs", num_seqs, 0, self._max_seqs, f"at most max_seqs ({self._max_seqs}) per step")
+
+    @staticmethod
+    def _strides(blk: Any, tok: Any, kvh: Any) -> tuple[int, int, int]:
+        why = "element strides of the pool; see paged_strides() and scratch_pool_strides()"
+        return (_args.as_int("blk_stride", blk, 0, _STRIDE_MAX, why),
+                _args.as_int("tok_stride", tok, 0, _STRIDE_MAX, why),
+                _args.as_int("kvh_stride", kvh, 0, _STRIDE_MAX, why))
+
+    @staticmethod
+    def _lbvs(value: Any) -> int:
+        return _args.as_int("last_block_valid_slots", value, -2**31, _I32_MAX,
+                            "an int32 (pass block_size for full pages)")
 
     # -- layouts -------------------------------------------------------------------------------
     def paged_strides(self) -> tuple[int, int, int]:
@@ -240,7 +246,7 @@ class TiledAttention:
         Pass ``k_pool`` = the pool base and ``v_pool`` = base + ``v_offset`` elements (2*v_offset bytes).
         """
         d = self.dims
-        gs = d.stripe_bytes if group_stride_bytes is None else as_int("group_stride_bytes", group_stride_bytes)
+        gs = d.stripe_bytes if group_stride_bytes is None else _args.as_int("group_stride_bytes", group_stride_bytes)
         if gs % 2:
             raise HssError(f"group_stride_bytes ({gs}) must be even (a whole number of bf16 elements)")
         if gs < d.stripe_bytes:
@@ -254,17 +260,18 @@ class TiledAttention:
         """Start a decode step for ``num_seqs`` sequences on ``stream`` (or a CudaCtx's stream): their state
         becomes m = -inf, l = 0, o = 0. Nothing is queued here: the step's first ``step_tile`` (on the same
         number of sequences) starts from that state without reading the buffers, else three memsets are
-        queued first on the stream of whichever call comes next (``step_tile`` or ``finalize``)."""
-        self.begin_step_on_stream(_stream(stream), num_seqs)
-
-    def begin_step_on_stream(self, stream: Any, num_seqs: int) -> None:
-        """:meth:`begin_step` on an explicit stream."""
-        self._live()
-        s = cm.stream_handle(stream)
-        self._fresh = self._num_seqs(num_seqs)
-        if self._fresh and not self._counts_zeroed:   # the merge leaves its counters at zero; they start there once
+        queued first on the stream of whichever call comes next (``step_tile`` or ``finalize``).
+        (Also ``begin_step_on_stream``.)"""
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
+        if n and not self._counts_zeroed:   # the merge leaves its counters at zero; they start there once
             cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)
             self._counts_zeroed = True
+        self._fresh = n
+
+    begin_step_on_stream = begin_step
 
     def _initialise(self, s: int) -> None:
         """Queue the initial state begin_step promised (when no step_tile writes it)."""
@@ -277,7 +284,8 @@ class TiledAttention:
     def step_tile(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, tile_block_counts: Any,
                   num_seqs: int, blk_stride: int, tok_stride: int, kvh_stride: int,
                   last_block_valid_slots: int, output: Any = None) -> None:
-        """Apply one tile of KV pages to every sequence's running state (one launch on ``stream``).
+        """Apply one tile of KV pages to every sequence's running state (one launch on ``stream``; also
+        ``step_tile_on_stream``).
 
         ``q`` bf16 [num_seqs, num_q_heads, head_dim]; ``k_pool``/``v_pool`` bf16 pools whose element
         (page, tok, kv_head, d) is at page*blk_stride + tok*tok_stride + kv_head*kvh_stride + d (strides in
@@ -291,52 +299,48 @@ class TiledAttention:
         :meth:`finalize` would write after this tile (same bits), so a step whose last tile passes it needs no
         finalize. The state is kept either way: more tiles may follow.
         """
-        self.step_tile_on_stream(_stream(stream), q, k_pool, v_pool, tile_blocks, tile_block_counts, num_seqs,
-                                 blk_stride, tok_stride, kvh_stride, last_block_valid_slots, output)
-
-    def step_tile_on_stream(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any,
-                            tile_block_counts: Any, num_seqs: int, blk_stride: int, tok_stride: int,
-                            kvh_stride: int, last_block_valid_slots: int, output: Any = None) -> None:
-        """:meth:`step_tile` on an explicit stream."""
-        self._live()
-        d = self.dims
-        s = cm.stream_handle(stream)
-        n = self._num_seqs(num_seqs)
-        strides = {"blk_stride": blk_stride, "tok_stride": tok_stride, "kvh_stride": kvh_stride}
-        for name, value in strides.items():
-            v = as_int(name, value)
-            if not 0 <= v < 2**62:
-                raise HssError(f"{name} ({v}) must be >= 0 (element strides of the pool; see paged_strides() "
-                               "and scratch_pool_strides())")
-            strides[name] = v
-        lbvs = as_int("last_block_valid_slots", last_block_valid_slots)
-        if not -2**31 <= lbvs <= _I32_MAX:
-            raise HssError(f"last_block_valid_slots ({lbvs}) must fit in int32 (pass block_size for full pages)")
-        rows = n * d.num_q_heads
-        out = 0 if output is None else _pointer(output, "output", 2, 2 * rows * d.head_dim,
-                                                 "bf16 [num_seqs, num_q_heads, head_dim]")
-        p = self._step_pack
-        p.set(_Q, _pointer(q, "q", 2, 2 * rows * d.head_dim, "bf16 [num_seqs, num_q_heads, head_dim]"))
-        p.set(_K, _pointer(k_pool, "k_pool", 2, None, "the bf16 K page pool"))
-        p.set(_V, _pointer(v_pool, "v_pool", 2, None, "the bf16 V page pool"))
-        p.set(_TABLE, _pointer(tile_blocks, "tile_blocks", 4, 4 * n * d.tile_capacity,
-                               "i32 [num_seqs, tile_capacity] page ids"))
-        p.set(_COUNTS, _pointer(tile_block_counts, "tile_block_counts", 4, 4 * n, "i32 [num_seqs] entry counts"))
-        p.set(_BLK, strides["blk_stride"])
-        p.set(_TOK, strides["tok_stride"])
-        p.set(_KVH, strides["kvh_stride"])
-        p.set(_LBVS, lbvs)
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
+        if not (type(blk_stride) is int and type(tok_stride) is int and type(kvh_stride) is int
+                and 0 <= blk_stride <= _STRIDE_MAX and 0 <= tok_stride <= _STRIDE_MAX
+                and 0 <= kvh_stride <= _STRIDE_MAX):
+            blk_stride, tok_stride, kvh_stride = self._strides(blk_stride, tok_stride, kvh_stride)
+        lbvs = last_block_valid_slots
+        if type(lbvs) is not int or not -2**31 <= lbvs <= _I32_MAX:
+            lbvs = self._lbvs(lbvs)
+        q_bytes = n * self._row_bytes
+        out = 0 if output is None else self._out_arg(output, s, q_bytes)
+        qp = self._q_arg(q, s, q_bytes)
+        pool_bytes = 2 * (self._pool_heads * kvh_stride + self._head_dim)
+        kp = self._k_arg(k_pool, s, pool_bytes)
+        vp = self._v_arg(v_pool, s, pool_bytes)
+        tp = self._table_arg(tile_blocks, s, n * self._table_bytes)
+        cp = self._counts_arg(tile_block_counts, s, 4 * n)
+        self._q_slot.value = qp
+        self._k_slot.value = kp
+        self._v_slot.value = vp
+        self._table_slot.value = tp
+        self._counts_slot.value = cp
+        self._blk_slot.value = blk_stride
+        self._tok_slot.value = tok_stride
+        self._kvh_slot.value = kvh_stride
+        self._lbvs_slot.value = lbvs
         self._launch(s, n, out)
+
+    step_tile_on_stream = step_tile
 
     def _next_tile(self, s: int, tile_blocks: int, tile_block_counts: int, last_block_valid_slots: int,
                    output: int = 0) -> None:
         """Another tile of ONE sequence with the q, pools and strides of the last ``step_tile`` (hss.swap's hot
         loop: those were checked there); only the tile's table, count, last_block_valid_slots and output
-        (an address or 0) change."""
-        p = self._step_pack
-        p.set(_TABLE, tile_blocks)
-        p.set(_COUNTS, tile_block_counts)
-        p.set(_LBVS, last_block_valid_slots)
+        (an address or 0) change. ``s`` is a raw stream handle and every argument an int the caller checked."""
+        if self._closed:
+            self._live()
+        self._table_slot.value = tile_blocks
+        self._counts_slot.value = tile_block_counts
+        self._lbvs_slot.value = last_block_valid_slots
         self._launch(s, 1, output)
 
     def _launch(self, s: int, n: int, out: int) -> None:
@@ -344,28 +348,27 @@ class TiledAttention:
             return
         if self._fresh and self._fresh != n:
             self._initialise(s)
-        p = self._step_pack
-        p.set(_OUT, out)
-        p.set(_FRESH, 1 if self._fresh else 0)
+        self._out_slot.value = out
+        self._fresh_slot.value = 1 if self._fresh else 0
         self._fresh = 0
-        z = step_grid_z(self.dims.max_units, n * self._grid_y, self._sm_count)
-        cm.launch_kernel(self._step_fn, (n, self._grid_y, z), (STEP_THREADS, 1, 1), self._step_shared, s, p)
+        z = self._grid_z.get(n)
+        if z is None:   # about two CTAs per SM (self._sm_count, read here), any value giving the same bits
+            z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._sm_count)
+        self._run_step(s, n, self._grid_y, z)
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
-        """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream``."""
-        self.finalize_on_stream(_stream(stream), output, num_seqs)
-
-    def finalize_on_stream(self, stream: Any, output: Any, num_seqs: int) -> None:
-        """:meth:`finalize` on an explicit stream."""
-        self._live()
-        d = self.dims
-        s = cm.stream_handle(stream)
-        n = self._num_seqs(num_seqs)
-        out = _pointer(output, "output", 2, 2 * n * d.num_q_heads * d.head_dim,
-                       "bf16 [num_seqs, num_q_heads, head_dim]")
+        """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream`` (also
+        ``finalize_on_stream``)."""
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
+        out = self._out_arg(output, s, n * self._row_bytes)
         if self._fresh:
             self._initialise(s)
         if n == 0:
             return
-        self._fin_pack.set(2, out)
-        cm.launch_kernel(self._fin_fn, (n, d.num_q_heads, 1), (FINALIZE_THREADS, 1, 1), 0, s, self._fin_pack)
+        self._fin_out_slot.value = out
+        self._run_fin(s, n, self.dims.num_q_heads)
+
+    finalize_on_stream = finalize

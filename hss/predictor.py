@@ -6,26 +6,28 @@ launches ``project_q`` (per decode step), ``project_kv_block`` (when a KV page i
 block scores (``score_blocks`` over any run of slots, ``score_layer`` over a layer's own slots).
 Scores are advisory: they order eviction and prefetch and never gate attention correctness.
 
-Every argument is checked before anything is launched: a bad one raises :class:`HssError` naming the
-parameter and the fix. Streams may be ints, ``CudaStream`` or ``__cuda_stream__`` objects; device
-pointers ints, ``DeviceBuffer`` or ``__cuda_array_interface__`` objects (sizes are checked where the
-object reports one). Launches are asynchronous on the given stream. A Predictor refills prepared
-parameter packs on every call, so one instance must not be used from several threads at once.
+Every argument is checked by :mod:`hss._args` before anything is launched: a bad one raises
+:class:`HssError` (``TypeError`` for a wrong type) naming the parameter and the fix. Streams take every
+form :func:`hss._args.stream` reads (an int handle, ``CudaStream``, a ``CudaCtx`` meaning its stream,
+``__cuda_stream__`` objects, ...); device arrays every form :func:`hss._args.pointer` reads (int addresses,
+``DeviceBuffer`` / ``DeviceView``, torch tensors, ``__cuda_array_interface__`` and DLPack objects), their
+size, alignment and dtype checked where the object says them (bf16 for q, q_proj and K, f32 for scores),
+outputs writable. Launches are asynchronous on the given stream. A Predictor refills prepared parameter
+packs on every call, so one instance must not be used from several threads at once.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from hss import cuda_min
+from hss import _args, cuda_min
+from hss._launch import launcher
+from hss.cuda_min import CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, memset_d8_async, stream_sync
 from hss.errors import HssError
-from hss._args import as_int, device_ptr
-from hss.cuda_min import (CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, launch_kernel,
-                          memset_d8_async, stream_handle, stream_sync)
 from hss.kernels.predictor import (KV_LOWRANK_PROJECT, PREDICTOR_SCORE, Q_LOWRANK_PROJECT, lowrank_rows,
                                    score_warps)
 from hss.projection import PredictorShape, build_projection
@@ -50,12 +52,14 @@ class PredictorDims:
     block_size: int     # tokens per KV page (A_g slot)
     max_blocks: int     # A_g slots per layer (the longest context is max_blocks * block_size tokens)
 
+    def __post_init__(self) -> None:
+        _args.int_fields(self)   # numpy integers become Python ints (no int32 wrap); float, bool, str: TypeError
+
     def validate(self) -> None:
-        """Raise :class:`HssError` (``TypeError`` for non-ints) unless the kernels can run these dims."""
-        values = {f.name: as_int(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
-        for name, v in values.items():
-            if v < 1:
-                raise HssError(f"PredictorDims.{name} must be >= 1 (got {v})")
+        """Raise :class:`HssError` unless the kernels can run these dims (the fields are ints by construction)."""
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "r", "block_size", "max_blocks"):
+            if getattr(self, name) < 1:
+                raise HssError(f"PredictorDims.{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_q_heads % self.num_kv_heads:
             raise HssError(f"PredictorDims.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                            f"({self.num_kv_heads}): each kv head serves num_q_heads / num_kv_heads q heads")
@@ -64,8 +68,8 @@ class PredictorDims:
                   ("block_size", 65535, "kv_lowrank_project puts tokens on grid.y"),
                   ("max_blocks", _I32_MAX, "block counts are i32 kernel parameters"))
         for name, hi, why in limits:
-            if values[name] > hi:
-                raise HssError(f"PredictorDims.{name} ({values[name]}) must be <= {hi}: {why}")
+            if getattr(self, name) > hi:
+                raise HssError(f"PredictorDims.{name} ({getattr(self, name)}) must be <= {hi}: {why}")
         if self.num_q_heads * self.block_size > _I32_MAX:
             raise HssError(f"num_q_heads * block_size ({self.num_q_heads * self.block_size}) must fit in i32")
 
@@ -97,7 +101,7 @@ def preflight_a_g(dims: PredictorDims, free_bytes: int) -> int:
     numbers, and which PredictorDims fields to change (and to what) so that it fits.
     """
     need = dims.a_g_bytes()
-    free = max(int(free_bytes), 0)
+    free = max(_args.as_int("free_bytes", free_bytes), 0)
     budget = free * A_G_BUDGET_PERCENT // 100
     if need <= budget:
         return need
@@ -124,47 +128,6 @@ def preflight_a_g(dims: PredictorDims, free_bytes: int) -> int:
         "or free device memory before constructing the Predictor.")
 
 
-def _stream_of(ctx: Any) -> int:
-    if not isinstance(ctx, CudaCtx):
-        raise TypeError(f"ctx must be a CudaCtx, got {type(ctx).__name__}; the *_on_stream variants take a stream")
-    return ctx.stream
-
-
-def _known_size(obj: Any) -> int | None:
-    """Bytes the object says it holds (DeviceBuffer, contiguous __cuda_array_interface__), else None."""
-    if type(obj) is int:
-        return None
-    if isinstance(obj, DeviceBuffer):
-        return obj.bytes
-    try:
-        cai = getattr(obj, "__cuda_array_interface__", None)
-        if cai is None or cai.get("strides") is not None:
-            return None
-        return int(np.prod(cai["shape"], dtype=np.int64)) * int(cai["typestr"][2:])
-    except Exception:   # an exotic object: trust the caller on the size
-        return None
-
-
-def _pointer(obj: Any, nbytes: int, name: str, align: int, holds: str) -> int:
-    """The device address of argument ``name``: non-null, aligned, and big enough where that is known."""
-    ptr = device_ptr(obj)
-    if ptr == 0:
-        raise HssError(f"{name} is a null pointer; pass the device address of {holds}")
-    if ptr % align:
-        raise HssError(f"{name} ({ptr:#x}) must be {align}-byte aligned ({holds})")
-    size = _known_size(obj)
-    if size is not None and size < nbytes:
-        raise HssError(f"{name} holds {size} bytes but {nbytes} are needed ({holds})")
-    return ptr
-
-
-def _index(value: Any, name: str, hi: int, what: str) -> int:
-    v = as_int(name, value)
-    if not 0 <= v < hi:
-        raise HssError(f"{name} {v} is out of range: this Predictor has {hi} {what} (0..{hi - 1})")
-    return v
-
-
 class Predictor:
     """P, A_g and the predictor kernels for one model shape (SPEC §4).
 
@@ -174,62 +137,90 @@ class Predictor:
     the three PTX modules, uploads P (SPEC §2, bit-exact with the original for ``projection_seed``),
     zero-fills A_g (one memset) and then **synchronizes the stream**, as the original did.
     ``close()`` (or leaving a ``with`` block) frees A_g, P and the modules once.
+
+    Each kernel has two names, the original's: ``project_q(ctx, ...)`` and ``project_q_on_stream(stream, ...)``
+    are one method, whose first argument is any stream form (a ``CudaCtx`` means its stream); likewise
+    ``project_kv_block``, ``score_blocks`` and ``score_layer``.
     """
 
     def __init__(self, ctx: CudaCtx, dims: PredictorDims, projection_seed: int) -> None:
-        self._build(ctx, _stream_of(ctx), dims, projection_seed)
+        if not isinstance(ctx, CudaCtx):
+            raise TypeError(f"ctx must be a CudaCtx, got {type(ctx).__name__}; Predictor.new_on_stream takes a stream")
+        self._build(ctx, _args.stream(ctx, "ctx"), dims, projection_seed)
 
     @classmethod
     def new_on_stream(cls, stream: Any, dims: PredictorDims, projection_seed: int) -> "Predictor":
         """A Predictor in the thread's current context (device 0's if none), set up on ``stream``."""
         self = cls.__new__(cls)
-        self._build(None, stream_handle(stream), dims, projection_seed)
+        self._build(None, _args.stream(stream), dims, projection_seed)
         return self
 
     def _build(self, ctx: CudaCtx | None, stream: int, dims: PredictorDims, seed: Any) -> None:
         self._closed = True
-        self._owned: list[Any] = []
+        self._owned = contextlib.ExitStack()
         if not isinstance(dims, PredictorDims):
             raise TypeError(f"dims must be a PredictorDims, got {type(dims).__name__}")
         dims.validate()
-        seed = as_int("projection_seed", seed)
-        if not 0 <= seed < 2**64:
-            raise HssError(f"projection_seed must be a u64 (0 <= seed < 2**64), got {seed}")
+        seed = _args.as_int("projection_seed", seed, 0, 2**64 - 1, "a u64")
         if ctx is not None:
             ctx.make_current()
         a_g_bytes = preflight_a_g(dims, cuda_min.mem_info()[0])
         self._p_host = build_projection(PredictorShape(dims.head_dim, dims.r), seed)
         self._p_host.setflags(write=False)
         self._dims = dims
-        self._slot = dims.slot_bytes()
+        own = self._owned.enter_context
         try:
-            funcs = []
-            for decl in (Q_LOWRANK_PROJECT, KV_LOWRANK_PROJECT, PREDICTOR_SCORE):
-                module = load_module(decl.module, ctx)
-                self._owned.append(module)
-                funcs.append(module.function(decl.name))
-            self._f_q, self._f_kv, self._f_score = funcs
-            self._p = DeviceBuffer(dims.p_bytes(), ctx)
-            self._owned.append(self._p)
-            self._a_g = DeviceBuffer(a_g_bytes, ctx)
-            self._owned.append(self._a_g)
+            funcs = [own(load_module(decl.module, ctx)).function(decl.name)
+                     for decl in (Q_LOWRANK_PROJECT, KV_LOWRANK_PROJECT, PREDICTOR_SCORE)]
+            self._p = own(DeviceBuffer(dims.p_bytes(), ctx))
+            self._a_g = own(DeviceBuffer(a_g_bytes, ctx))
             copy_h_to_d_async(self._p, self._p_host, dims.p_bytes(), stream)
             memset_d8_async(self._a_g, 0, a_g_bytes, stream)
             stream_sync(stream)
+            self._prepare(*funcs)
         except BaseException:
-            self._closed = False
-            self.close()
+            self._owned.close()
             raise
         self._closed = False
-        d, p = dims, self._p.ptr
-        # Prepared once; the hot path only refills the pointers and counts that change per call.
-        self._q_pack = Q_LOWRANK_PROJECT.pack(0, p, 0, d.num_q_heads, d.head_dim, d.r)
-        self._kv_pack = KV_LOWRANK_PROJECT.pack(0, p, 0, d.block_size, d.num_kv_heads, d.head_dim, d.r)
-        self._score_pack = PREDICTOR_SCORE.pack(0, 0, 0, d.num_q_heads, d.num_kv_heads, d.block_size, d.r,
-                                                d.gqa_ratio(), 0)
-        qy, ky = lowrank_rows(d.r, d.num_q_heads), lowrank_rows(d.r, d.block_size)
-        self._q_geom = ((-(-d.num_q_heads // qy), 1, 1), (d.r, qy, 1))
-        self._kv_geom = ((d.num_kv_heads, -(-d.block_size // ky), 1), (d.r, ky, 1))
+
+    def _prepare(self, f_q: Any, f_kv: Any, f_score: Any) -> None:
+        """The hot paths' prepared state: packs (refilled by slot), launchers, pointer checks and the geometry."""
+        d, p = self._dims, self._p.ptr
+        nq, nkv, hd, r, bs = d.num_q_heads, d.num_kv_heads, d.head_dim, d.r, d.block_size
+        self._slot = d.slot_bytes()
+        self._a_g_base = self._a_g.ptr
+        self._a_g_end = self._a_g_base + self._a_g.bytes
+        self._num_layers, self._max_blocks = d.num_layers, d.max_blocks
+        bf16 = "bf16"
+        # project_q: grid.x covers the q heads, block.y q heads per CTA
+        qy = lowrank_rows(r, nq)
+        self._q_pack = pack = Q_LOWRANK_PROJECT.pack(p=p, num_q_heads=nq, head_dim=hd, r=r)
+        self._q_in, self._q_out = pack.slot("q"), pack.slot("q_proj")
+        self._run_q = launcher(f_q, (r, qy, 1), 0, pack)
+        self._q_grid = -(-nq // qy)
+        self._q_arg = _args.pointer_arg("q", 2 * nq * hd, 2, bf16, what="the [num_q_heads, head_dim] bf16 query")
+        self._q_proj_out_arg = _args.pointer_arg("q_proj", 2 * nq * r, 2, bf16, write=True,
+                                                 what="a [num_q_heads, r] bf16 output")
+        # project_kv_block: grid (kv heads, token groups), block.y tokens per CTA
+        ky = lowrank_rows(r, bs)
+        self._kv_pack = pack = KV_LOWRANK_PROJECT.pack(p=p, block_size=bs, num_kv_heads=nkv, head_dim=hd, r=r)
+        self._kv_in, self._kv_out = pack.slot("k_block"), pack.slot("k_lr")
+        self._run_kv = launcher(f_kv, (r, ky, 1), 0, pack)
+        self._kv_grid = (nkv, -(-bs // ky))
+        self._k_block_arg = _args.pointer_arg("k_block", 2 * bs * nkv * hd, 2, bf16,
+                                              what="one [block_size, num_kv_heads, head_dim] bf16 KV page")
+        # predictor_score: one K_lr block per warp
+        self._warps = score_warps()
+        self._score_pack = pack = PREDICTOR_SCORE.pack(num_q_heads=nq, num_kv_heads=nkv, block_size=bs, r=r,
+                                                       gqa_ratio=d.gqa_ratio())
+        self._sc_q, self._sc_k = pack.slot("q_proj"), pack.slot("k_lr")
+        self._sc_out, self._sc_n = pack.slot("scores"), pack.slot("num_blocks")
+        self._run_score = launcher(f_score, (32 * self._warps, 1, 1), 0, pack)
+        self._q_proj_arg = _args.pointer_arg("q_proj", 2 * nq * r, 2, bf16,
+                                             what="the [num_q_heads, r] bf16 projected query")
+        self._k_lr_arg = _args.pointer_arg("k_lr_seq", None, 2, bf16,
+                                           what="n slots of [num_kv_heads, block_size, r] bf16")
+        self._scores_arg = _args.pointer_arg("scores_out", None, 4, "f32", write=True, what="an [n] f32 output")
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -240,7 +231,7 @@ class Predictor:
     def a_g_dev_ptr(self) -> int:
         """Device address of A_g ``[num_layers, max_blocks, num_kv_heads, block_size, r]`` bf16."""
         self._live()
-        return self._a_g.ptr
+        return self._a_g_base
 
     @property
     def projection(self) -> np.ndarray:
@@ -250,115 +241,116 @@ class Predictor:
     def slot_ptr(self, layer: int, block: int) -> int:
         """Device address of A_g slot (layer, block): ``[num_kv_heads, block_size, r]`` bf16."""
         self._live()
-        d = self._dims
-        layer = _index(layer, "layer", d.num_layers, "layers")
-        block = _index(block, "block", d.max_blocks, "blocks per layer (max_blocks)")
-        return self._a_g.ptr + (layer * d.max_blocks + block) * self._slot
+        layer = _args.as_index("layer", layer, self._num_layers, "layers")
+        block = _args.as_index("block", block, self._max_blocks, "blocks per layer (max_blocks)")
+        return self._a_g_base + (layer * self._max_blocks + block) * self._slot
 
     # -- kernels --------------------------------------------------------------------------------
-    def project_q(self, ctx: CudaCtx, q: Any, q_proj: Any) -> None:
-        """:meth:`project_q_on_stream` on ``ctx.stream``."""
-        self.project_q_on_stream(_stream_of(ctx), q, q_proj)
-
     def project_q_on_stream(self, stream: Any, q: Any, q_proj: Any) -> None:
-        """Queue ``q_proj = bf16(q @ P)``.
+        """Queue ``q_proj = bf16(q @ P)`` on ``stream`` (or a CudaCtx's stream: this is also ``project_q(ctx, ...)``).
 
         q: device ``[num_q_heads, head_dim]`` bf16 (the decode query, post-RoPE);
         q_proj: device ``[num_q_heads, r]`` bf16 output.
         """
-        d = self._live()
-        qp = _pointer(q, 2 * d.num_q_heads * d.head_dim, "q", 2, "the [num_q_heads, head_dim] bf16 query")
-        op = _pointer(q_proj, 2 * d.num_q_heads * d.r, "q_proj", 2, "a [num_q_heads, r] bf16 output")
-        pack = self._q_pack
-        pack.set(0, qp)
-        pack.set(2, op)
-        launch_kernel(self._f_q, *self._q_geom, 0, stream, pack)
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        qp = self._q_arg(q, s)
+        op = self._q_proj_out_arg(q_proj, s)
+        self._q_in.value = qp
+        self._q_out.value = op
+        self._run_q(s, self._q_grid)
 
-    def project_kv_block(self, ctx: CudaCtx, layer: int, block_id: int, k_block: Any) -> None:
-        """:meth:`project_kv_block_on_stream` on ``ctx.stream``."""
-        self.project_kv_block_on_stream(_stream_of(ctx), layer, block_id, k_block)
+    project_q = project_q_on_stream
 
     def project_kv_block_on_stream(self, stream: Any, layer: int, block_id: int, k_block: Any) -> None:
-        """Queue the projection of one KV page into A_g slot (layer, block_id), every token of it.
+        """Queue the projection of one KV page into A_g slot (layer, block_id), every token of it (also
+        ``project_kv_block(ctx, ...)``).
 
         k_block: device ``[block_size, num_kv_heads, head_dim]`` bf16 (one NHD page of the KV cache).
         Writes only that slot: ``[num_kv_heads, block_size, r]`` bf16.
         """
-        d = self._live()
-        layer = _index(layer, "layer", d.num_layers, "layers")
-        block_id = _index(block_id, "block_id", d.max_blocks, "blocks per layer (max_blocks)")
-        kp = _pointer(k_block, 2 * d.block_size * d.num_kv_heads * d.head_dim, "k_block", 2,
-                      "one [block_size, num_kv_heads, head_dim] bf16 KV page")
-        pack = self._kv_pack
-        pack.set(0, kp)
-        pack.set(2, self._a_g.ptr + (layer * d.max_blocks + block_id) * self._slot)
-        launch_kernel(self._f_kv, *self._kv_geom, 0, stream, pack)
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            layer = _args.as_index("layer", layer, self._num_layers, "layers")
+        if type(block_id) is not int or not 0 <= block_id < self._max_blocks:
+            block_id = _args.as_index("block_id", block_id, self._max_blocks, "blocks per layer (max_blocks)")
+        kp = self._k_block_arg(k_block, s)
+        self._kv_in.value = kp
+        self._kv_out.value = self._a_g_base + (layer * self._max_blocks + block_id) * self._slot
+        self._run_kv(s, *self._kv_grid)
 
-    def score_blocks(self, ctx: CudaCtx, q_proj: Any, k_lr_seq: Any, scores_out: Any, n: int) -> None:
-        """:meth:`score_blocks_on_stream` on ``ctx.stream``."""
-        self.score_blocks_on_stream(_stream_of(ctx), q_proj, k_lr_seq, scores_out, n)
+    project_kv_block = project_kv_block_on_stream
 
     def score_blocks_on_stream(self, stream: Any, q_proj: Any, k_lr_seq: Any, scores_out: Any, n: int) -> None:
-        """Queue ``scores_out[b]`` = max over q heads and tokens of q_proj . K_lr for n consecutive slots.
+        """Queue ``scores_out[b]`` = max over q heads and tokens of q_proj . K_lr for n consecutive slots (also
+        ``score_blocks(ctx, ...)``).
 
         q_proj: device ``[num_q_heads, r]`` bf16; k_lr_seq: device ``[n, num_kv_heads, block_size, r]``
         bf16 (n consecutive A_g slots, or any buffer of that layout; inside A_g it must start on a slot
-        and the n slots must stay inside A_g); scores_out: device ``[n]`` f32. n = 0 does nothing.
+        and the n slots must stay inside A_g); scores_out: device ``[n]`` f32. n = 0 launches nothing.
         """
-        self._live()
-        n = as_int("n", n)
-        if not 0 <= n <= _I32_MAX:
-            raise HssError(f"n ({n}) must be in 0..{_I32_MAX}")
-        if n == 0:
-            return
-        kp = _pointer(k_lr_seq, n * self._slot, "k_lr_seq", 2, f"{n} slots of [num_kv_heads, block_size, r] bf16")
-        base, end = self._a_g.ptr, self._a_g.ptr + self._a_g.bytes
-        if base <= kp < end:
-            off = kp - base
-            if off % self._slot:
-                raise HssError(f"k_lr_seq points {off} bytes into A_g, which is not the start of a slot "
-                               f"(slots are {self._slot} bytes); use slot_ptr(layer, block)")
-            if kp + n * self._slot > end:
-                raise HssError(f"k_lr_seq + n slots runs past the end of A_g: slot {off // self._slot} + {n} > "
-                               f"{self._a_g.bytes // self._slot} slots; lower n")
-        self._score(stream, q_proj, kp, scores_out, n)
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        if type(n) is not int or not 0 <= n <= _I32_MAX:
+            n = _args.as_int("n", n, 0, _I32_MAX, "a block count (i32)")
+        kp = self._k_lr_arg(k_lr_seq, s, n * self._slot)
+        if self._a_g_base <= kp < self._a_g_end:
+            self._check_slots(kp, n)
+        self._score(s, q_proj, kp, scores_out, n)
 
-    def score_layer(self, ctx: CudaCtx, q_proj: Any, layer: int, first_block: int, n: int, scores_out: Any) -> None:
-        """:meth:`score_layer_on_stream` on ``ctx.stream``."""
-        self.score_layer_on_stream(_stream_of(ctx), q_proj, layer, first_block, n, scores_out)
+    score_blocks = score_blocks_on_stream
+
+    def _check_slots(self, kp: int, n: int) -> None:
+        off = kp - self._a_g_base
+        if off % self._slot:
+            raise HssError(f"k_lr_seq points {off} bytes into A_g, which is not the start of a slot "
+                           f"(slots are {self._slot} bytes); use slot_ptr(layer, block)")
+        if kp + n * self._slot > self._a_g_end:
+            total = (self._a_g_end - self._a_g_base) // self._slot
+            raise HssError(f"k_lr_seq + n slots runs past the end of A_g: slot {off // self._slot} + {n} > "
+                           f"{total} slots; lower n")
 
     def score_layer_on_stream(self, stream: Any, q_proj: Any, layer: int, first_block: int, n: int,
                               scores_out: Any) -> None:
-        """Queue the scores of A_g slots ``first_block .. first_block + n - 1`` of ``layer``.
+        """Queue the scores of A_g slots ``first_block .. first_block + n - 1`` of ``layer`` (also
+        ``score_layer(ctx, ...)``).
 
         q_proj: device ``[num_q_heads, r]`` bf16; scores_out: device ``[n]`` f32 (scores_out[i] is block
-        first_block + i). Needs first_block + n <= max_blocks; n = 0 does nothing.
+        first_block + i). Needs first_block + n <= max_blocks; n = 0 launches nothing.
         """
-        d = self._live()
-        layer = _index(layer, "layer", d.num_layers, "layers")
-        first_block = as_int("first_block", first_block)
-        n = as_int("n", n)
-        if first_block < 0 or n < 0 or first_block + n > d.max_blocks:
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            layer = _args.as_index("layer", layer, self._num_layers, "layers")
+        if type(first_block) is not int:
+            first_block = _args.as_int("first_block", first_block)
+        if type(n) is not int:
+            n = _args.as_int("n", n)
+        mb = self._max_blocks
+        if first_block < 0 or n < 0 or first_block + n > mb:
             raise HssError(f"blocks first_block .. first_block + n - 1 = {first_block} .. {first_block + n - 1} "
-                           f"are outside this layer's 0 .. {d.max_blocks - 1} (max_blocks {d.max_blocks})")
+                           f"are outside this layer's 0 .. {mb - 1} (max_blocks {mb})")
+        self._score(s, q_proj, self._a_g_base + (layer * mb + first_block) * self._slot, scores_out, n)
+
+    score_layer = score_layer_on_stream
+
+    def _score(self, s: int, q_proj: Any, k_lr: int, scores_out: Any, n: int) -> None:
+        qp = self._q_proj_arg(q_proj, s)
+        sp = self._scores_arg(scores_out, s, 4 * n)
         if n == 0:
             return
-        self._score(stream, q_proj, self._a_g.ptr + (layer * d.max_blocks + first_block) * self._slot,
-                    scores_out, n)
-
-    def _score(self, stream: Any, q_proj: Any, k_lr: int, scores_out: Any, n: int) -> None:
-        d = self._dims
-        qp = _pointer(q_proj, 2 * d.num_q_heads * d.r, "q_proj", 2, "the [num_q_heads, r] bf16 projected query")
-        sp = _pointer(scores_out, 4 * n, "scores_out", 4, f"a [{n}] f32 output")
-        if sp < self._a_g.ptr + self._a_g.bytes and self._a_g.ptr < sp + 4 * n:
+        if sp < self._a_g_end and self._a_g_base < sp + 4 * n:
             raise HssError("scores_out overlaps A_g; pass a separate [n] f32 buffer")
-        pack = self._score_pack
-        pack.set(0, qp)
-        pack.set(1, k_lr)
-        pack.set(2, sp)
-        pack.set(8, n)
-        w = score_warps(n)
-        launch_kernel(self._f_score, (-(-n // w), 1, 1), (32 * w, 1, 1), 0, stream, pack)
+        self._sc_q.value = qp
+        self._sc_k.value = k_lr
+        self._sc_out.value = sp
+        self._sc_n.value = n
+        self._run_score(s, -(-n // self._warps))
 
     # -- host helpers, lifetime -----------------------------------------------------------------
     def read_k_lr_slot(self, ctx: Any, layer: int, block: int) -> np.ndarray:
@@ -366,7 +358,7 @@ class Predictor:
 
         ``ctx``: a CudaCtx (its stream) or a stream. Waits for that stream (a test/debug helper).
         """
-        stream = ctx.stream if isinstance(ctx, CudaCtx) else stream_handle(ctx)
+        stream = _args.stream(ctx, "ctx")
         src = self.slot_ptr(layer, block)
         d = self._dims
         out = np.empty((d.num_kv_heads, d.block_size, d.r), dtype=ml_dtypes.bfloat16)
@@ -384,13 +376,12 @@ class Predictor:
         return self._closed
 
     def close(self) -> None:
-        """Free A_g, P and the modules (waits for work using them); later calls do nothing."""
+        """Free A_g, P and the modules (waits for work using them; every part is released even if one release
+        raises); later calls do nothing."""
         if self._closed:
             return
         self._closed = True
-        owned, self._owned = self._owned, []
-        for obj in reversed(owned):
-            obj.close()
+        self._owned.close()
 
     def __enter__(self) -> "Predictor":
         return self
@@ -400,7 +391,7 @@ class Predictor:
 
     def __repr__(self) -> str:
         dims = getattr(self, "_dims", None)
-        state = "closed" if self._closed else f"A_g {self._a_g.bytes} bytes at {self._a_g.ptr:#x}"
+        state = "closed" if self._closed else f"A_g {self._a_g_end - self._a_g_base} bytes at {self._a_g_base:#x}"
         return f"Predictor({dims}, {state})"
 
 

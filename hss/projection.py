@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from hss._args import as_int
+
+from hss import _args
 
 __all__ = ["PredictorShape", "build_projection", "fnv1a64_bf16"]
 
@@ -33,13 +34,13 @@ class PredictorShape:
     r: int
 
     def __post_init__(self) -> None:
+        _args.int_fields(self)   # numpy integers become Python ints; float, bool, str: TypeError naming the field
         for name, hi in (("head_dim", _HEAD_DIM_MAX), ("r", _R_MAX)):
-            v = as_int(name, getattr(self, name))
+            v = getattr(self, name)
             if v <= 0:
                 raise ValueError(f"{name} must be > 0 (got {v})")
             if v > hi:
                 raise ValueError(f"{name} must be <= {hi} (got {v})")
-            object.__setattr__(self, name, v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def build_projection(shape: PredictorShape, seed: int) -> np.ndarray:
     """
     if not isinstance(shape, PredictorShape):
         raise TypeError(f"shape must be a PredictorShape (got {type(shape).__name__})")
-    seed = as_int("seed", seed)
+    seed = _args.as_int("seed", seed)
     if not 0 <= seed <= _U64_MASK:
         raise ValueError(f"seed must be in [0, 2**64) (got {seed})")
     n = shape.head_dim * shape.r

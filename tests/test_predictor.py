@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import conftest
 import hss.predictor as hp
+from hss import _driver
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims, preflight_a_g, read_k_lr_slot
 from hss.reference import predictor as ref
 from helpers import BF16, assert_bites, assert_close, download, poisoned, upload, violations
@@ -55,16 +56,26 @@ def dims_of(shape: dict, num_layers: int = 1, max_blocks: int = 2) -> PredictorD
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Records every kernel launch the Predictor makes."""
+    """Records (and forwards) every kernel launch that reaches the driver: the function handles, in order."""
     seen: list = []
-    real = hp.launch_kernel
+    real = _driver.api.cuLaunchKernel
 
     def counting(func, *args):
-        seen.append(getattr(func, "name", func))
-        real(func, *args)
+        seen.append(int(func))
+        return real(func, *args)
 
-    monkeypatch.setattr(hp, "launch_kernel", counting)
+    monkeypatch.setattr(_driver.api, "cuLaunchKernel", counting)
     return seen
+
+
+class Array:
+    """A minimal ``__cuda_array_interface__`` holder (bf16 is ``<V2``: the interface has no bf16 typestr)."""
+
+    def __init__(self, buf: cm.DeviceBuffer | int, shape: tuple, typestr: str, readonly: bool = False,
+                 stream: int | None = None) -> None:
+        ptr = buf if isinstance(buf, int) else buf.ptr
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, readonly),
+                                         "version": 3, "strides": None, "stream": stream}
 
 
 # -- PredictorDims and the preflight (pure) ----------------------------------------------------
@@ -88,9 +99,27 @@ def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
         d.validate()
 
 
-def test_dims_validate_types() -> None:
-    with pytest.raises(TypeError, match="r must be an int"):
-        PredictorDims(**{**LLAMA.__dict__, "r": 32.0}).validate()
+@pytest.mark.parametrize("field", ["num_layers", "num_q_heads", "num_kv_heads", "head_dim", "r", "block_size",
+                                   "max_blocks"])
+@pytest.mark.parametrize("bad", [32.0, float("nan"), True, np.bool_(False), "32", None, np.float32(32)])
+def test_dims_types_refused_at_construction(field: str, bad) -> None:
+    with pytest.raises(TypeError, match=f"PredictorDims.{field} must be an int"):
+        PredictorDims(**{**LLAMA.__dict__, field: bad})
+
+
+def test_dims_numpy_ints_become_python_ints() -> None:
+    """np.int32 fields must not wrap: 32 layers x 65536 blocks x 8 kv heads x 16 tokens x r 64 x 2 bytes is 32 GiB
+    (in int32 arithmetic it would wrap to 0)."""
+    d = PredictorDims(num_layers=np.int32(32), num_q_heads=np.int32(32), num_kv_heads=np.int32(8),
+                      head_dim=np.int64(128), r=np.int32(64), block_size=np.int16(16), max_blocks=np.int32(65536))
+    assert all(type(getattr(d, f)) is int for f in d.__dataclass_fields__)
+    d.validate()
+    assert d.a_g_bytes() == 32 * 65536 * 8 * 16 * 64 * 2 == 34359738368
+    assert type(d.a_g_bytes()) is int
+    assert d == PredictorDims(32, 32, 8, 128, 64, 16, 65536)
+    assert preflight_a_g(d, 40 << 30) == 34359738368
+    with pytest.raises(HssError, match="needs 32.00 GiB"):
+        preflight_a_g(d, np.int64(8 << 30))
 
 
 BIG = PredictorDims(num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128, r=64, block_size=16,
@@ -139,6 +168,7 @@ def test_lifetime(ctx) -> None:
     assert pred.closed
     with pytest.raises(HssError, match="closed"):
         pred.a_g_dev_ptr
+    assert "closed" in repr(pred)
     with Predictor.new_on_stream(ctx.stream, LLAMA, SEED) as p2:
         assert not p2.closed
         assert np.array_equal(p2.projection.view(np.uint16), pred.projection.view(np.uint16))
@@ -419,10 +449,13 @@ def test_bad_arguments_raise_before_any_launch(ctx, stream, rng, launches: list)
             (lambda: pred.score_layer(ctx, 0, 0, 0, 1, scores), "q_proj is a null pointer"),
             (lambda: pred.score_layer(ctx, q_proj, 0, 0, 3, small), "scores_out holds 8 bytes"),
             (lambda: pred.score_layer(ctx, q_proj, 0, 0, 1, scores.ptr + 2), "4-byte aligned"),
-            (lambda: pred.score_blocks(ctx, q_proj, pred.slot_ptr(1, 3), scores, 3), "past the end of A_g"),
+            (lambda: pred.score_blocks(ctx, q_proj, pred.slot_ptr(1, 3), scores, 3),
+             f"k_lr_seq: {3 * slot} bytes at offset {8 * slot} run past the end of its {10 * slot}-byte buffer"),
+            (lambda: pred.score_blocks(ctx, q_proj, Array(pred.slot_ptr(1, 3), (3 * slot,), "|u1"), scores, 3),
+             r"k_lr_seq \+ n slots runs past the end of A_g: slot 8 \+ 3 > 10 slots"),   # an array says its own size
             (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr + slot // 2, scores, 1), "not the start"),
             (lambda: pred.score_blocks(ctx, q_proj, 0, scores, 1), "k_lr_seq is a null pointer"),
-            (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr, scores, -1), "n \\(-1\\)"),
+            (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr, scores, -1), "n = -1 must be in 0.."),
             (lambda: pred.score_blocks(ctx, q_proj, pred.a_g_dev_ptr, pred.slot_ptr(1, 0), 1), "overlaps A_g"),
             (lambda: read_k_lr_slot(ctx, pred, 0, 5), "block 5 is out of range"),
             (lambda: pred.score_layer_on_stream(stream, q_proj, 0, 0, 1.0, scores), "n must be an int"),
@@ -439,23 +472,191 @@ def test_bad_arguments_raise_before_any_launch(ctx, stream, rng, launches: list)
         pred.score_layer(ctx, q_proj, 0, 0, 1, scores)
 
 
+BAD_INTS = [1.0, float("nan"), True, np.bool_(True), "1", None, np.float64(1)]
+
+
+@pytest.mark.parametrize("bad", BAD_INTS, ids=repr)
+def test_non_int_arguments_are_type_errors(ctx, stream, launches: list, bad) -> None:
+    """Every int parameter (and every pointer and stream) refuses float, NaN, bool, str, None: TypeError naming it."""
+    with Predictor(ctx, SMALL, SEED) as pred:
+        q, q_proj = poisoned(2 * 8 * 64, stream), poisoned(2 * 8 * 32, stream)
+        page, scores = poisoned(2 * 16 * 2 * 64, stream), poisoned(4 * 8, stream)
+        cases = [
+            ("layer", lambda: pred.project_kv_block(stream, bad, 0, page)),
+            ("block_id", lambda: pred.project_kv_block_on_stream(stream, 0, bad, page)),
+            ("layer", lambda: pred.score_layer(stream, q_proj, bad, 0, 1, scores)),
+            ("first_block", lambda: pred.score_layer(stream, q_proj, 0, bad, 1, scores)),
+            ("n", lambda: pred.score_layer_on_stream(stream, q_proj, 0, 0, bad, scores)),
+            ("n", lambda: pred.score_blocks(stream, q_proj, pred.a_g_dev_ptr, scores, bad)),
+            ("layer", lambda: pred.slot_ptr(bad, 0)),
+            ("block", lambda: pred.read_k_lr_slot(stream, 0, bad)),
+            ("q", lambda: pred.project_q(stream, bad, q_proj)),
+            ("q_proj", lambda: pred.project_q_on_stream(stream, q, bad)),
+            ("k_block", lambda: pred.project_kv_block(stream, 0, 0, bad)),
+            ("q_proj", lambda: pred.score_layer(stream, bad, 0, 0, 1, scores)),
+            ("scores_out", lambda: pred.score_layer(stream, q_proj, 0, 0, 1, bad)),
+            ("k_lr_seq", lambda: pred.score_blocks(stream, q_proj, bad, scores, 1)),
+            ("stream", lambda: pred.project_q(bad, q, q_proj)),
+            ("stream", lambda: pred.score_layer_on_stream(bad, q_proj, 0, 0, 1, scores)),
+        ]
+        for name, call in cases:
+            with pytest.raises(TypeError, match=rf"^{name}\b"):
+                call()
+        assert launches == []
+        with pytest.raises(TypeError, match="projection_seed must be an int"):
+            Predictor(ctx, SMALL, bad)
+        assert np.isnan(download(q_proj, (8, 32), BF16, stream).astype(np.float32)).all()
+        assert np.isnan(download(scores, (8,), np.float32, stream)).all()
+        for buf in (q, q_proj, page, scores):
+            buf.close()
+
+
+def test_bad_device_arrays_raise_before_any_launch(ctx, stream, launches: list) -> None:
+    """Closed buffers, too-small buffers (DeviceBuffer, DeviceView, CUDA array interface, an address inside a
+    live buffer), wrong dtypes and read-only outputs are refused by name before anything is queued."""
+    d = SMALL
+    slot = d.slot_bytes()
+    with Predictor(ctx, d, SEED) as pred:
+        q, q_proj = poisoned(2 * 8 * 64, stream), poisoned(2 * 8 * 32, stream)
+        page, scores = poisoned(2 * 16 * 2 * 64, stream), poisoned(4 * 8, stream)
+        k_lr = poisoned(2 * slot, stream)
+        closed, small = cm.DeviceBuffer(1 << 16), cm.DeviceBuffer(16)
+        closed_view = closed.view("bf16")
+        closed.close()
+        cases = [
+            # closed buffers and views of them
+            (lambda: pred.project_q(stream, closed, q_proj), "q is a closed DeviceBuffer"),
+            (lambda: pred.project_q(stream, q, closed_view), "q_proj is a view of a closed DeviceBuffer"),
+            (lambda: pred.project_kv_block(stream, 0, 0, closed), "k_block is a closed"),
+            (lambda: pred.score_layer(stream, closed, 0, 0, 1, scores), "q_proj is a closed"),
+            (lambda: pred.score_layer(stream, q_proj, 0, 0, 1, closed), "scores_out is a closed"),
+            (lambda: pred.score_blocks(stream, q_proj, closed_view, scores, 1), "k_lr_seq is a view of a closed"),
+            # too small
+            (lambda: pred.project_q(stream, q.view("bf16", (8, 63)), q_proj), "q holds 1008 bytes but 1024 are needed"),
+            (lambda: pred.project_q(stream, q, Array(q_proj, (8, 31), "<V2")), "q_proj holds 496 bytes but 512"),
+            (lambda: pred.project_q(stream, small.ptr, q_proj), "q: 1024 bytes at offset 0 run past the end of its "
+                                                                 "16-byte buffer"),
+            (lambda: pred.project_kv_block(stream, 1, 4, page.view("bf16", (16, 2, 63))), "k_block holds 4032 bytes"),
+            (lambda: pred.project_kv_block(stream, 1, 4, Array(page, (15, 2, 64), "<V2")), "k_block holds 3840"),
+            (lambda: pred.score_layer(stream, Array(q_proj, (8, 16), "<V2"), 0, 0, 1, scores), "q_proj holds 256"),
+            (lambda: pred.score_layer(stream, q_proj, 0, 0, 5, scores.view("f32", (4,))),
+             "scores_out holds 16 bytes but 20 are needed"),
+            (lambda: pred.score_layer(stream, q_proj, 0, 0, 5, small), "scores_out holds 16 bytes but 20"),
+            (lambda: pred.score_blocks(stream, q_proj, k_lr, scores, 3), f"k_lr_seq holds {2 * slot} bytes but "
+                                                                         f"{3 * slot} are needed"),
+            (lambda: pred.score_blocks(stream, q_proj, k_lr.ptr + slot, scores, 2), "k_lr_seq: .* run past the end"),
+            # wrong dtypes
+            (lambda: pred.project_q(stream, q.view("f32"), q_proj), "q holds f32 but bf16 is needed"),
+            (lambda: pred.project_q(stream, q, q_proj.view("f16")), "q_proj holds f16 but bf16 is needed"),
+            (lambda: pred.project_kv_block(stream, 0, 0, Array(page, (1024,), "<f4")), "k_block holds f32 but bf16"),
+            (lambda: pred.score_layer(stream, q_proj.view("i32"), 0, 0, 1, scores), "q_proj holds i32 but bf16"),
+            (lambda: pred.score_layer(stream, q_proj, 0, 0, 1, scores.view("bf16")), "scores_out holds bf16 but f32"),
+            (lambda: pred.score_blocks(stream, q_proj, k_lr.view("f32"), scores, 1), "k_lr_seq holds f32 but bf16"),
+            # read-only outputs
+            (lambda: pred.project_q(stream, q, Array(q_proj, (8, 32), "<V2", readonly=True)), "q_proj is read-only"),
+            (lambda: pred.score_layer(stream, q_proj, 0, 0, 1, Array(scores, (8,), "<f4", readonly=True)),
+             "scores_out is read-only"),
+        ]
+        for call, words in cases:
+            with pytest.raises(HssError, match=words):
+                call()
+        assert launches == []
+        assert np.isnan(download(q_proj, (8, 32), BF16, stream).astype(np.float32)).all()
+        assert np.isnan(download(scores, (8,), np.float32, stream)).all()
+        # the controls: read-only inputs, raw-byte buffers and typed views of the right dtype are fine
+        pred.project_q(stream, Array(q, (8, 64), "<V2", readonly=True), q_proj.view("bf16", (8, 32)))
+        pred.score_layer(stream, Array(q_proj, (8, 32), "<V2", readonly=True), 0, 0, 2, scores.view("f32", (2,)))
+        pred.score_blocks(stream, q_proj, k_lr.view("bf16"), scores, 2)
+        assert len(launches) == 3
+        for buf in (q, q_proj, page, scores, k_lr, small):
+            buf.close()
+
+
+def test_closed_predictor_refuses_every_call(ctx, stream, launches: list) -> None:
+    pred = Predictor(ctx, SMALL, SEED)
+    q, q_proj = poisoned(2 * 8 * 64, stream), poisoned(2 * 8 * 32, stream)
+    page, scores = poisoned(2 * 16 * 2 * 64, stream), poisoned(4 * 8, stream)
+    a_g = pred.a_g_dev_ptr
+    pred.close()
+    for call in (lambda: pred.project_q(ctx, q, q_proj), lambda: pred.project_q_on_stream(stream, q, q_proj),
+                 lambda: pred.project_kv_block(ctx, 0, 0, page),
+                 lambda: pred.project_kv_block_on_stream(stream, 0, 0, page),
+                 lambda: pred.score_blocks(ctx, q_proj, a_g, scores, 1),
+                 lambda: pred.score_layer(ctx, q_proj, 0, 0, 1, scores),
+                 lambda: pred.score_layer_on_stream(stream, q_proj, 0, 0, 0, scores), lambda: pred.slot_ptr(0, 0),
+                 lambda: read_k_lr_slot(ctx, pred, 0, 0), lambda: pred.a_g_dev_ptr):
+        with pytest.raises(HssError, match="this Predictor is closed"):
+            call()
+    assert launches == []
+    for buf in (q, q_proj, page, scores):
+        buf.close()
+
+
+def test_stream_forms_and_the_two_names(ctx, stream, rng) -> None:
+    """``project_q(ctx, ...)`` and ``project_q_on_stream(stream, ...)`` are one method (likewise the others); any
+    stream form works in either; the constructor needs a CudaCtx (new_on_stream takes a stream)."""
+    for a, b in (("project_q", "project_q_on_stream"), ("project_kv_block", "project_kv_block_on_stream"),
+                 ("score_blocks", "score_blocks_on_stream"), ("score_layer", "score_layer_on_stream")):
+        assert getattr(Predictor, a) is getattr(Predictor, b)
+    with pytest.raises(TypeError, match="ctx must be a CudaCtx"):
+        Predictor(ctx.stream, SMALL, SEED)
+    with cm.CudaStream(ctx) as s, Predictor(ctx, SMALL, SEED) as pred:
+        q_host = randn(rng, (8, 64), 1.0)
+        q = upload(q_host, stream)
+        outs = [poisoned(2 * 8 * 32, stream) for _ in range(3)]
+        cm.stream_sync(stream)
+        pred.project_q(ctx, q, outs[0])
+        pred.project_q(s, q, outs[1])
+        pred.project_q_on_stream(s.handle, q, outs[2])
+        got = [download(o, (8, 32), BF16, h).view(np.uint16) for o, h in zip(outs, (stream, s.handle, s.handle))]
+        assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], got[2])
+        with pytest.raises(HssError, match="stream = -1 is not a stream handle"):
+            pred.project_q(-1, q, outs[0])
+        for b in (q, *outs):
+            b.close()
+
+
 def test_pointer_kinds(ctx, stream, rng) -> None:
     """Streams and pointers may be ints, CudaStream / DeviceBuffer, or protocol objects."""
-
-    class Array:   # a minimal __cuda_array_interface__ holder
-        def __init__(self, buf: cm.DeviceBuffer, shape: tuple, typestr: str) -> None:
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (buf.ptr, False),
-                                             "version": 3, "strides": None}
 
     with cm.CudaStream(ctx) as s, Predictor.new_on_stream(s, SMALL, SEED) as pred:
         q_host = randn(rng, (8, 64), 1.0)
         q = upload(q_host, s.handle)
         out = poisoned(2 * 8 * 32, s.handle)
-        pred.project_q_on_stream(s, Array(q, (8, 64), "<i2"), Array(out, (8, 32), "<i2"))
+        pred.project_q_on_stream(s, Array(q, (8, 64), "<V2"), Array(out, (8, 32), "<V2"))
         got = download(out, (8, 32), BF16, s.handle)
         assert_close(got, ref.project_q(q_host, pred.projection), "bf16", (1,), "q_proj")
         with pytest.raises(HssError, match="q holds 64 bytes"):
-            pred.project_q_on_stream(s, Array(q, (4, 8), "<i2"), out)
+            pred.project_q_on_stream(s, Array(q, (4, 8), "<V2"), out)
+        with pytest.raises(HssError, match="q holds i16 but bf16 is needed"):   # a typed array must say bf16
+            pred.project_q_on_stream(s, Array(q, (8, 64), "<i2"), out)
+        cm.memset_d8_async(out, 0xFF, out.bytes, s)
+        pred.project_q(s, q.view("bf16", (8, 64)), out.view("bf16"))           # typed views; any stream form
+        assert np.array_equal(download(out, (8, 32), BF16, s.handle).view(np.uint16), got.view(np.uint16))
+
+
+def test_array_interface_streams_are_ordered_before_the_call(ctx, stream, rng, monkeypatch) -> None:
+    """An input's ``__cuda_array_interface__`` stream is ordered before the call's stream (an event wait)."""
+    waits: list = []
+    real = _driver.api.cuStreamWaitEvent
+
+    def wait(consumer, event, flags):
+        waits.append(int(consumer))
+        return real(consumer, event, flags)
+
+    monkeypatch.setattr(_driver.api, "cuStreamWaitEvent", wait)
+    with cm.CudaStream(ctx) as producer, Predictor(ctx, SMALL, SEED) as pred:
+        q_host = randn(rng, (8, 64), 1.0)
+        q, out = upload(q_host, producer.handle), poisoned(2 * 8 * 32, stream)
+        cm.stream_sync(stream)
+        pred.project_q(stream, Array(q, (8, 64), "<V2", stream=producer.handle), out)
+        assert waits == [stream]
+        assert_close(download(out, (8, 32), BF16, stream), ref.project_q(q_host, pred.projection), "bf16", (1,),
+                     "q_proj after a stream join")
+        pred.score_layer(stream, Array(out, (8, 32), "<V2", stream=stream), 0, 0, 1, poisoned(4, stream))
+        assert waits == [stream]   # the same stream: nothing to order
+        q.close()
+        out.close()
 
 
 # -- the original's parity test (SPEC §5.5), recorded and asserted -----------------------------

@@ -194,10 +194,10 @@ def test_shape_guards(head_dim: int, r: int, match: str) -> None:
 def test_shape_bounds_inclusive_and_types() -> None:
     assert PredictorShape(256, 128) == PredictorShape(np.int64(256), 128)
     assert type(PredictorShape(np.int32(4), 2).head_dim) is int
-    for bad in (True, 4.0, "4", None):
-        with pytest.raises(TypeError, match="^head_dim must be an int"):
+    for bad in (True, np.bool_(True), 4.0, float("nan"), np.float32(4), "4", None):
+        with pytest.raises(TypeError, match="^PredictorShape.head_dim must be an int"):
             PredictorShape(bad, 4)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="^r must be an int"):
+        with pytest.raises(TypeError, match="^PredictorShape.r must be an int"):
             PredictorShape(4, bad)  # type: ignore[arg-type]
 
 
@@ -208,8 +208,9 @@ def test_seed_guards() -> None:
     for bad in (-1, 2**64):
         with pytest.raises(ValueError, match="seed"):
             build_projection(shape, bad)
-    with pytest.raises(TypeError, match="seed"):
-        build_projection(shape, 1.0)  # type: ignore[arg-type]
+    for bad in (1.0, float("nan"), True, "1"):
+        with pytest.raises(TypeError, match="^seed must be an int"):
+            build_projection(shape, bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shape"):
         build_projection((2, 2), 0)  # type: ignore[arg-type]
 

@@ -20,8 +20,8 @@ def lowrank_rows(r: int, rows: int) -> int:
     return max(1, min(LOWRANK_ROWS, 256 // r, rows))
 
 
-def score_warps(n: int) -> int:
-    """Warps (one K_lr block each) per CTA of predictor_score as hss launches it for n blocks.
+def score_warps() -> int:
+    """Warps (one K_lr block each) per CTA of predictor_score as hss launches it, at every block count.
 
     One: single-warp CTAs spread short contexts over every SM and retire independently, which measured
     fastest on an H200 at every size (Llama-like dims, 1 vs 8 warps per CTA: 128K tokens 19.1 vs 21.1 us,
