@@ -301,8 +301,13 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
     fixed = nbytes or 0
     torch_dtypes: set[Any] = set()   # the torch dtypes that match `dtype`, resolved at the first torch tensor
 
+    prepared = nbytes
+
     def check(obj: Any, stream: int | None = None, nbytes: int | None = None) -> int:
-        need = fixed if nbytes is None else nbytes
+        if nbytes is None:
+            need, nbytes = fixed, prepared
+        else:
+            need = nbytes
         cls = type(obj)
         if cls is int:
             if obj > 0 and not obj % align:
@@ -325,7 +330,7 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
                 p = obj.data_ptr()
                 if p and not p % align:
                     return p
-        return pointer(obj, name, need, align, dtype, write, stream, what)
+        return pointer(obj, name, nbytes, align, dtype, write, stream, what)
 
     return check
 

@@ -105,6 +105,8 @@ def test_int_pointers_inside_hss_buffers_are_bounds_checked(ctx):
     with pytest.raises(HssError, match="not a device address"):
         _args.pointer(-8, "x", 4)
     assert _args.pointer(0, "x", 0) == 0   # nothing to read: null is fine
+    with pytest.raises(HssError, match="null pointer"):
+        _args.pointer_arg("x", None)(0)     # size unknown: null is refused
 
 
 def test_closed_buffers_and_views_say_closed(ctx):
