@@ -1,23 +1,31 @@
 """spark-runtime's GPU surface as the QSA indexer uses it (SPEC §9): ``DevicePtr``, ``KernelHandle``,
-the ``GpuBackend`` protocol, and ``CudaBackend``, its one implementation over :mod:`hss.cuda_min`.
+the ``GpuBackend`` protocol, ``CudaBackend``, its one implementation over :mod:`hss.cuda_min`, and the
+prepared hot-path operations :func:`launcher` and :func:`proj_dense`.
 
 Argument orders are the original's: ``GpuBackend`` copies take the *source first*
-(``copy_d2d_async(src, dst, bytes, stream)``), unlike ``cuda_min`` (destination first).
+(``copy_d2d_async(src, dst, bytes, stream)``), unlike ``cuda_min`` (destination first). Every ``CudaBackend``
+method reads its arguments through :mod:`hss._args` (streams, device pointers with the bytes the call touches,
+host buffers, integers), itself or through the :mod:`hss.cuda_min` call it makes, and raises before queueing
+anything.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from hss import _args, _launch
 from hss import cuda_min as cm
 from hss import ptx
 from hss._blas import Blas
-from hss.errors import CudaError, HssError
-from hss._args import device_ptr
 from hss._context import _ensure_context
 from hss._params import ParamPack
+from hss.errors import CudaError, HssError
 from hss.kernels import DECLARATIONS, KernelDecl
+
+__all__ = ["DevicePtr", "KernelHandle", "GpuBackend", "CudaBackend", "launcher", "proj_dense"]
+
+_I32 = 2**31 - 1
 
 
 class DevicePtr(int):
@@ -77,15 +85,36 @@ class GpuBackend(Protocol):
                                stream: Any) -> None: ...
 
 
+def _host_nbytes(obj: Any, name: str) -> int:
+    """The bytes a host buffer says it holds (numpy array, PinnedBuffer, bytes-like); :func:`_args.host_buffer`
+    then checks it."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, cm.PinnedBuffer):
+        return obj.bytes
+    try:
+        return memoryview(obj).nbytes
+    except TypeError:
+        raise TypeError(f"{name} must be a host buffer (numpy array, bytes-like or PinnedBuffer), got "
+                        f"{type(obj).__name__}") from None
+
+
 class CudaBackend:
     """``GpuBackend`` over ``hss.cuda_min``: PTX modules loaded once, allocations tracked by address
-    (``free`` of an unknown address is an error; ``close`` frees what is left), one cuBLAS handle."""
+    (``free`` of an unknown address is an error; ``close`` frees what is left), one cuBLAS handle.
+
+    ``ctx``: the :class:`~hss.cuda_min.CudaCtx` it works in (None: the context current at each call)."""
 
     def __init__(self, ctx: cm.CudaCtx | None = None) -> None:
+        if ctx is not None and not isinstance(ctx, cm.CudaCtx):
+            raise TypeError(f"ctx must be a CudaCtx or None, not {type(ctx).__name__}")
         self.ctx = ctx
         self._modules: dict[str, cm.CudaModule] = {}
         self._buffers: dict[int, cm.DeviceBuffer] = {}
         self._blas = Blas()
+        self._gemm_args = tuple(_args.pointer_arg(f"cublas_bf16_proj_dense {name}", None, 2, "bf16",
+                                                  write=name == "out", what=f"{shape} bf16")
+                                for name, shape in (("act", "[m, k]"), ("weight", "[n, k]"), ("out", "[m, n]")))
 
     # -- kernels --------------------------------------------------------------------------------
     def _module(self, module: str) -> cm.CudaModule:
@@ -110,25 +139,30 @@ class CudaBackend:
 
     def launch(self, kernel: KernelHandle, grid: Any, block: Any, shared_bytes: int, stream: Any,
                params: ParamPack) -> None:
+        """Queue ``kernel`` on ``stream``: ``grid`` / ``block`` an int or 1-3 ints, ``params`` its ParamPack
+        (checked against the kernel once); see :func:`hss.cuda_min.launch_kernel`."""
+        if not isinstance(kernel, KernelHandle):
+            raise TypeError(f"kernel must be a KernelHandle (from kernel()), got {type(kernel).__name__}")
         if not kernel:
             raise HssError("launch of an absent kernel (try_kernel found none)")
         cm.launch_kernel(kernel.func, grid, block, shared_bytes, stream, params)
 
     # -- memory ---------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DevicePtr:
-        """``nbytes`` of device memory (not zeroed); the error says how much is free."""
+        """``nbytes`` (>= 1) of device memory (not zeroed); the error says how much is free."""
+        n = _args.as_int("alloc nbytes", nbytes, 1, why="an allocation holds at least one byte")
         try:
-            buf = cm.DeviceBuffer(nbytes, self.ctx)
+            buf = cm.DeviceBuffer(n, self.ctx)
         except CudaError as exc:
             free, total = cm.mem_info()
             raise CudaError(exc.call, exc.name, exc.message,
-                            f"{nbytes} bytes requested, {free} of {total} free") from None
+                            f"{n} bytes requested, {free} of {total} free") from None
         self._buffers[buf.ptr] = buf
         return DevicePtr(buf.ptr)
 
     def free(self, ptr: Any) -> None:
-        """Free memory from ``alloc``; a null pointer is a no-op."""
-        addr = device_ptr(ptr)
+        """Free memory from ``alloc`` (its address: an int or DevicePtr); a null pointer is a no-op."""
+        addr = _args.as_int("free ptr", ptr, 0, 2**64 - 1, why="the address alloc returned")
         if addr == 0:
             return
         buf = self._buffers.pop(addr, None)
@@ -137,39 +171,47 @@ class CudaBackend:
         buf.close()
 
     def copy_d2d_async(self, src: Any, dst: Any, nbytes: int, stream: Any) -> None:
+        """Queue a copy of ``nbytes`` from device ``src`` to device ``dst``."""
         cm.copy_d_to_d_async(dst, src, nbytes, stream)
 
     def copy_d2d_2d_async(self, src: Any, src_pitch: int, dst: Any, dst_pitch: int, width_bytes: int,
                           height: int, stream: Any) -> None:
+        """Queue a pitched copy: ``height`` rows of ``width_bytes``, rows ``*_pitch`` bytes apart."""
         cm.copy_2d_d_to_d_async(dst, dst_pitch, src, src_pitch, width_bytes, height, stream)
 
     def copy_h2d_async(self, src: Any, dst: Any, stream: Any) -> None:
-        """Queue ``src`` (bytes / numpy array) into ``dst``; pageable ``src`` may be reused at once."""
-        n = src.nbytes if isinstance(src, np.ndarray) else len(memoryview(src).cast("B"))
-        cm.copy_h_to_d_async(dst, src, n, stream)
+        """Queue all of host ``src`` (numpy array, bytes-like or PinnedBuffer) into device ``dst``; a pageable
+        ``src`` may be reused at once (the driver stages it)."""
+        cm.copy_h_to_d_async(dst, src, _host_nbytes(src, "copy_h2d_async src"), stream)
 
     def copy_d2h_on_stream(self, src: Any, dst: Any, stream: Any) -> None:
-        """Copy ``len(dst)`` bytes from ``src`` after prior work on ``stream``, then wait (blocking)."""
-        n = dst.nbytes if isinstance(dst, np.ndarray) else len(memoryview(dst).cast("B"))
-        cm.copy_d_to_h_async(dst, src, n, stream)
-        cm.stream_sync(stream)
+        """Copy as many bytes as host ``dst`` holds from device ``src`` after prior work on ``stream``, then wait
+        (blocking)."""
+        s = _args.stream(stream)
+        cm.copy_d_to_h_async(dst, src, _host_nbytes(dst, "copy_d2h_on_stream dst"), s)
+        cm.stream_sync(s)
 
     def synchronize(self, stream: Any) -> None:
-        cm.stream_sync(stream)
+        """Block until the work queued on ``stream`` has finished."""
+        cm.stream_sync(_args.stream(stream))
 
     def cublas_bf16_proj_dense(self, act: Any, weight: Any, out: Any, m: int, n: int, k: int,
                                stream: Any) -> None:
         """Row-major ``out[m, n] = act[m, k] · weight[n, k]ᵀ``, bf16 in/out, f32 compute (cuBLAS GemmEx)."""
-        for name, v in (("m", m), ("n", n), ("k", k)):
-            if not isinstance(v, (int, np.integer)) or v <= 0 or v >= 2**31:
-                raise HssError(f"cublas_bf16_proj_dense: {name} must be a positive int32 (got {v!r})")
-        ptrs = {"act": device_ptr(act), "weight": device_ptr(weight), "out": device_ptr(out)}
-        for name, p in ptrs.items():
-            if p == 0:
-                raise HssError(f"cublas_bf16_proj_dense: {name} is a null pointer")
-        _ensure_context()
-        self._blas.proj_dense(ptrs["act"], ptrs["weight"], ptrs["out"], int(m), int(n), int(k),
-                              cm.stream_handle(stream))
+        m = _args.as_int("cublas_bf16_proj_dense m", m, 1, _I32, why="a positive int32")
+        n = _args.as_int("cublas_bf16_proj_dense n", n, 1, _I32, why="a positive int32")
+        k = _args.as_int("cublas_bf16_proj_dense k", k, 1, _I32, why="a positive int32")
+        s = _args.stream(stream)
+        a, w, o = self._gemm_args
+        self._gemm(a(act, s, 2 * m * k), w(weight, s, 2 * n * k), o(out, s, 2 * m * n), m, n, k, s)
+
+    def _gemm(self, act: int, weight: int, out: int, m: int, n: int, k: int, stream: int) -> None:
+        """The GEMM on checked ints, in this backend's context."""
+        if self.ctx is not None:
+            self.ctx.make_current()
+        else:   # no CudaCtx to name: the context current on this thread (made so if there is none)
+            _ensure_context()
+        self._blas.proj_dense(act, weight, out, m, n, k, stream)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -187,3 +229,53 @@ class CudaBackend:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# -- prepared hot-path operations ------------------------------------------------------------------
+def _own_method(gpu: Any, name: str) -> bool:
+    """Whether ``gpu`` is a CudaBackend whose method ``name`` is CudaBackend's own (not overridden)."""
+    return isinstance(gpu, CudaBackend) and getattr(type(gpu), name) is getattr(CudaBackend, name)
+
+
+def launcher(gpu: GpuBackend, kernel: KernelHandle, block: Any, shared_bytes: int,
+             pack: ParamPack) -> Callable[..., None]:
+    """A prepared launch of ``kernel`` with ``pack`` (refilled in place by the caller, e.g. through
+    ``pack.slot(name)``): ``run(stream, gx, gy=1, gz=1)``, ``stream`` a raw handle and the grid positive ints, both
+    already checked by the caller.
+
+    On a :class:`CudaBackend` it is :func:`hss._launch.launcher` (block, shared size and pack checked once, here;
+    no conversion per run); on any other backend each run calls its ``launch``."""
+    if not isinstance(kernel, KernelHandle) or not kernel:
+        raise HssError("a launcher needs a present KernelHandle (try_kernel found none)")
+    if type(pack) is not ParamPack:
+        raise TypeError(f"pack must be a ParamPack (kernel.pack(...)), got {type(pack).__name__}")
+    if _own_method(gpu, "launch"):
+        return _launch.launcher(kernel.func, block, shared_bytes, pack)
+    dims = _args.dims3("block", block)
+    shared = _args.as_int("shared_bytes", shared_bytes, 0)
+
+    def run(stream: int, gx: int, gy: int = 1, gz: int = 1) -> None:
+        gpu.launch(kernel, (gx, gy, gz), dims, shared, stream, pack)
+
+    return run
+
+
+def proj_dense(gpu: GpuBackend, weight: Any, out: Any, n: int, k: int, max_m: int) -> Callable[[int, int, int], None]:
+    """A prepared ``gpu.cublas_bf16_proj_dense`` with a fixed ``weight [n, k]`` and ``out`` (room for ``max_m``
+    rows): ``run(act, m, stream)``, ``act`` a checked device address of ``[m, k]`` bf16, ``1 <= m <= max_m`` and
+    ``stream`` a raw handle (the caller checked all three). ``weight``, ``out``, ``n`` and ``k`` are checked here,
+    once. On a :class:`CudaBackend` a run goes straight to cuBLAS; elsewhere it calls the backend's method."""
+    n, k, max_m = (_args.as_int(name, v, 1, _I32, why="a positive int32")
+                   for name, v in (("n", n), ("k", k), ("max_m", max_m)))
+    w = _args.pointer(weight, "weight", 2 * n * k, 2, "bf16", what="[n, k] bf16")
+    o = _args.pointer(out, "out", 2 * max_m * n, 2, "bf16", write=True, what=f"[{max_m}, n] bf16")
+    if _own_method(gpu, "cublas_bf16_proj_dense"):
+        gemm = gpu._gemm   # type: ignore[attr-defined]
+
+        def run(act: int, m: int, stream: int) -> None:
+            gemm(act, w, o, m, n, k, stream)
+    else:
+        def run(act: int, m: int, stream: int) -> None:
+            gpu.cublas_bf16_proj_dense(act, w, o, m, n, k, stream)
+
+    return run

@@ -305,7 +305,7 @@ def test_max_tokens_from_env(gpu, layer, monkeypatch):
 
 # -- errors: each raised before any device work -----------------------------------------------------------
 CONSTRUCTOR_ERRORS = [
-    (dict(ratio=0), HssError, "ratio = 0 must be >= 1"),
+    (dict(ratio=0), HssError, r"ratio = 0 must be in 1\.\.2147483647: tokens per QSA block"),
     (dict(budget=2050), HssError, r"budget \(2050\) must be a positive multiple of ratio \(4\)"),
     (dict(budget=0), HssError, "positive multiple of ratio"),
     (dict(hd=100), HssError, "multiple of 32"),
@@ -324,7 +324,14 @@ CONSTRUCTOR_ERRORS = [
     (dict(hd_attn=0), HssError, "hd_attn"),
     (dict(max_tokens=2), HssError, "max_tokens"),
     (dict(max_tokens=2**31), HssError, "max_tokens"),
-    (dict(n_heads=4.0), TypeError, "n_heads must be an integer"),
+    (dict(n_heads=4.0), TypeError, "n_heads must be an int, got float 4.0"),
+    (dict(hd=np.float32(128)), TypeError, "hd must be an int, got float32"),
+    (dict(ratio=True), TypeError, "ratio must be an int, got bool"),
+    (dict(budget="2048"), TypeError, "budget must be an int, got str"),
+    (dict(max_tokens=4096.0), TypeError, "max_tokens must be an int, got float"),
+    (dict(theta="1e7"), TypeError, "theta must be a number, got str"),
+    (dict(eps=True), TypeError, "eps must be a number, got bool"),
+    (dict(score_scalar=1), TypeError, "HSS_QSA_SCORE_SCALAR override must be a bool or None"),
 ]
 
 
@@ -340,8 +347,27 @@ def test_constructor_pointer_and_env_errors(gpu, layer, monkeypatch):
     rec = Recording(gpu)
     args = dict(n_heads=N_HEADS, hd=HD, ratio=RATIO, budget=BUDGET, rot=ROT, theta=THETA, eps=EPS, hidden=HIDDEN,
                 nkv_attn=NKV, hd_attn=HD_ATTN, gpu=rec)
-    with pytest.raises(HssError, match="qk_proj_w is a null device pointer"):
-        QsaIndexer(0, layer.bufs[1], layer.bufs[2], **args)
+    w, qn, kn = layer.bufs
+    closed = cm.DeviceBuffer(QKW * HIDDEN * 2)
+    closed.close()
+    with cm.DeviceBuffer(16) as tiny:
+        cases = [
+            ((0, qn, kn), HssError, "qk_proj_w is a null pointer"),
+            ((tiny, qn, kn), HssError, f"qk_proj_w holds 16 bytes but {QKW * HIDDEN * 2} are needed"),
+            ((tiny.ptr, qn, kn), HssError, "qk_proj_w: .* run past the end of its 16-byte buffer"),
+            ((w.view("bf16", (QKW - 1) * HIDDEN), qn, kn), HssError, "qk_proj_w holds"),
+            ((closed, qn, kn), HssError, "qk_proj_w is a closed DeviceBuffer"),
+            ((w.view("f32"), qn, kn), HssError, "qk_proj_w holds f32 but bf16 is needed"),
+            ((w.ptr + 1, qn, kn), HssError, "qk_proj_w .* must be 2-byte aligned"),
+            ((w, qn.view("bf16", HD - 1), kn), HssError, f"q_norm_w holds {(HD - 1) * 2} bytes but {HD * 2}"),
+            ((w, qn, 0), HssError, "k_norm_w is a null pointer"),
+            ((w, qn, 1.5), TypeError, "k_norm_w: cannot use float"),
+            ((w, qn, np.zeros(HD, BF16)), HssError, "k_norm_w is a host numpy array"),
+        ]
+        for weights, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                QsaIndexer(*weights, **args)
+    assert rec.calls == []
     monkeypatch.setenv("HSS_QSA_MAX_TOKENS", "lots")
     with pytest.raises(HssError, match="HSS_QSA_MAX_TOKENS='lots' is not an integer"):
         QsaIndexer(*layer.bufs, **args)
@@ -355,6 +381,11 @@ def test_method_errors_before_device_work(gpu, stream, rng, layer):
     rec = Recording(gpu)
     other = layer.indexer(gpu, max_tokens=64)
     foreign = other.new_seq_state()
+    short = cm.DeviceBuffer(9 * HIDDEN * 2)   # nine rows where ten are read
+    closed = cm.DeviceBuffer(HIDDEN * 2 * 70)
+    closed.close()
+    tiny = cm.DeviceBuffer(4)
+    k, v, table = pool.dev
     with layer.indexer(rec, max_tokens=64, budget=8) as idx:   # selective from visible 12 on
         st = idx.new_seq_state()
         idx.prefill_ingest(st, d_hidden, 10, 0, stream)
@@ -364,16 +395,61 @@ def test_method_errors_before_device_work(gpu, stream, rng, layer):
             (lambda: idx.prefill_ingest(st, row(d_hidden, 5), 3, 5, stream), "prefill chunk starts at 5 but 10"),
             (lambda: idx.prefill_ingest(st, row(d_hidden, 10), 60, 10, stream), "70 tokens exceed max_tokens = 64"),
             (lambda: idx.prefill_ingest(st, d_hidden, 65, 0, stream), "65 tokens exceed max_tokens"),
-            (lambda: idx.prefill_ingest(st, 0, 3, 10, stream), "hidden is a null device pointer"),
+            (lambda: idx.prefill_ingest(st, 0, 3, 10, stream), "hidden is a null pointer"),
             (lambda: idx.prefill_ingest(st, d_hidden, -1, 10, stream), "num_tokens = -1"),
             (lambda: idx.prefill_ingest(foreign, d_hidden, 1, 0, stream), "belongs to another indexer"),
+            # seq_start 0 would start the sequence over: a too-small hidden must not (it used to reset the state,
+            # then fault in the GEMM)
+            (lambda: idx.prefill_ingest(st, short, 10, 0, stream),
+             f"hidden holds {9 * HIDDEN * 2} bytes but {10 * HIDDEN * 2} are needed"),
+            (lambda: idx.prefill_ingest(st, short.view("bf16"), 10, 0, stream), "hidden holds"),
+            (lambda: idx.prefill_ingest(st, short.ptr, 10, 0, stream), "hidden: .* run past the end"),
+            (lambda: idx.prefill_ingest(st, row(d_hidden, 60), 11, 10, stream), "hidden: .* run past the end"),
+            (lambda: idx.prefill_ingest(st, closed, 3, 0, stream), "hidden is a closed DeviceBuffer"),
+            (lambda: idx.prefill_ingest(st, d_hidden.view("f32"), 3, 0, stream), "hidden holds f32 but bf16"),
+            (lambda: idx.prefill_ingest(st, row(d_hidden, 10) + 1, 3, 10, stream), "hidden .* must be 2-byte aligned"),
             (lambda: idx.decode_select(st, row(d_hidden, 9), 9, *pool.dev, BS, stream), "decode at pos 9 but 10"),
             (lambda: idx.decode_select(st, row(d_hidden, 11), 11, *pool.dev, BS, stream), "lost sync"),
-            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, *pool.dev, 4, stream), "block_size = 4"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, *pool.dev, 4, stream),
+             r"block_size = 4 must be in 8\.\."),
             (lambda: idx.decode_select(st, 0, 10, *pool.dev, BS, stream), "normed is a null"),
+            (lambda: idx.decode_select(st, short.view("bf16", HIDDEN - 1), 10, *pool.dev, BS, stream),
+             f"normed holds {(HIDDEN - 1) * 2} bytes but {HIDDEN * 2} are needed"),
+            (lambda: idx.decode_select(st, closed, 10, *pool.dev, BS, stream), "normed is a closed DeviceBuffer"),
+            (lambda: idx.decode_select(st, row(d_hidden, 69) + 2, 10, *pool.dev, BS, stream), "normed: .* run past"),
+            # the pools and the table are checked at inert positions too (visible 11 here)
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, tiny, v, table, BS, stream),
+             f"k_pool holds 4 bytes but {BS * NKV * HD_ATTN * 2} are needed"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, closed, table, BS, stream), "v_pool is a closed"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, v, tiny, 8, stream),
+             "block_table_dev holds 4 bytes but 8 are needed"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, v, table.ptr + 2, BS, stream),
+             "block_table_dev .* must be 4-byte aligned"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, v, table.view("f32"), BS, stream),
+             "block_table_dev holds f32 but i32 is needed"),
         ]
         for call, match in cases:
             with pytest.raises(HssError, match=match):
+                call()
+            assert rec.calls == [], f"device work before the error {match!r}"
+            assert (st.ingested, st.pooled, st.table_len) == before
+        type_cases = [
+            (lambda: idx.prefill_ingest(st, d_hidden, 3.0, 10, stream), "num_tokens must be an int, got float"),
+            (lambda: idx.prefill_ingest(st, d_hidden, 3, np.float64(10), stream), "seq_start must be an int"),
+            (lambda: idx.prefill_ingest(st, d_hidden, 3, False, stream), "seq_start must be an int, got bool"),
+            (lambda: idx.prefill_ingest(st, d_hidden, 3, 10, None), "stream: a stream is required"),
+            (lambda: idx.prefill_ingest(st, "hidden", 3, 10, stream), "hidden: cannot use str"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10.0, *pool.dev, BS, stream), "pos must be an int"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, *pool.dev, True, stream),
+             "block_size must be an int, got bool"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, *pool.dev, 16.0, stream), "block_size must be"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, *pool.dev, BS, 1.5), "stream: a stream is required"),
+            (lambda: idx.decode_select(st, 1.5, 10, *pool.dev, BS, stream), "normed: cannot use float"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, v, [0, 1], BS, stream),
+             "block_table_dev: cannot use list"),
+        ]
+        for call, match in type_cases:
+            with pytest.raises(TypeError, match=match):
                 call()
             assert rec.calls == [], f"device work before the error {match!r}"
             assert (st.ingested, st.pooled, st.table_len) == before
@@ -387,6 +463,8 @@ def test_method_errors_before_device_work(gpu, stream, rng, layer):
             idx.decode_select(st, row(d_hidden, 11), 11, 0, pool.dev[1], pool.dev[2], BS, stream)
         with pytest.raises(HssError, match="block_table_dev is a null"):
             idx.decode_select(st, row(d_hidden, 11), 11, pool.dev[0], pool.dev[1], 0, BS, stream)
+        with pytest.raises(HssError, match="block_table_dev holds 4 bytes but 8 are needed"):
+            idx.decode_select(st, row(d_hidden, 11), 11, pool.dev[0], pool.dev[1], tiny, 8, stream)
         assert rec.calls == [] and (st.ingested, st.pooled, st.table_len) == before
         # pos >= max_tokens
         idx.prefill_ingest(st, row(d_hidden, 11), 53, 11, stream)
@@ -404,6 +482,8 @@ def test_method_errors_before_device_work(gpu, stream, rng, layer):
         assert rec.calls == []
     other.release_seq_state(foreign)
     other.close()
+    for buf in (short, tiny):
+        buf.close()
 
 
 def test_small_budget_selection_end_to_end(gpu, stream, rng, layer):
@@ -427,3 +507,36 @@ def test_small_budget_selection_end_to_end(gpu, stream, rng, layer):
                 check_selection(sel.tokens, ref.score(q_post, bk), pos + 1, f"pos {pos}", budget=8)
                 check_gather(sel, pool, stream)
         idx.release_seq_state(st)
+
+
+def test_numpy_integer_arguments(gpu, stream, rng, layer):
+    """numpy integers (and a numpy float theta / eps) are read as Python ints / floats before any arithmetic:
+    the same selections as Python ints, and the stored dims are Python ints (so nothing wraps later)."""
+    n = 30
+    hidden = hidden_states(rng, n)
+    d_hidden = upload(hidden, stream)
+    pool = kv_pool(rng, n, stream)
+    np_dims = dict(n_heads=np.int32(N_HEADS), hd=np.int64(HD), ratio=np.uint8(RATIO), budget=np.int16(8),
+                   rot=np.int32(ROT), theta=np.float32(THETA), eps=np.float64(EPS), hidden=np.int64(HIDDEN),
+                   nkv_attn=np.int32(NKV), hd_attn=np.int64(HD_ATTN), max_tokens=np.int32(64))
+    runs = []
+    for dims in (np_dims, {**np_dims, **{k: v.item() for k, v in np_dims.items()}}):
+        with layer.indexer(gpu, **dims) as idx:
+            assert all(type(getattr(idx, k)) is int for k in ("n_heads", "hd", "ratio", "budget", "rot", "hidden",
+                                                               "nkv_attn", "hd_attn", "max_tokens", "block_topk"))
+            assert type(idx.theta) is float and idx.theta == TH32
+            numpy_args = dims is np_dims
+            cast = np.int64 if numpy_args else int
+            st = idx.new_seq_state()
+            idx.prefill_ingest(st, d_hidden, cast(20), np.int32(0) if numpy_args else 0, stream)
+            assert type(st.ingested) is int and type(st.pooled) is int
+            tokens = []
+            for pos in range(20, n):
+                sel = idx.decode_select(st, row(d_hidden, pos), cast(pos), *pool.dev,
+                                        np.int32(BS) if numpy_args else BS, stream)
+                tokens.append(sel.tokens)
+                assert type(sel.n_sel) is int and type(st.ingested) is int
+            runs.append((tokens, download(st.raw_keys, (n, HD), np.uint16, stream)))
+            idx.release_seq_state(st)
+    (t_np, raw_np), (t_int, raw_int) = runs
+    assert all(np.array_equal(a, b) for a, b in zip(t_np, t_int)) and np.array_equal(raw_np, raw_int)

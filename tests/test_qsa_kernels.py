@@ -276,3 +276,132 @@ def test_geometry_helpers():
     assert kq.score_blocks_per_cta(128) == 64 and kq.score_grid(8192, 128) == 128
     assert kq.score_blocks_per_cta(96) == 8 and kq.score_grid(0, 128) == 1
     assert kq.row_smem_bytes(128) == 640 and kq.score_smem_bytes(4, 128) == 2048
+
+
+# -- CudaBackend: arguments through hss._args, prepared launches --------------------------------------------
+def test_backend_memory_and_copy_arguments(gpu, stream):
+    """alloc / free / copies read their arguments through hss._args: ints (numpy too; float, bool refused), streams,
+    device pointers against the bytes copied, host buffers by what they hold."""
+    from hss.errors import HssError
+    from hss.gpu import DevicePtr
+    with pytest.raises(HssError, match="alloc nbytes = 0 must be >= 1"):
+        gpu.alloc(0)
+    with pytest.raises(TypeError, match="alloc nbytes must be an int, got float"):
+        gpu.alloc(64.0)
+    p = gpu.alloc(np.int64(64))
+    assert type(p) is DevicePtr
+    host, back = np.arange(16, dtype=np.int32), np.zeros(16, np.int32)
+    gpu.copy_h2d_async(host, p, stream)
+    gpu.copy_d2h_on_stream(p, back, stream)
+    assert back.tolist() == host.tolist()
+    with cm.PinnedBuffer(64) as pinned:   # a pinned buffer is a host buffer of its size
+        pinned.view(np.int32)[:] = 7
+        gpu.copy_h2d_async(pinned, p, stream)
+        gpu.synchronize(stream)
+    gpu.copy_d2h_on_stream(p, back, stream)
+    assert (back == 7).all()
+    gpu.copy_d2d_async(p, p + 32, np.int32(16), stream)
+    gpu.copy_d2h_on_stream(p + 32, back[:4], stream)
+    assert (back[:4] == 7).all()
+    readonly = np.zeros(16, np.int32)
+    readonly.flags.writeable = False
+    cases = [
+        (lambda: gpu.copy_h2d_async(np.zeros(32, np.int32), p, stream), HssError, "dst: 128 bytes at offset 0 run"),
+        (lambda: gpu.copy_h2d_async([1, 2], p, stream), TypeError, "copy_h2d_async src must be a host buffer"),
+        (lambda: gpu.copy_h2d_async(np.zeros(8, np.int32)[::2], p, stream), HssError, "C-contiguous"),
+        (lambda: gpu.copy_d2h_on_stream(p, readonly, stream), HssError, "read-only"),
+        (lambda: gpu.copy_d2h_on_stream(p + 32, back, stream), HssError, "src: 64 bytes at offset 32 run past"),
+        (lambda: gpu.copy_d2d_async(p, p + 32, 64, stream), HssError, "run past the end of its 64-byte buffer"),
+        (lambda: gpu.copy_d2d_async(p, p + 32, 16.0, stream), TypeError, "nbytes must be an int, got float"),
+        (lambda: gpu.copy_d2d_async(p, p + 32, 16, None), TypeError, "a stream is required"),
+        (lambda: gpu.copy_d2d_2d_async(p, 16, p + 32, 16, 8, 3, stream), HssError, "run past the end"),
+        (lambda: gpu.copy_d2d_2d_async(p, 16, p + 32, 16, 8, True, stream), TypeError, "height must be an int"),
+        (lambda: gpu.synchronize(None), TypeError, "a stream is required"),
+        (lambda: gpu.free(1.5), TypeError, "free ptr must be an int, got float"),
+        (lambda: gpu.free(p + 16), HssError, "not an allocation of this backend"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    gpu.free(p)
+    gpu.free(0)   # a null pointer is a no-op
+    closed = cm.DeviceBuffer(64)
+    closed.close()
+    with pytest.raises(HssError, match="dst is a closed DeviceBuffer"):
+        gpu.copy_h2d_async(host, closed, stream)
+
+
+def test_backend_gemm_arguments(gpu, stream, rng):
+    """cublas_bf16_proj_dense: m, n, k positive int32 (numpy ints accepted), act / weight / out checked against the
+    m*k, n*k and m*n bf16 elements it reads and writes; the prepared proj_dense checks weight and out once."""
+    from hss.errors import HssError
+    from hss.gpu import proj_dense
+    from hss.reference.linear import proj_dense as ref_proj
+    m, n, k = 3, 40, 64
+    a, w = normal(rng, (m, k), 1.0), normal(rng, (n, k), 0.1)
+    d_a, d_w = upload(a, stream), upload(w, stream)
+    with cm.DeviceBuffer(m * n * 2) as out:
+        gpu.cublas_bf16_proj_dense(d_a, d_w, out, np.int32(m), np.int64(n), np.uint16(k), stream)
+        want = download(out, (m, n), np.uint16, stream)
+        assert_close(download(out, (m, n), BF16, stream), ref_proj(a, w), "bf16", (1,), "proj_dense")
+        cases = [
+            (dict(m=1.0), TypeError, "cublas_bf16_proj_dense m must be an int, got float"),
+            (dict(n=True), TypeError, "cublas_bf16_proj_dense n must be an int, got bool"),
+            (dict(k=0), HssError, "cublas_bf16_proj_dense k = 0 must be in 1"),
+            (dict(m=2**31), HssError, "cublas_bf16_proj_dense m = 2147483648"),
+            (dict(m=4), HssError, f"act holds {m * k * 2} bytes but {4 * k * 2} are needed"),
+            (dict(act=d_a.ptr + 2), HssError, "act: .* run past the end"),
+            (dict(act=d_a.view("bf16", m * k - 1)), HssError, "act holds"),
+            (dict(weight=0), HssError, "weight is a null pointer"),
+            (dict(weight=d_w.view("f32")), HssError, "weight holds f32 but bf16 is needed"),
+            (dict(out=out.view("bf16", m * n - 1)), HssError, "out holds"),
+            (dict(out=out.ptr + 1), HssError, "out .* must be 2-byte aligned"),
+            (dict(stream=None), TypeError, "a stream is required"),
+        ]
+        good = dict(act=d_a, weight=d_w, out=out, m=m, n=n, k=k, stream=stream)
+        for kw, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                gpu.cublas_bf16_proj_dense(**{**good, **kw})
+        # the prepared GEMM: the same bits, its fixed arguments checked once
+        cm.memset_d8_async(out, 0xFF, out.bytes, stream)
+        run = proj_dense(gpu, d_w, out, n, k, m)
+        run(d_a.ptr, m, stream)
+        assert np.array_equal(download(out, (m, n), np.uint16, stream), want)
+        with pytest.raises(HssError, match="weight holds"):
+            proj_dense(gpu, d_w.view("bf16", n * k - 1), out, n, k, m)
+        with pytest.raises(HssError, match="out: .* run past the end"):
+            proj_dense(gpu, d_w, out.ptr, n, k, m + 1)
+
+
+def test_prepared_launcher(gpu, stream, rng):
+    """hss.gpu.launcher: on a CudaBackend the prepared hss._launch.launcher (named slots refilled in place give the
+    same bits as gpu.launch); on any other backend each run goes through its launch (recorded here)."""
+    from helpers import Recording
+    from hss.errors import HssError
+    from hss.gpu import KernelHandle, launcher
+    hd, ratio, n_new = 128, 4, 6
+    d_raw = upload(normal(rng, (n_new * ratio, hd), 1.0), stream)
+    d_w = upload(normal(rng, hd, 0.1), stream)
+    k = gpu.kernel("qsa_indexer", "qsa_block_pool")
+    want, got = poisoned(n_new * hd * 2, stream), poisoned(n_new * hd * 2, stream)
+    gpu.launch(k, (n_new, 1, 1), (hd, 1, 1), kq.row_smem_bytes(hd), stream,
+               k.pack(d_raw, d_w, want, 0, ratio, hd, 64, 1e7, EPS))
+    pack = k.pack(raw_keys=d_raw, k_norm_w=d_w, block_keys=0, first_block=0, ratio=ratio, hd=hd, rot=64, theta=1e7,
+                  eps=EPS)
+    run = launcher(gpu, k, (hd, 1, 1), kq.row_smem_bytes(hd), pack)
+    pack.slot("block_keys").value = got.ptr
+    run(stream, n_new)
+    assert np.array_equal(download(got, (n_new * hd,), np.uint16, stream), download(want, (n_new * hd,), np.uint16,
+                                                                                      stream))
+    rec = Recording(gpu)
+    run = launcher(rec, k, (hd, 1, 1), kq.row_smem_bytes(hd), pack)
+    run(stream, n_new)
+    assert [(name, args[1], args[2]) for name, args in rec.calls] == [("launch", (n_new, 1, 1), (hd, 1, 1))]
+    with pytest.raises(HssError, match="present KernelHandle"):
+        launcher(gpu, KernelHandle(), (hd, 1, 1), 0, pack)
+    with pytest.raises(TypeError, match="pack must be a ParamPack"):
+        launcher(gpu, k, (hd, 1, 1), 0, [1, 2])
+    with pytest.raises(HssError, match="launch of an absent kernel"):
+        gpu.launch(KernelHandle(), 1, 1, 0, stream, pack)
+    with pytest.raises(TypeError, match="a stream is required"):
+        gpu.launch(k, (n_new, 1, 1), (hd, 1, 1), kq.row_smem_bytes(hd), None, pack)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU
-from helpers import BF16, MASKED, Recording, assert_bites, assert_close, download, tc_bound, upload
+from helpers import BF16, MASKED, Recording, assert_bites, assert_close, download, poisoned, tc_bound, upload
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.gpu import CudaBackend, KernelHandle
@@ -418,7 +418,8 @@ def test_scratch_layout_and_forms(gpu, stream, rng, layer):
             last = lay.nbytes
         with pytest.raises(HssError, match="total_tokens"):
             idx.prefill_scratch_bytes(MAX_TOKENS + 1)
-        # a scratch is accepted as a DeviceBuffer, a (pointer, nbytes) pair or a __cuda_array_interface__ object
+        # a scratch is accepted in every form whose size hss knows: a DeviceBuffer, a view of one, an address inside
+        # one, a __cuda_array_interface__ object (and torch tensors / DLPack producers, see test_interop)
         T = 40
         case = make_case(rng, T, stream)
         st = idx.new_seq_state()
@@ -432,14 +433,20 @@ def test_scratch_layout_and_forms(gpu, stream, rng, layer):
         call = lambda scratch: idx.prefill_select(st, case.dev["hidden"], case.dev["q"], case.dev["ctx"],  # noqa
                                                   case.dev["k"], case.dev["v"], case.table, 0, T, case.nq, BS,
                                                   case.inv, scratch, stream)
-        with cm.DeviceBuffer(need) as buf:
-            for form in (buf, (buf.ptr, need), Cai(buf.ptr, need)):
+        with cm.DeviceBuffer(need + 256) as buf:
+            for form in (buf, buf.view("u8"), buf.ptr, buf.ptr + 256, Cai(buf.ptr, need)):
                 assert call(form) == 0
-            for form, match in (((buf.ptr, need - 4), f"scratch holds {need - 4} bytes"),
+            for form, match in ((buf.view("u8", need - 4), f"scratch holds {need - 4} bytes but {need} are needed"),
                                 (Cai(buf.ptr, need - 4), "scratch holds"),
-                                (buf.ptr, "size of scratch"), ((0, need), "scratch is a null")):
+                                (buf.ptr + 512, f"scratch: {need} bytes at offset 512 run past the end"),
+                                (4096, "size of scratch .* is unknown"),   # an address outside every hss buffer
+                                (0, "scratch is a null"), (buf.ptr + 8, "scratch .* must be 16-byte aligned")):
                 with pytest.raises(HssError, match=match):
                     call(form)
+            with pytest.raises(TypeError, match="scratch: cannot use tuple"):   # no (pointer, nbytes) pairs
+                call((buf.ptr, need))
+        with pytest.raises(HssError, match="scratch is a closed DeviceBuffer"):
+            call(buf)
         idx.release_seq_state(st)
 
 
@@ -450,6 +457,8 @@ def test_errors_before_device_work(gpu, stream, rng, layer):
     rec = Recording(gpu)
     other = layer.indexer(gpu)
     foreign = other.new_seq_state()
+    closed = cm.DeviceBuffer(case.q.nbytes)
+    closed.close()
     with layer.indexer(rec) as idx, cm.DeviceBuffer(idx.prefill_scratch_bytes(T)) as scratch:
         st = idx.new_seq_state()
         idx.prefill_ingest(st, case.dev["hidden"], 40, 0, stream)   # 40 of the 60 tokens ingested
@@ -459,6 +468,9 @@ def test_errors_before_device_work(gpu, stream, rng, layer):
                     inv_sqrt_d=case.inv, scratch=scratch, stream=stream)
         assert idx.prefill_select(**good) == 0
         small = idx.prefill_scratch_bytes(40) - 1
+        attn_row = case.nq * case.hd_attn   # bf16 elements of a q_roped / attn_ctx row
+        page = BS * NKV * case.hd_attn      # bf16 elements of a K / V page
+        short_pool = int(case.table[:3].max()) * page   # one page short of the last page the table names
         cases = [
             (dict(num_tokens=30), HssError, "prefill_select for positions 0..29 but 40 tokens are ingested"),
             (dict(seq_start=20, num_tokens=40), HssError, "positions 20..59 but 40"),
@@ -470,24 +482,47 @@ def test_errors_before_device_work(gpu, stream, rng, layer):
             (dict(seq_block_table=[0.0, 1.0, 2.0]), TypeError, "integers"),
             (dict(seq_block_table=[0, -1, 2]), HssError, r"seq_block_table\[1\] = -1"),
             (dict(seq_block_table=[0, 1, 2**31]), HssError, r"seq_block_table\[2\]"),
-            (dict(scratch=(scratch.ptr, small)), HssError, f"scratch holds {small} bytes but prefill_select needs"),
-            (dict(scratch=scratch.ptr), HssError, "size of scratch"),
-            (dict(scratch=(scratch.ptr + 8, small)), HssError, "scratch holds"),
-            (dict(scratch=(scratch.ptr + 8, small + 1)), HssError, "scratch .* must be 16-byte aligned"),
+            (dict(scratch=scratch.view("u8", small)), HssError, f"scratch holds {small} bytes but {small + 1} are "
+                                                                "needed .*prefill_scratch_bytes"),
+            (dict(scratch=4096), HssError, "size of scratch"),
+            (dict(scratch=scratch.view("u8", small, 8)), HssError, "scratch holds"),
+            (dict(scratch=scratch.view("u8", small + 1, 8)), HssError, "scratch .* must be 16-byte aligned"),
+            (dict(scratch=d["ctx"]), HssError, "scratch holds"),
             (dict(k_pool=d["k"].ptr + 2), HssError, "k_pool .* must be 16-byte aligned"),
             (dict(attn_ctx=d["ctx"].ptr + 4), HssError, "attn_ctx .* must be 16-byte aligned"),
+            # every device array against the bytes the call reads or writes
+            (dict(normed=d["hidden"].view("bf16", 39 * HIDDEN)), HssError,
+             f"normed holds {39 * HIDDEN * 2} bytes but {40 * HIDDEN * 2} are needed"),
+            (dict(normed=d["hidden"].ptr + 21 * HIDDEN * 2), HssError, "normed: .* run past the end"),
+            (dict(q_roped=d["q"].view("bf16", 39 * attn_row)), HssError, "q_roped holds"),
+            (dict(attn_ctx=d["ctx"].view("bf16", 39 * attn_row)), HssError,
+             f"attn_ctx holds {39 * attn_row * 2} bytes but {40 * attn_row * 2} are needed"),
+            (dict(attn_ctx=d["ctx"].ptr + 21 * attn_row * 2), HssError, "attn_ctx: .* run past the end"),
+            (dict(attn_ctx=d["ctx"].view("f32")), HssError, "attn_ctx holds f32 but bf16 is needed"),
+            (dict(k_pool=d["k"].view("bf16", short_pool)), HssError, "k_pool holds .* every page seq_block_table"),
+            (dict(v_pool=d["v"].view("bf16", short_pool)), HssError, "v_pool holds"),
+            (dict(v_pool=d["v"].ptr + (case.v.shape[0] - 1) * page * 2), HssError, "v_pool: .* run past the end"),
             (dict(nq=0), HssError, "nq = 0"),
             (dict(nq=NKV + 1), HssError, f"nq \\({NKV + 1}\\) must be a multiple of nkv_attn \\({NKV}\\)"),
-            (dict(nq=2.0), TypeError, "nq must be an integer"),
-            (dict(block_size=4), HssError, "block_size = 4 must be >= 8"),
+            (dict(nq=2.0), TypeError, "nq must be an int, got float"),
+            (dict(nq=True), TypeError, "nq must be an int, got bool"),
+            (dict(block_size=4), HssError, r"block_size = 4 must be in 8\.\."),
             (dict(block_size=0), HssError, "block_size = 0"),
+            (dict(block_size=np.float64(16)), TypeError, "block_size must be an int"),
+            (dict(seq_start=False), TypeError, "seq_start must be an int, got bool"),
+            (dict(num_tokens=40.0), TypeError, "num_tokens must be an int"),
             (dict(inv_sqrt_d=0.0), HssError, "inv_sqrt_d"),
             (dict(inv_sqrt_d=math.nan), HssError, "inv_sqrt_d"),
+            (dict(inv_sqrt_d=1e-50), HssError, "inv_sqrt_d = 1e-50 must be finite and > 0 as a float32"),
+            (dict(inv_sqrt_d=True), TypeError, "inv_sqrt_d must be a number, got bool"),
+            (dict(stream=None), TypeError, "stream: a stream is required"),
             (dict(normed=0), HssError, "normed is a null"),
             (dict(q_roped=0), HssError, "q_roped is a null"),
             (dict(attn_ctx=0), HssError, "attn_ctx is a null"),
             (dict(k_pool=0), HssError, "k_pool is a null"),
             (dict(v_pool=0), HssError, "v_pool is a null"),
+            (dict(q_roped=closed), HssError, "q_roped is a closed DeviceBuffer"),
+            (dict(attn_ctx="ctx"), TypeError, "attn_ctx: cannot use str"),
             (dict(num_tokens=-1), HssError, "num_tokens = -1"),
             (dict(st=foreign), HssError, "belongs to another indexer"),
             (dict(st=None), TypeError, "QsaSeqState"),
@@ -514,3 +549,35 @@ def test_errors_before_device_work(gpu, stream, rng, layer):
         idx.release_seq_state(st)
     other.release_seq_state(foreign)
     other.close()
+
+
+def test_small_attn_ctx_raises_before_scratch_is_written(gpu, stream, rng, layer):
+    """A selective chunk (budget 8: rows 11.. are rewritten) whose attn_ctx is one row short: the error comes before
+    any device work, so the poisoned scratch and attn_ctx keep every byte; with the whole attn_ctx (and numpy scalars
+    for the ints and the scale) the same call writes both, so the check is what kept them."""
+    T = 40
+    case = make_case(rng, T, stream)
+    rec = Recording(gpu)
+    with layer.indexer(rec, budget=8, max_tokens=64) as idx, \
+            poisoned(idx.prefill_scratch_bytes(T), stream) as scratch:
+        st = idx.new_seq_state()
+        idx.prefill_ingest(st, case.dev["hidden"], T, 0, stream)
+        d = case.dev
+        row_elems = case.nq * case.hd_attn
+        args = [st, d["hidden"], d["q"], d["ctx"], d["k"], d["v"], case.table, 0, T, case.nq, BS, case.inv, scratch,
+                stream]
+        del rec.calls[:]
+        for short in (d["ctx"].view("bf16", (T - 1) * row_elems), d["ctx"].ptr + row_elems * 2):
+            args[3] = short
+            with pytest.raises(HssError, match="attn_ctx(:| holds) .* (run past the end|are needed)"):
+                idx.prefill_select(*args)
+            assert rec.calls == [], "device work before the attn_ctx error"
+        cm.stream_sync(stream)
+        assert (download(scratch, (scratch.bytes,), np.uint8, stream) == 0xFF).all(), "scratch was written"
+        assert ctx_bytes(case, stream).tobytes() == case.dense.view(np.uint16).tobytes(), "attn_ctx was written"
+        args[3] = d["ctx"]   # numpy integers and a numpy float are read as Python numbers
+        args[7:12] = [np.int64(0), np.int32(T), np.int16(case.nq), np.uint8(BS), np.float32(case.inv)]
+        assert idx.prefill_select(*args) == T - idx.inert_bound()
+        assert (download(scratch, (scratch.bytes,), np.uint8, stream) != 0xFF).any()
+        assert (ctx_bytes(case, stream)[idx.inert_bound():] != case.dense.view(np.uint16)[idx.inert_bound():]).any()
+        idx.release_seq_state(st)

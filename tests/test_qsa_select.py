@@ -141,7 +141,21 @@ def test_select_tokens_errors(kwargs, match):
 def test_type_errors():
     with pytest.raises(TypeError, match="real numbers"):
         select_tokens(np.array(["a"]), 1, 1, 1)
-    with pytest.raises(HssError, match="block_topk"):
+    with pytest.raises(TypeError, match="block_topk must be an int, got float 1.5"):
         select_tokens([1.0], 1.5, 1, 1)
-    with pytest.raises(HssError, match="k must be"):
+    with pytest.raises(TypeError, match="ratio must be an int, got bool"):
+        select_tokens([1.0], 1, True, 1)
+    with pytest.raises(TypeError, match="visible must be an int, got float"):
+        select_tokens([1.0], 1, 1, np.float64(1))
+    with pytest.raises(HssError, match="k = -1 must be >= 0"):
         top_blocks([1.0], -1)
+    with pytest.raises(TypeError, match="k must be an int, got float"):
+        top_blocks([1.0], 1.0)
+
+
+def test_numpy_integer_arguments():
+    """numpy integers are Python ints before any arithmetic: np.int8 visible past 127 cannot wrap."""
+    s = np.arange(40, dtype=np.float32)
+    want = select_tokens(s, 3, 4, 130)
+    assert select_tokens(s, np.int8(3), np.uint8(4), np.int16(130)).tolist() == want.tolist()
+    assert top_blocks(s, np.int64(3)).tolist() == [39, 38, 37]

@@ -175,6 +175,10 @@ def test_bad_blobs_rejected_before_any_write(gpu, weights, stream, rng):
         blocks = download(st.block_keys, (idx.max_tokens // RATIO * HD,), np.uint16, stream)
         assert (raw == 0xFFFF).all() and (blocks == 0xFFFF).all(), "a rejected blob wrote to the state"
         good = head(8, 2) + body(8)
+        for call in (lambda: idx.restore_aux(st, good, None), lambda: idx.snapshot_aux(st, 1.5)):
+            with pytest.raises(TypeError, match="stream: a stream is required"):
+                call()
+        assert rec.calls == [] and (st.ingested, st.pooled, st.table_len) == (12, 3, 5)
         with pytest.raises(HssError, match="another indexer"):
             idx.restore_aux(foreign, good, stream)
         with pytest.raises(HssError, match="another indexer"):

@@ -11,8 +11,9 @@ ordinary paged decode attention reads through an identity block table. ``prefill
 ``snapshot_aux`` / ``restore_aux`` (in :mod:`hss.qsa.snapshot`) save and restore a sequence.
 
 Differences from the original (SPEC §0): methods use the indexer's own ``gpu`` (no ``gpu`` argument);
-every input error is an :class:`~hss._driver.HssError` raised before any device work, and a failed check
-leaves the sequence state unchanged; ``block_size < 8`` is rejected (the identity table holds
+every argument is read by :mod:`hss._args` (ints, floats, device pointers checked against the bytes the call
+reads or writes, streams) and every input error (an :class:`~hss.errors.HssError`, a ``TypeError`` for a wrong
+type) is raised before any device work or state change; ``block_size < 8`` is rejected (the identity table holds
 ``ceil((budget + ratio) / 8)`` pages); ``QsaSelection.tokens`` carries the host copy of the selection; an
 unparsable ``HSS_QSA_MAX_TOKENS`` (or a flag other than 0/1) is an error rather than silently the default. The
 prefill kernels ``qsa_qprep_rows``, ``qsa_score_rows`` and ``qsa_prefill_attn`` are required; the tensor-core
@@ -20,6 +21,7 @@ scorer ``qsa_score_rows_tc`` and the fast attention ``qsa_prefill_attn_tc`` are 
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -27,24 +29,51 @@ from typing import Any
 
 import numpy as np
 
+from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError
-from hss.gpu import DevicePtr, GpuBackend
+from hss.gpu import DevicePtr, GpuBackend, launcher, proj_dense
 from hss.kernels import qsa as kq
 from hss.kernels import qsa_prefill as kp
 from hss.qsa import prefill, snapshot
-from hss.qsa._args import MIN_BLOCK_SIZE, env_flag
-from hss.qsa._args import count as _count
-from hss.qsa._args import pointer as _pointer
-from hss.qsa._args import real as _real
-from hss.qsa.select import select_tokens
+from hss.qsa.select import _select_tokens
 
-__all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "INGEST_SLAB", "MIN_BLOCK_SIZE", "DEFAULT_MAX_TOKENS"]
+__all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "INGEST_SLAB", "MIN_BLOCK_SIZE", "DEFAULT_MAX_TOKENS",
+           "env_flag"]
 
 INGEST_SLAB = 2048          # prefill GEMM slab (rows), bounding qk_scratch
 DEFAULT_MAX_TOKENS = 32768
+MIN_BLOCK_SIZE = 8          # the identity and prefill tables are sized for pages of at least 8 tokens
 MODULE = kq.MODULE
 _SMEM_LIMIT = 48 * 1024     # qsa_score stages q in shared memory without the opt-in attribute
+_I32 = 2**31 - 1
+_SEL_HEAD = 4               # i32 slots before the selection in the seq_len / selection upload
+
+
+def env_flag(name: str, value: bool | None) -> bool:
+    """``value`` if given, else env ``name``: "1" is on, "" / "0" / unset off, anything else an error."""
+    if value is not None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"QsaIndexer: the {name} override must be a bool or None, got {type(value).__name__}")
+        return bool(value)
+    raw = os.environ.get(name, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise HssError(f"{name}={raw!r} is not a flag; set it to 1 (on) or 0 / unset (off)")
+
+
+def f32_arg(name: str, value: Any, positive: bool) -> float:
+    """A real argument (:func:`hss._args.as_float`) at the float32 value the kernels take: finite there, and
+    > 0 (``positive``) or >= 0."""
+    v = _args.as_float(name, value)
+    with np.errstate(over="ignore"):
+        v32 = float(np.float32(v))
+    if not math.isfinite(v32) or (v32 <= 0 if positive else v32 < 0):
+        need = "> 0" if positive else ">= 0"
+        raise HssError(f"{name} = {value!r} must be finite and {need} as a float32 (the kernels take it as f32)")
+    return v32
 
 
 @dataclass(frozen=True)
@@ -107,8 +136,9 @@ class QsaIndexer:
     """One full-attention layer's QSA indexer (SPEC §11.1).
 
     ``qk_proj_w`` ``[(n_heads + 1) * hd, hidden]`` bf16 row-major, ``q_norm_w`` / ``k_norm_w`` ``[hd]`` bf16
-    (offsets from 1): device pointers (int, DevicePtr, DeviceBuffer or ``__cuda_array_interface__``) the
-    caller keeps alive. ``ratio`` tokens per block, ``budget`` tokens selected (a multiple of ``ratio``),
+    (offsets from 1): device arrays in any form :func:`hss._args.pointer` reads (int, DevicePtr, DeviceBuffer,
+    torch tensor, ``__cuda_array_interface__`` / ``__dlpack__`` object), checked against those sizes; the caller
+    keeps them alive. ``ratio`` tokens per block, ``budget`` tokens selected (a multiple of ``ratio``),
     ``rot`` rotary dims, ``theta`` RoPE base, ``eps`` RMS-norm epsilon, ``nkv_attn`` / ``hd_attn`` the main
     attention's KV heads and head dim (for the gathered scratch). ``max_tokens`` bounds a sequence (default:
     env ``HSS_QSA_MAX_TOKENS``, else 32768). ``score_scalar=True`` makes prefill selection score with
@@ -126,81 +156,135 @@ class QsaIndexer:
         self._closed = True   # until construction succeeds, close() has nothing of ours to free
         self._owned: list[DevicePtr] = []
         self._pinned: cm.PinnedBuffer | None = None
-        # -- every check first: nothing touches the device before they pass -------------------------
-        ratio = _count("ratio", ratio, 1, why="tokens per QSA block (the model uses 4)")
-        budget = _count("budget", budget, 0, why="the token budget (the model uses 2048)")
-        if budget % ratio != 0 or budget == 0:
+        # every check first: nothing touches the device before they pass
+        self._check_dims(n_heads, hd, ratio, budget, rot, theta, eps, hidden, nkv_attn, hd_attn, max_tokens)
+        score_scalar = env_flag("HSS_QSA_SCORE_SCALAR", score_scalar)
+        self.prefill_select_enabled = not env_flag("HSS_QSA_NO_PREFILL_SELECT", no_prefill_select)
+        hd, qkw = self.hd, self.qk_width
+        self.qk_proj_w = DevicePtr(_args.pointer(qk_proj_w, "qk_proj_w", qkw * self.hidden * 2, 2, "bf16",
+                                                 what=f"[(n_heads + 1) * hd, hidden] = [{qkw}, {self.hidden}] bf16"))
+        self.q_norm_w = DevicePtr(_args.pointer(q_norm_w, "q_norm_w", hd * 2, 2, "bf16", what=f"[hd] = [{hd}] bf16"))
+        self.k_norm_w = DevicePtr(_args.pointer(k_norm_w, "k_norm_w", hd * 2, 2, "bf16", what=f"[hd] = [{hd}] bf16"))
+        self.gpu = gpu
+        self._closed = False
+        try:
+            self._prepare(score_scalar)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_dims(self, n_heads: Any, hd: Any, ratio: Any, budget: Any, rot: Any, theta: Any, eps: Any,
+                    hidden: Any, nkv_attn: Any, hd_attn: Any, max_tokens: Any) -> None:
+        """Check and store the layer's dimensions (Python ints; theta and eps at their float32 values)."""
+        ratio = _args.as_int("ratio", ratio, 1, _I32, why="tokens per QSA block (the model uses 4)")
+        budget = _args.as_int("budget", budget, None, _I32, why="the token budget (the model uses 2048)")
+        if budget % ratio != 0 or budget <= 0:
             raise HssError(f"QsaIndexer: budget ({budget}) must be a positive multiple of ratio ({ratio}): the "
                            f"selection keeps budget // ratio whole blocks; pass e.g. budget="
                            f"{max(ratio, budget // ratio * ratio)}")
-        n_heads = _count("n_heads", n_heads, 1, why="indexer query heads (the model uses 4)")
-        hd = _count("hd", hd, 32, 1024)
+        n_heads = _args.as_int("n_heads", n_heads, 1, _I32, why="indexer query heads (the model uses 4)")
+        hd = _args.as_int("hd", hd, 32, 1024, why="the indexer head dim (the model uses 128)")
         if hd % 32:
             raise HssError(f"QsaIndexer: hd ({hd}) must be a multiple of 32 (at most 1024): the pool and qprep "
                            "kernels run one thread per dim in whole warps (the model uses 128)")
         if kq.score_smem_bytes(n_heads, hd) > _SMEM_LIMIT:
             raise HssError(f"QsaIndexer: n_heads * hd ({n_heads * hd}) must be at most {_SMEM_LIMIT // 4}: qsa_score "
                            "stages q in 48 KiB of shared memory")
-        rot = _count("rot", rot, 0, hd, why="the rotary dims, at most hd")
+        rot = _args.as_int("rot", rot, 0, hd, why="the rotary dims, at most hd")
         if rot % 2:
             raise HssError(f"QsaIndexer: rot ({rot}) must be even: rotate-half RoPE pairs dim j with j + rot/2")
-        self.theta = _real("theta", theta, positive=True)
-        self.eps = _real("eps", eps, positive=False)
-        hidden = _count("hidden", hidden, 1, 2**31 - 1)
-        nkv_attn = _count("nkv_attn", nkv_attn, 1)
-        hd_attn = _count("hd_attn", hd_attn, 1)
-        max_tokens = _count("max_tokens", max_tokens_setting(max_tokens), ratio, 2**31 - 1,
-                            why="the longest sequence in tokens: at least one block, int32 token ids "
-                                "(argument max_tokens= or env HSS_QSA_MAX_TOKENS)")
-        score_scalar = env_flag("HSS_QSA_SCORE_SCALAR", score_scalar)
-        self.prefill_select_enabled = not env_flag("HSS_QSA_NO_PREFILL_SELECT", no_prefill_select)
-        self.qk_proj_w = DevicePtr(_pointer("qk_proj_w", qk_proj_w))
-        self.q_norm_w = DevicePtr(_pointer("q_norm_w", q_norm_w))
-        self.k_norm_w = DevicePtr(_pointer("k_norm_w", k_norm_w))
+        self.theta = f32_arg("theta", theta, positive=True)
+        self.eps = f32_arg("eps", eps, positive=False)
+        self.hidden = _args.as_int("hidden", hidden, 1, _I32, why="the attention input width")
+        self.nkv_attn = _args.as_int("nkv_attn", nkv_attn, 1, _I32, why="the attention's KV heads")
+        self.hd_attn = _args.as_int("hd_attn", hd_attn, 1, _I32, why="the attention's head dim")
+        self.max_tokens = _args.as_int("max_tokens", max_tokens_setting(max_tokens), ratio, _I32,
+                                       why="the longest sequence in tokens: at least one block, int32 token ids "
+                                           "(argument max_tokens= or env HSS_QSA_MAX_TOKENS)")
         self.n_heads, self.hd, self.ratio, self.budget, self.rot = n_heads, hd, ratio, budget, rot
-        self.hidden, self.nkv_attn, self.hd_attn, self.max_tokens = hidden, nkv_attn, hd_attn, max_tokens
         self.block_topk = budget // ratio
         self.qk_width = (n_heads + 1) * hd
         self.sel_cap = budget + ratio
-        self.gpu = gpu
-        # -- device work ------------------------------------------------------------------------------
-        self._closed = False
-        try:
-            self._k_pool = gpu.kernel(MODULE, "qsa_block_pool")
-            self._k_qprep = gpu.kernel(MODULE, "qsa_qprep")
-            self._k_score = gpu.kernel(MODULE, "qsa_score")
-            self._k_gather = gpu.kernel(MODULE, "qsa_gather")
-            # prefill selection (SPEC §11.5): three kernels required, the tensor-core variants optional
-            self._prefill = prefill.PrefillKernels(self)
-            self.uses_tc_scorer = (bool(self._prefill.score_tc) and not score_scalar
-                                   and (n_heads, hd) == (kp.TC_HEADS, kp.TC_HD))
-            kv_row = nkv_attn * hd_attn * 2
-            self.qk_scratch = self._alloc(INGEST_SLAB * self.qk_width * 2)
-            self.q_post = self._alloc(n_heads * hd * 4)
-            self.scores_dev = self._alloc(max_tokens // ratio * 4)
-            self.sel_dev = self._alloc(self.sel_cap * 4)
-            self.k_scratch = self._alloc(self.sel_cap * kv_row)
-            self.v_scratch = self._alloc(self.sel_cap * kv_row)
-            self.table_dev = self._alloc(-(-self.sel_cap // MIN_BLOCK_SIZE) * 4)
-            self.seq_len_dev = self._alloc(4)
-            self.prefill_table_dev = self._alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4)
-            # host side: pinned scores (the blocking D2H of every selective step), pageable uploads
-            self._pinned = cm.PinnedBuffer(max_tokens // ratio * 4, getattr(gpu, "ctx", None))
-            self._scores_host = self._pinned.view(np.float32)
-            self._sel_host = np.empty(self.sel_cap, dtype=np.int32)
-            self._ident = np.arange(-(-self.sel_cap // MIN_BLOCK_SIZE), dtype=np.int32)
-            self._seq_len_host = np.zeros(1, dtype=np.int32)
-            self._prefill_scores_host = np.empty(0, dtype=np.float32)   # a prefill slab's scores, grown on demand
-            # prepared parameter packs, refilled in place on the hot path
-            self._pool_pack = self._k_pool.pack(0, self.k_norm_w, 0, 0, ratio, hd, rot, self.theta, self.eps)
-            self._qprep_pack = self._k_qprep.pack(self.qk_scratch, self.q_norm_w, self.q_post, hd, rot, 0,
-                                                  self.theta, self.eps)
-            self._score_pack = self._k_score.pack(self.q_post, 0, self.scores_dev, 0, n_heads, hd)
-            self._gather_pack = self._k_gather.pack(0, 0, 0, self.sel_dev, self.k_scratch, self.v_scratch,
-                                                    MIN_BLOCK_SIZE, nkv_attn, hd_attn)
-        except BaseException:
-            self.close()
-            raise
+        self._kv_row = self.nkv_attn * self.hd_attn * 2   # bytes of one token's K (or V) row
+
+    def _prepare(self, score_scalar: bool) -> None:
+        """Kernels, device and host buffers, and the decode stages' prepared launches (named slots)."""
+        gpu = self.gpu
+        self._k_pool = gpu.kernel(MODULE, "qsa_block_pool")
+        self._k_qprep = gpu.kernel(MODULE, "qsa_qprep")
+        self._k_score = gpu.kernel(MODULE, "qsa_score")
+        self._k_gather = gpu.kernel(MODULE, "qsa_gather")
+        # prefill selection (SPEC §11.5): three kernels required, the tensor-core variants optional
+        self._prefill = prefill.PrefillKernels(self)
+        self.uses_tc_scorer = (bool(self._prefill.score_tc) and not score_scalar
+                               and (self.n_heads, self.hd) == (kp.TC_HEADS, kp.TC_HD))
+        self._allocate()
+        self._prepare_decode()
+
+    def _allocate(self) -> None:
+        """The layer's device buffers (freed by close) and host staging."""
+        gpu, hd, n_heads, max_tokens, ratio = self.gpu, self.hd, self.n_heads, self.max_tokens, self.ratio
+        self.qk_scratch = self._alloc(INGEST_SLAB * self.qk_width * 2)
+        self.q_post = self._alloc(n_heads * hd * 4)
+        self.scores_dev = self._alloc(max_tokens // ratio * 4)
+        # seq_len (one i32) and the selection share one allocation, so that a step uploads both at once:
+        # [n_sel, 3 unused | selected tokens], the tokens 16-byte aligned
+        self.seq_len_dev = self._alloc((_SEL_HEAD + self.sel_cap) * 4)
+        self.sel_dev = self.seq_len_dev.offset(_SEL_HEAD * 4)
+        self.k_scratch = self._alloc(self.sel_cap * self._kv_row)
+        self.v_scratch = self._alloc(self.sel_cap * self._kv_row)
+        self.table_dev = self._alloc(-(-self.sel_cap // MIN_BLOCK_SIZE) * 4)
+        self.prefill_table_dev = self._alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4)
+        # host side: pinned scores (the blocking D2H of every selective step), pageable uploads
+        self._pinned = cm.PinnedBuffer(max_tokens // ratio * 4, getattr(gpu, "ctx", None))
+        self._scores_host = self._pinned.view(np.float32)
+        self._upload = np.zeros(_SEL_HEAD + self.sel_cap, dtype=np.int32)   # what a step uploads to seq_len_dev
+        self._sel_host = self._upload[_SEL_HEAD:]   # the host top-k writes the selection here
+        self._staged: np.ndarray | None = None      # the selection _host_select left in _sel_host
+        self._ident = np.arange(-(-self.sel_cap // MIN_BLOCK_SIZE), dtype=np.int32)
+        self._prefill_scores_host = np.empty(0, dtype=np.float32)   # a prefill slab's scores, grown on demand
+
+    def _prepare_decode(self) -> None:
+        """The per-token stages' prepared work: packs filled once by name (per call only the named slots that change
+        are stored, as already-checked Python ints, and one prepared launch runs), the GEMM, the argument checks."""
+        gpu, hd, n_heads, ratio = self.gpu, self.hd, self.n_heads, self.ratio
+        self._gemm = proj_dense(gpu, self.qk_proj_w, self.qk_scratch, self.qk_width, self.hidden, INGEST_SLAB)
+        # plain ints of the addresses the decode stages pass on (an int is _args's fast path; a DevicePtr is not)
+        self._key_cols = int(self.qk_scratch) + n_heads * hd * 2   # the raw key: the last hd columns of a qk row
+        self._scores_addr, self._upload_addr, self._table_addr = (int(p) for p in (self.scores_dev, self.seq_len_dev,
+                                                                                  self.table_dev))
+        self._pool_pack = self._k_pool.pack(raw_keys=0, k_norm_w=self.k_norm_w, block_keys=0, first_block=0,
+                                            ratio=ratio, hd=hd, rot=self.rot, theta=self.theta, eps=self.eps)
+        self._qprep_pack = self._k_qprep.pack(q_in=self.qk_scratch, q_norm_w=self.q_norm_w, q_out=self.q_post, hd=hd,
+                                              rot=self.rot, pos=0, theta=self.theta, eps=self.eps)
+        self._score_pack = self._k_score.pack(q=self.q_post, block_keys=0, scores=self.scores_dev, n_blocks=0,
+                                              n_heads=n_heads, hd=hd)
+        self._gather_pack = self._k_gather.pack(k_cache=0, v_cache=0, block_table=0, sel=self.sel_dev,
+                                                k_out=self.k_scratch, v_out=self.v_scratch, block_size=MIN_BLOCK_SIZE,
+                                                nkv=self.nkv_attn, hd=self.hd_attn)
+        pool, qprep, score, gather = self._pool_pack, self._qprep_pack, self._score_pack, self._gather_pack
+        self._pool_raw, self._pool_keys, self._pool_first = (pool.slot(n) for n in ("raw_keys", "block_keys",
+                                                                                     "first_block"))
+        self._qprep_pos = qprep.slot("pos")
+        self._score_keys, self._score_n = score.slot("block_keys"), score.slot("n_blocks")
+        self._gather_k, self._gather_v, self._gather_table, self._gather_bs = (
+            gather.slot(n) for n in ("k_cache", "v_cache", "block_table", "block_size"))
+        row_smem = kq.row_smem_bytes(hd)
+        self._run_pool = launcher(gpu, self._k_pool, (hd, 1, 1), row_smem, pool)
+        self._run_qprep = launcher(gpu, self._k_qprep, (hd, 1, 1), row_smem, qprep)
+        self._run_score = launcher(gpu, self._k_score, (kq.SCORE_THREADS, 1, 1), kq.score_smem_bytes(n_heads, hd),
+                                   score)
+        self._run_gather = launcher(gpu, self._k_gather, (kq.GATHER_THREADS, 1, 1), 0, gather)
+        # the decode call's device-array arguments, prepared (sizes given per call where they vary)
+        self._normed_arg = _args.pointer_arg("normed", self.hidden * 2, 2, "bf16",
+                                             what=f"the token's attention input [hidden] = [{self.hidden}] bf16")
+        self._hidden_arg = _args.pointer_arg("hidden", None, 2, "bf16",
+                                             what=f"the chunk's attention input [num_tokens, {self.hidden}] bf16")
+        pool_what = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16: at least one page"
+        self._k_pool_arg = _args.pointer_arg("k_pool", None, 2, "bf16", what=pool_what)
+        self._v_pool_arg = _args.pointer_arg("v_pool", None, 2, "bf16", what=pool_what)
+        self._table_arg = _args.pointer_arg("block_table_dev", None, 4, "i32",
+                                            what="the sequence's i32 page table: ceil((pos + 1) / block_size) entries")
 
     # -- lifetime -------------------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> DevicePtr:
@@ -277,6 +361,9 @@ class QsaIndexer:
         is ``inert_bound()`` itself (visible ``inert_bound() + 1``)."""
         return self.budget + self.ratio - 1
 
+    # -- argument checks shared by the entry points ----------------------------------------------------
+    _f32 = staticmethod(f32_arg)
+
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise HssError(f"QsaIndexer.{what}: the indexer is closed")
@@ -288,19 +375,26 @@ class QsaIndexer:
         if st._owner() is not self:
             raise HssError(f"QsaIndexer.{what}: this QsaSeqState belongs to another indexer; use the state that "
                            "this indexer's new_seq_state returned")
-        if st.raw_keys.is_null() or st.block_keys.is_null():
+        if not (st.raw_keys and st.block_keys):
             raise HssError(f"QsaIndexer.{what}: the QsaSeqState was released; make a new one with new_seq_state()")
+
+    def _block_size(self, block_size: Any) -> int:
+        """A paged cache's tokens per page (>= MIN_BLOCK_SIZE: the identity and prefill tables are sized so)."""
+        return _args.as_int("block_size", block_size, MIN_BLOCK_SIZE, _I32,
+                            why=f"tokens per page; the identity and prefill tables are sized for pages of at least "
+                                f"{MIN_BLOCK_SIZE} tokens")
 
     # -- prefill ingest (SPEC §11.3) -----------------------------------------------------------------
     def prefill_ingest(self, st: QsaSeqState, hidden: Any, num_tokens: int, seq_start: int, stream: Any) -> None:
         """Project ``num_tokens`` rows of ``hidden`` (``[num_tokens, hidden]`` bf16, the attention layer's input
         for positions ``seq_start ..``), store their raw keys and pool every newly complete block, on ``stream``.
 
-        ``seq_start == 0`` starts the sequence over; otherwise it must equal ``st.ingested``.
+        ``seq_start == 0`` starts the sequence over; otherwise it must equal ``st.ingested``. Every argument is
+        checked (``hidden`` against ``num_tokens * hidden * 2`` bytes) before the state changes.
         """
         self._check_state(st, "prefill_ingest")
-        num_tokens = _count("num_tokens", num_tokens, 0, 2**31 - 1)
-        seq_start = _count("seq_start", seq_start, 0, 2**31 - 1)
+        num_tokens = _args.as_int("num_tokens", num_tokens, 0, _I32)
+        seq_start = _args.as_int("seq_start", seq_start, 0, _I32)
         ingested = 0 if seq_start == 0 else st.ingested
         if seq_start != ingested:
             raise HssError(f"QSA: prefill chunk starts at {seq_start} but {st.ingested} tokens are ingested: a "
@@ -309,18 +403,16 @@ class QsaIndexer:
         if seq_start + num_tokens > self.max_tokens:
             raise HssError(f"QSA: {seq_start + num_tokens} tokens exceed max_tokens = {self.max_tokens}; construct "
                            "the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
-        src = _pointer("hidden", hidden) if num_tokens else 0
-        s = cm.stream_handle(stream)
+        s = _args.stream(stream)
+        row = self.hidden * 2
+        src = self._hidden_arg(hidden, s, num_tokens * row)
         if seq_start == 0:
             st.ingested = st.pooled = 0
         hd, qkw = self.hd, self.qk_width
-        key_cols = self.qk_scratch.offset(self.n_heads * hd * 2)
         for off in range(0, num_tokens, INGEST_SLAB):
             rows = min(INGEST_SLAB, num_tokens - off)
-            self.gpu.cublas_bf16_proj_dense(src + off * self.hidden * 2, self.qk_proj_w, self.qk_scratch, rows,
-                                            qkw, self.hidden, s)
-            # the raw key = the last hd columns of each row
-            self.gpu.copy_d2d_2d_async(key_cols, qkw * 2, st.raw_keys.offset((seq_start + off) * hd * 2), hd * 2,
+            self._gemm(src + off * row, rows, s)
+            self.gpu.copy_d2d_2d_async(self._key_cols, qkw * 2, st.raw_keys + (seq_start + off) * hd * 2, hd * 2,
                                        hd * 2, rows, s)
         st.ingested = seq_start + num_tokens
         self._pool_new_blocks(st, s)
@@ -334,17 +426,16 @@ class QsaIndexer:
     def _launch_pool(self, st: QsaSeqState, first: int, n_new: int, s: int) -> None:
         """qsa_block_pool of blocks first .. first + n_new - 1 of ``st`` (nothing when n_new is 0)."""
         if n_new:
-            pack = self._pool_pack
-            pack.set(0, st.raw_keys)
-            pack.set(2, st.block_keys)
-            pack.set(3, first)
-            self.gpu.launch(self._k_pool, (n_new, 1, 1), (self.hd, 1, 1), kq.row_smem_bytes(self.hd), s, pack)
+            self._pool_raw.value = st.raw_keys
+            self._pool_keys.value = st.block_keys
+            self._pool_first.value = first
+            self._run_pool(s, n_new)
 
     # -- prefill selection (SPEC §11.5) ------------------------------------------------------------------
     def prefill_scratch_bytes(self, total_tokens: int) -> int:
         """Bytes of the scratch ``prefill_select`` needs while the sequence holds ``total_tokens`` tokens (it
         grows with the sequence; size it for the longest, e.g. ``max_tokens``). Layout in :mod:`hss.qsa.prefill`."""
-        total = _count("total_tokens", total_tokens, 0, self.max_tokens)
+        total = _args.as_int("total_tokens", total_tokens, 0, self.max_tokens)
         return prefill.prefill_scratch_bytes(total, self.qk_width, self.n_heads, self.hd, self.ratio, self.block_topk)
 
     def prefill_select(self, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any, v_pool: Any,
@@ -357,15 +448,16 @@ class QsaIndexer:
         K/V are in the paged cache and its dense attention has written ``attn_ctx``. Chunk-local rows, bf16:
         ``normed [num_tokens, hidden]`` (the attention input), ``q_roped [num_tokens, nq, hd_attn]`` (the main
         attention's roped queries), ``attn_ctx [num_tokens, nq * hd_attn]`` (pre-gate, pre-o_proj; rewritten in
-        place). ``k_pool`` / ``v_pool``: paged NHD ``[pages, block_size, nkv_attn, hd_attn]``;
-        ``seq_block_table``: the host block table (ints, logical -> physical page), at least
+        place). ``k_pool`` / ``v_pool``: paged NHD ``[pages, block_size, nkv_attn, hd_attn]``, holding every page
+        the table names; ``seq_block_table``: the host block table (ints, logical -> physical page), at least
         ``ceil((seq_start + num_tokens) / block_size)`` entries, uploaded here; ``block_size`` >= 8;
-        ``inv_sqrt_d``: the attention scale; ``scratch``: a device buffer of known size (DeviceBuffer,
-        ``__cuda_array_interface__`` object or ``(pointer, nbytes)``) of at least
-        ``prefill_scratch_bytes(seq_start + num_tokens)`` bytes. Every argument is checked before any device
-        work. A no-op (returning 0) while ``seq_start + num_tokens <= inert_bound()`` or when prefill selection
-        is switched off (``no_prefill_select`` / ``HSS_QSA_NO_PREFILL_SELECT=1``). Blocks the host once per
-        slab of 2048 selective rows (the scores' D2H on ``stream``).
+        ``inv_sqrt_d``: the attention scale; ``scratch``: a device buffer whose size hss knows (a DeviceBuffer or
+        a view of one, an address inside one, a torch tensor, a ``__cuda_array_interface__`` or ``__dlpack__``
+        object) of at least ``prefill_scratch_bytes(seq_start + num_tokens)`` bytes. The device arrays are
+        checked against those sizes (16-byte aligned where the kernels load vectors), every argument before any
+        device work. A no-op (returning 0) while ``seq_start + num_tokens <= inert_bound()`` or when prefill
+        selection is switched off (``no_prefill_select`` / ``HSS_QSA_NO_PREFILL_SELECT=1``). Blocks the host
+        once per slab of 2048 selective rows (the scores' D2H on ``stream``).
         """
         return prefill.prefill_select(self, st, normed, q_roped, attn_ctx, k_pool, v_pool, seq_block_table,
                                       seq_start, num_tokens, nq, block_size, inv_sqrt_d, scratch, stream)
@@ -392,79 +484,78 @@ class QsaIndexer:
         """Ingest the token at 0-based ``pos`` and, past the inert bound, select what it attends.
 
         Call after the token's K/V are in the paged cache. ``normed``: the token's attention input ``[hidden]``
-        bf16. ``k_pool`` / ``v_pool``: paged NHD caches ``[pages, block_size, nkv_attn, hd_attn]`` bf16;
-        ``block_table_dev``: the sequence's i32 logical -> physical page table; ``block_size`` >= 8.
-        Returns None while ``pos + 1 <= inert_bound()`` (dense attention is exact), else a
+        bf16. ``k_pool`` / ``v_pool``: paged NHD caches ``[pages, block_size, nkv_attn, hd_attn]`` bf16 (at least
+        one page); ``block_table_dev``: the sequence's i32 logical -> physical page table (at least
+        ``ceil((pos + 1) / block_size)`` entries); ``block_size`` >= 8. Every argument is checked before any device
+        work. Returns None while ``pos + 1 <= inert_bound()`` (dense attention is exact), else a
         :class:`QsaSelection`. Blocks the host once per selective step (the scores' D2H on ``stream``).
         """
         self._check_state(st, "decode_select")
-        pos = _count("pos", pos, 0, 2**31 - 1)
+        pos = _args.as_int("pos", pos, 0, _I32)
         if pos != st.ingested:
             raise HssError(f"QSA: decode at pos {pos} but {st.ingested} tokens ingested: the indexer cache lost sync "
                            "(prefix-cache skip or a rewound sequence); ingest every earlier token first")
         if pos >= self.max_tokens:
             raise HssError(f"QSA: pos {pos} >= max_tokens = {self.max_tokens}; construct the indexer with a larger "
                            "max_tokens= (or env HSS_QSA_MAX_TOKENS)")
-        block_size = _count("block_size", block_size, MIN_BLOCK_SIZE,
-                            why=f"the identity table is sized for pages of at least {MIN_BLOCK_SIZE} tokens")
-        x = _pointer("normed", normed)
+        block_size = self._block_size(block_size)
+        s = _args.stream(stream)
+        x = self._normed_arg(normed, s)
         visible = pos + 1
-        complete = visible // self.ratio
-        selective = complete > self.block_topk
-        if selective:
-            pools = (_pointer("k_pool", k_pool), _pointer("v_pool", v_pool),
-                     _pointer("block_table_dev", block_table_dev))
-        s = cm.stream_handle(stream)
+        page = block_size * self._kv_row
+        kc = self._k_pool_arg(k_pool, s, page)
+        vc = self._v_pool_arg(v_pool, s, page)
+        table = self._table_arg(block_table_dev, s, 4 * -(-visible // block_size))
         self._ingest_token(st, x, pos, s)
-        if not selective:
+        complete = visible // self.ratio
+        if complete <= self.block_topk:
             return None   # provably every token: dense attention is exact
         self._score_blocks(st, pos, complete, s)
         tokens = self._host_select(complete, visible, s)
-        return self._gather(st, tokens, *pools, block_size, s)
+        return self._gather(st, tokens, kc, vc, table, block_size, s)
 
-    # The decode stages, separately callable so the benchmark can time each one.
+    # The decode stages, separately callable so the benchmark can time each one; they take checked ints.
     def _ingest_token(self, st: QsaSeqState, normed: int, pos: int, s: int) -> None:
         """qk GEMV of the token into qk_scratch row 0; its raw key into raw_keys[pos]; pool a completed block."""
-        hd = self.hd
-        self.gpu.cublas_bf16_proj_dense(normed, self.qk_proj_w, self.qk_scratch, 1, self.qk_width, self.hidden, s)
-        self.gpu.copy_d2d_async(self.qk_scratch.offset(self.n_heads * hd * 2), st.raw_keys.offset(pos * hd * 2),
-                                hd * 2, s)
+        hd2 = self.hd * 2
+        self._gemm(normed, 1, s)
+        self.gpu.copy_d2d_async(self._key_cols, st.raw_keys + pos * hd2, hd2, s)
         st.ingested = pos + 1
         self._pool_new_blocks(st, s)
 
     def _score_blocks(self, st: QsaSeqState, pos: int, complete: int, s: int) -> None:
         """q prep at ``pos`` into q_post, then the scores of blocks 0..complete-1 into scores_dev."""
-        hd = self.hd
-        self._qprep_pack.set(5, pos)
-        self.gpu.launch(self._k_qprep, (self.n_heads, 1, 1), (hd, 1, 1), kq.row_smem_bytes(hd), s, self._qprep_pack)
-        pack = self._score_pack
-        pack.set(1, st.block_keys)
-        pack.set(3, complete)
-        self.gpu.launch(self._k_score, (kq.score_grid(complete, hd), 1, 1), (kq.SCORE_THREADS, 1, 1),
-                        kq.score_smem_bytes(self.n_heads, hd), s, pack)
+        self._qprep_pos.value = pos
+        self._run_qprep(s, self.n_heads)
+        self._score_keys.value = st.block_keys
+        self._score_n.value = complete
+        self._run_score(s, kq.score_grid(complete, self.hd))
 
     def _host_select(self, complete: int, visible: int, s: int) -> np.ndarray:
         """Blocking D2H of the scores, then the host top-k: the selected tokens (a view of a reused buffer)."""
         host = self._scores_host[:complete]
-        self.gpu.copy_d2h_on_stream(self.scores_dev, host, s)
-        return select_tokens(host, self.block_topk, self.ratio, visible, out=self._sel_host)
+        self.gpu.copy_d2h_on_stream(self._scores_addr, host, s)
+        self._staged = _select_tokens(host, self.block_topk, self.ratio, visible, self._sel_host)
+        return self._staged
 
     def _gather(self, st: QsaSeqState, tokens: np.ndarray, k_pool: int, v_pool: int, table: int, block_size: int,
                 s: int) -> QsaSelection:
-        """Upload the selection, gather its K/V rows, upload the identity table (when grown) and seq_len."""
-        n_sel = int(tokens.size)
-        self.gpu.copy_h2d_async(tokens, self.sel_dev, s)   # pageable: staged before the call returns
-        pack = self._gather_pack
-        pack.set(0, k_pool)
-        pack.set(1, v_pool)
-        pack.set(2, table)
-        pack.set(6, block_size)
-        self.gpu.launch(self._k_gather, (n_sel, 1, 1), (kq.GATHER_THREADS, 1, 1), 0, s, pack)
+        """Upload seq_len and the selection (one copy), gather its K/V rows, upload the identity table (when
+        grown)."""
+        n_sel = tokens.size
+        gpu, up = self.gpu, self._upload
+        if tokens is not self._staged:   # a selection made elsewhere (the benchmark times the top-k alone)
+            up[_SEL_HEAD:_SEL_HEAD + n_sel] = tokens
+        up[0] = n_sel
+        gpu.copy_h2d_async(up[:_SEL_HEAD + n_sel], self._upload_addr, s)   # pageable: staged before it returns
+        self._gather_k.value = k_pool
+        self._gather_v.value = v_pool
+        self._gather_table.value = table
+        self._gather_bs.value = block_size
+        self._run_gather(s, n_sel)
         pages = -(-n_sel // block_size)
         if st.table_len < pages:
-            self.gpu.copy_h2d_async(self._ident[:pages], self.table_dev, s)
+            gpu.copy_h2d_async(self._ident[:pages], self._table_addr, s)
             st.table_len = pages
-        self._seq_len_host[0] = n_sel
-        self.gpu.copy_h2d_async(self._seq_len_host, self.seq_len_dev, s)
         return QsaSelection(self.k_scratch, self.v_scratch, self.table_dev, self.seq_len_dev, n_sel, pages,
                             tokens.copy())

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hss import cuda_min as cm
+from hss import _args
 from hss.errors import HssError
 from hss.kernels import qsa_prefill as kp
-from hss.qsa._args import MIN_BLOCK_SIZE, count, pointer, real
 from hss.qsa.select import top_blocks
 
 if TYPE_CHECKING:
@@ -34,6 +33,7 @@ __all__ = ["SELECT_SLAB", "SCRATCH_ALIGN", "ScratchLayout", "scratch_layout", "p
 
 SELECT_SLAB = 2048     # selective rows per slab (the original's ROWS); read at call time
 SCRATCH_ALIGN = 256    # each scratch part starts on this boundary (the kernels need 16 B)
+_VEC = 16              # the prefill kernels load q, attn_ctx, the pools and the scratch in 16-byte vectors
 _I32 = 2**31 - 1
 
 
@@ -79,45 +79,16 @@ class PrefillKernels:
         self.attn = gpu.kernel(kp.MODULE, "qsa_prefill_attn")
         self.score_tc = gpu.try_kernel(kp.MODULE, "qsa_score_rows_tc")
         self.attn_tc = gpu.try_kernel(kp.MODULE, "qsa_prefill_attn_tc")
-        self.qprep_pack = self.qprep.pack(0, idx.q_norm_w, 0, 0, idx.qk_width, idx.n_heads, idx.hd, idx.rot,
-                                          idx.theta, idx.eps)
-        self.score_pack = self.score.pack()
-        self.score_tc_pack = self.score_tc.pack() if self.score_tc else None
-        self.attn_pack = self.attn.pack()   # qsa_prefill_attn_tc has the same signature: one pack serves both
+        # what the indexer fixes is filled here, by name; each slab sets the rest by name
+        self.qprep_pack = self.qprep.pack(q_norm_w=idx.q_norm_w, qkw=idx.qk_width, n_heads=idx.n_heads, hd=idx.hd,
+                                          rot=idx.rot, theta=idx.theta, eps=idx.eps)
+        self.score_pack = self.score.pack(ratio=idx.ratio, n_heads=idx.n_heads, hd=idx.hd)
+        self.score_tc_pack = self.score_tc.pack(ratio=idx.ratio) if self.score_tc else None
+        # qsa_prefill_attn_tc has the same signature: one pack serves both
+        self.attn_pack = self.attn.pack(topk=idx.block_topk, ratio=idx.ratio, nkv=idx.nkv_attn, hd=idx.hd_attn)
 
 
 # -- argument checks (all before any device work) -----------------------------------------------------
-def _sized(name: str, obj: Any) -> tuple[int, int]:
-    """(address, bytes) of a device buffer whose size is known: a ``(pointer, nbytes)`` pair, a DeviceBuffer,
-    a contiguous ``__cuda_array_interface__`` object, or a tensor with ``data_ptr()`` and ``nbytes``."""
-    if isinstance(obj, tuple) and len(obj) == 2:
-        return pointer(name, obj[0]), count(f"{name} size", obj[1], 0, 2**63 - 1)
-    if isinstance(obj, cm.DeviceBuffer):
-        return pointer(name, obj), int(obj.bytes)
-    try:
-        cai = getattr(obj, "__cuda_array_interface__", None)
-    except TypeError:   # torch refuses bf16 here; its nbytes below still works
-        cai = None
-    if cai is not None:
-        shape, itemsize = tuple(cai["shape"]), int(cai["typestr"][2:])
-        strides = cai.get("strides")
-        if strides is not None and tuple(strides) != tuple(
-                int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape))):
-            raise HssError(f"QsaIndexer: {name} must be contiguous")
-        return pointer(name, obj), int(np.prod(shape, dtype=np.int64)) * itemsize
-    nbytes = getattr(obj, "nbytes", None)
-    if callable(getattr(obj, "data_ptr", None)) and isinstance(nbytes, (int, np.integer)):
-        return pointer(name, obj), int(nbytes)
-    raise HssError(f"QsaIndexer: the size of {name} ({type(obj).__name__}) is unknown, so it cannot be checked; "
-                   f"pass a DeviceBuffer, an array with __cuda_array_interface__, or a (pointer, nbytes) pair")
-
-
-def _aligned(name: str, ptr: int) -> None:
-    if ptr % 16:
-        raise HssError(f"QsaIndexer: {name} ({ptr:#x}) must be 16-byte aligned: the prefill kernels load it in 16-byte "
-                       "vectors (device allocations are; offset views by whole rows)")
-
-
 def _host_table(table: Any, pages: int, total: int, block_size: int) -> np.ndarray:
     """The first ``pages`` entries of the host block table as int32, each in [0, 2^31)."""
     try:
@@ -140,97 +111,142 @@ def _host_table(table: Any, pages: int, total: int, block_size: int) -> np.ndarr
     return head.astype(np.int32)
 
 
-# -- the stage ------------------------------------------------------------------------------------
-def prefill_select(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any,
-                   v_pool: Any, seq_block_table: Any, seq_start: int, num_tokens: int, nq: int, block_size: int,
-                   inv_sqrt_d: float, scratch: Any, stream: Any) -> int:
-    """See :meth:`QsaIndexer.prefill_select`; returns the number of rows rewritten."""
+def _scratch(obj: Any, need: int, total: int, s: int) -> int:
+    """The scratch's address, checked to hold ``need`` bytes. Its size must be one hss knows: an address outside
+    every hss buffer is refused, since an undersized scratch (it grows with the sequence) would be overrun."""
+    base = _args.pointer(obj, "scratch", need, _VEC, write=True, stream=s,
+                         what=f"prefill_select's scratch for {total} tokens: allocate idx.prefill_scratch_bytes("
+                              f"{total}) bytes, or for the longest sequence")
+    if isinstance(obj, (int, np.integer)) and _args.RANGES.find(base) is None:
+        raise HssError("QsaIndexer: the size of scratch (an address outside every hss buffer) is unknown, so it "
+                       "cannot be checked; pass a DeviceBuffer (or a view of one, or an address inside one), a torch "
+                       "tensor, or an array with __cuda_array_interface__ or __dlpack__")
+    return base
+
+
+class _Checked(NamedTuple):
+    """prefill_select's arguments once every check passed."""
+    seq_start: int
+    total: int
+    first_sel: int
+    nq: int
+    block_size: int
+    inv: float
+    table: np.ndarray
+    layout: ScratchLayout
+    scratch: int
+    x: int
+    q: int
+    out: int
+    kc: int
+    vc: int
+    stream: int
+
+
+def _check(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any, v_pool: Any,
+           seq_block_table: Any, seq_start: Any, num_tokens: Any, nq: Any, block_size: Any, inv_sqrt_d: Any,
+           scratch: Any, stream: Any) -> _Checked:
+    """Every argument of :func:`prefill_select`, in the documented forms and sizes, or an error naming it."""
     idx._check_state(st, "prefill_select")
-    num_tokens = count("num_tokens", num_tokens, 0, _I32)
-    seq_start = count("seq_start", seq_start, 0, _I32)
+    num_tokens = _args.as_int("num_tokens", num_tokens, 0, _I32)
+    seq_start = _args.as_int("seq_start", seq_start, 0, _I32)
     total = seq_start + num_tokens
     if st.ingested != total:
         raise HssError(f"QSA: prefill_select for positions {seq_start}..{total - 1} but {st.ingested} tokens are "
                        f"ingested; call prefill_ingest(st, hidden, {num_tokens}, {seq_start}, stream) for this chunk "
                        "first, then select it")
     nkv, hd_attn = idx.nkv_attn, idx.hd_attn
-    nq = count("nq", nq, 1, _I32, why="the attention's query heads")
+    nq = _args.as_int("nq", nq, 1, _I32, why="the attention's query heads")
     if nq % nkv:
         raise HssError(f"QsaIndexer: nq ({nq}) must be a multiple of nkv_attn ({nkv}): each KV head serves "
                        f"nq // nkv_attn query heads")
     if hd_attn % 32 or hd_attn > 256:
         raise HssError(f"QsaIndexer: prefill_select needs hd_attn ({hd_attn}) a multiple of 32, at most 256 "
                        "(qsa_prefill_attn's lanes hold hd_attn / 32 dims each)")
-    block_size = count("block_size", block_size, MIN_BLOCK_SIZE,
-                       why=f"the prefill table is sized for pages of at least {MIN_BLOCK_SIZE} tokens")
-    inv = real("inv_sqrt_d", inv_sqrt_d, positive=True)
+    block_size = idx._block_size(block_size)
+    inv = idx._f32("inv_sqrt_d", inv_sqrt_d, positive=True)
     pages = -(-total // block_size)
     table = _host_table(seq_block_table, pages, total, block_size)
+    s = _args.stream(stream)
     layout = scratch_layout(total, idx.qk_width, idx.n_heads, idx.hd, idx.ratio, idx.block_topk)
-    base, have = _sized("scratch", scratch)
-    if have < layout.nbytes:
-        raise HssError(f"QsaIndexer: scratch holds {have} bytes but prefill_select needs {layout.nbytes} for "
-                       f"{total} tokens; allocate idx.prefill_scratch_bytes({total}) bytes (or for the longest "
-                       "sequence)")
-    _aligned("scratch", base)
-    if num_tokens:
-        ptrs = [pointer(n, v) for n, v in (("normed", normed), ("q_roped", q_roped), ("attn_ctx", attn_ctx),
-                                          ("k_pool", k_pool), ("v_pool", v_pool))]
-        for name, p in zip(("q_roped", "attn_ctx", "k_pool", "v_pool"), ptrs[1:]):
-            _aligned(name, p)
-    s = cm.stream_handle(stream)
-    first_sel = max(idx.inert_bound(), seq_start)
-    if total <= first_sel or not idx.prefill_select_enabled:
+    base = _scratch(scratch, layout.nbytes, total, s)
+    # the chunk's rows (nothing is read of an empty chunk) and every page the table names
+    rows_in, rows_attn = num_tokens * idx.hidden * 2, num_tokens * nq * hd_attn * 2
+    pool = (int(table.max()) + 1) * block_size * nkv * hd_attn * 2 if num_tokens and table.size else 0
+    al = _VEC
+    x = _args.pointer(normed, "normed", rows_in, 2, "bf16", stream=s,
+                      what=f"the chunk's attention input [num_tokens, hidden] = [{num_tokens}, {idx.hidden}] bf16")
+    q = _args.pointer(q_roped, "q_roped", rows_attn, al, "bf16", stream=s,
+                      what=f"the roped queries [num_tokens, nq, hd_attn] = [{num_tokens}, {nq}, {hd_attn}] bf16")
+    out = _args.pointer(attn_ctx, "attn_ctx", rows_attn, al, "bf16", write=True, stream=s,
+                        what=f"the attention output [num_tokens, nq * hd_attn] = [{num_tokens}, {nq * hd_attn}] bf16")
+    pool_what = (f"a paged cache [pages, block_size, nkv_attn, hd_attn] bf16 holding every page seq_block_table "
+                 f"names: {pool} bytes")
+    kc = _args.pointer(k_pool, "k_pool", pool, al, "bf16", stream=s, what=pool_what)
+    vc = _args.pointer(v_pool, "v_pool", pool, al, "bf16", stream=s, what=pool_what)
+    return _Checked(seq_start, total, max(idx.inert_bound(), seq_start), nq, block_size, inv, table, layout, base,
+                    x, q, out, kc, vc, s)
+
+
+# -- the stage ------------------------------------------------------------------------------------
+def prefill_select(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any,
+                   v_pool: Any, seq_block_table: Any, seq_start: int, num_tokens: int, nq: int, block_size: int,
+                   inv_sqrt_d: float, scratch: Any, stream: Any) -> int:
+    """See :meth:`QsaIndexer.prefill_select`; returns the number of rows rewritten."""
+    c = _check(idx, st, normed, q_roped, attn_ctx, k_pool, v_pool, seq_block_table, seq_start, num_tokens, nq,
+               block_size, inv_sqrt_d, scratch, stream)
+    if c.total <= c.first_sel or not idx.prefill_select_enabled:
         return 0   # every row is inert (dense attention is exact), or selection is switched off
-    x, q, out, kc, vc = ptrs
-    gpu, k = idx.gpu, idx._prefill
-    gpu.copy_h2d_async(table, idx.prefill_table_dev, s)   # pageable: staged before the call returns
-    qk_buf, qpost, scores, lists = (base + off for off in layout[1:5])
+    gpu, k, s, layout = idx.gpu, idx._prefill, c.stream, c.layout
+    seq_start = c.seq_start
+    gpu.copy_h2d_async(c.table, idx.prefill_table_dev, s)   # pageable: staged before the call returns
+    qk_buf, qpost, scores, lists = (c.scratch + off for off in layout[1:5])
     qkw, h, hd, ratio, topk = idx.qk_width, idx.n_heads, idx.hd, idx.ratio, idx.block_topk
-    attn_tc = bool(k.attn_tc) and kp.prefill_attn_tc_supported(nq, nkv, hd_attn)
-    attn_row = nq * hd_attn * 2
-    k.attn_pack.fill(0, kc, vc, idx.prefill_table_dev, lists, 0, 0, topk, ratio, block_size, nq, nkv, hd_attn, inv)
+    nkv, hd_attn = idx.nkv_attn, idx.hd_attn
+    attn_tc = bool(k.attn_tc) and kp.prefill_attn_tc_supported(c.nq, nkv, hd_attn)
+    attn_row = c.nq * hd_attn * 2
+    attn = k.attn_pack
+    for name, v in (("k_cache", c.kc), ("v_cache", c.vc), ("block_table", idx.prefill_table_dev), ("lists", lists),
+                    ("block_size", c.block_size), ("nq", c.nq), ("inv_sqrt_d", c.inv)):
+        attn.set(name, v)
     slab = SELECT_SLAB
-    for first_pos in range(first_sel, total, slab):
-        rows = min(slab, total - first_pos)
+    for first_pos in range(c.first_sel, c.total, slab):
+        rows = min(slab, c.total - first_pos)
         first_row = first_pos - seq_start
         n_blocks = (first_pos + rows) // ratio      # the last row's complete count
         # a. qk rows, b. indexer queries
-        gpu.cublas_bf16_proj_dense(x + first_row * idx.hidden * 2, idx.qk_proj_w, qk_buf, rows, qkw, idx.hidden, s)
+        gpu.cublas_bf16_proj_dense(c.x + first_row * idx.hidden * 2, idx.qk_proj_w, qk_buf, rows, qkw, idx.hidden, s)
         pack = k.qprep_pack
-        pack.set(0, qk_buf)
-        pack.set(2, qpost)
-        pack.set(3, first_pos)
+        pack.set("qk", qk_buf)
+        pack.set("q_out", qpost)
+        pack.set("first_pos", first_pos)
         g = kp.qprep_rows_geometry(rows, h, hd)
         gpu.launch(k.qprep, g.grid, g.block, g.shared, s, pack)
         # c. block scores
         if idx.uses_tc_scorer:
-            pack = k.score_tc_pack
-            pack.fill(qpost, st.block_keys, scores, first_pos, layout.stride, ratio, n_blocks, rows)
-            g = kp.score_rows_tc_geometry(rows, n_blocks)
-            gpu.launch(k.score_tc, g.grid, g.block, g.shared, s, pack)
+            pack, kernel, g = k.score_tc_pack, k.score_tc, kp.score_rows_tc_geometry(rows, n_blocks)
         else:
-            pack = k.score_pack
-            pack.fill(qpost, st.block_keys, scores, first_pos, layout.stride, ratio, h, hd, rows, n_blocks)
-            g = kp.score_rows_geometry(rows, n_blocks)
-            gpu.launch(k.score, g.grid, g.block, g.shared, s, pack)
+            pack, kernel, g = k.score_pack, k.score, kp.score_rows_geometry(rows, n_blocks)
+        for name, v in (("q", qpost), ("block_keys", st.block_keys), ("scores", scores), ("first_pos", first_pos),
+                        ("score_stride", layout.stride), ("n_blocks", n_blocks), ("rows", rows)):
+            pack.set(name, v)
+        gpu.launch(kernel, g.grid, g.block, g.shared, s, pack)
         # d. host top-k per row, lists in score-descending order
         host = _host_scores(idx, rows * layout.stride)
         gpu.copy_d2h_on_stream(scores, host, s)
         lists_host = row_lists(host.reshape(rows, layout.stride), first_pos, ratio, topk)
         gpu.copy_h2d_async(lists_host, lists, s)   # pageable: staged before the call returns
         # e. attention over the lists' tokens and each row's tail
-        pack = k.attn_pack
-        pack.set(0, q + first_row * attn_row)
-        pack.set(5, out + first_row * attn_row)
-        pack.set(6, first_pos)
+        attn.set("q", c.q + first_row * attn_row)
+        attn.set("attn_out", c.out + first_row * attn_row)
+        attn.set("first_pos", first_pos)
         if attn_tc:
             g = kp.prefill_attn_tc_geometry(rows, nkv)
-            gpu.launch(k.attn_tc, g.grid, g.block, g.shared, s, pack)
+            gpu.launch(k.attn_tc, g.grid, g.block, g.shared, s, attn)
         else:
-            g = kp.prefill_attn_geometry(rows, nq, nkv, hd_attn)
-            gpu.launch(k.attn, g.grid, g.block, g.shared, s, pack)
-    return total - first_sel
+            g = kp.prefill_attn_geometry(rows, c.nq, nkv, hd_attn)
+            gpu.launch(k.attn, g.grid, g.block, g.shared, s, attn)
+    return c.total - c.first_sel
 
 
 def _host_scores(idx: "QsaIndexer", n: int) -> np.ndarray:

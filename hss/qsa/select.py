@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from hss import _args
 from hss.errors import HssError
 
 __all__ = ["top_blocks", "select_tokens", "selection_size"]
@@ -61,9 +62,7 @@ def top_blocks(scores: Any, k: int) -> np.ndarray:
     """The first ``min(k, n)`` ids of ``scores [n]`` in the comparator's order (score desc, index asc; NaN
     handling in the module docstring), in that order (not re-sorted), int64."""
     s = _scores(scores, np.asarray(scores).size if np.ndim(scores) == 1 else 0, "top_blocks")
-    if not isinstance(k, (int, np.integer)) or k < 0:
-        raise HssError(f"top_blocks: k must be an integer >= 0 (got {k!r})")
-    k = min(int(k), s.size)
+    k = min(_args.as_int("top_blocks: k", k, 0), s.size)
     if 0 < k < s.size:
         chosen = _top_set(s, k)
         if chosen is not None:   # no NaN: the order is total; order just the k chosen
@@ -101,14 +100,24 @@ def select_tokens(scores: Any, block_topk: int, ratio: int, visible: int, out: n
     ``complete*ratio .. visible-1`` follows. Returns int32 ``[selection_size(block_topk, ratio, visible)]``,
     ascending; written into ``out[:size]`` (and a view of it returned) when ``out`` is given.
     """
-    for name, v, lo in (("block_topk", block_topk, 0), ("ratio", ratio, 1), ("visible", visible, 0)):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise HssError(f"select_tokens: {name} must be an integer >= {lo} (got {v!r})")
-    if visible >= 2**31:
-        raise HssError(f"select_tokens: visible ({visible}) does not fit the int32 token ids; at most 2**31 - 1")
+    block_topk = _args.as_int("select_tokens: block_topk", block_topk, 0)
+    ratio = _args.as_int("select_tokens: ratio", ratio, 1)
+    visible = _args.as_int("select_tokens: visible", visible, 0, 2**31 - 1,
+                           why="the int32 token ids hold at most 2**31 - 1 positions")
+    s = _scores(scores, visible // ratio, "select_tokens")
+    size = min(block_topk, visible // ratio) * ratio + visible % ratio
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 1
+                            or out.size < size):
+        raise HssError(f"select_tokens: out must be a 1-D int32 array of at least {size} entries")
+    return _select_tokens(s, block_topk, ratio, visible, out)
+
+
+def _select_tokens(s: np.ndarray, block_topk: int, ratio: int, visible: int, out: np.ndarray | None) -> np.ndarray:
+    """:func:`select_tokens` on checked arguments: ``s`` at least ``visible // ratio`` real scores, ``out`` None
+    or large enough (the decode hot path, whose arguments the indexer fixed)."""
     complete = visible // ratio
-    s = _scores(scores, complete, "select_tokens")
-    k = min(int(block_topk), complete)
+    s = s[:complete]
+    k = min(block_topk, complete)
     if k == complete:
         blocks = np.arange(complete)
     elif k == 0:
@@ -118,11 +127,7 @@ def select_tokens(scores: Any, block_topk: int, ratio: int, visible: int, out: n
         if blocks is None:
             blocks = np.sort(_full_order(s, _nan_mask(s))[:k])
     size = k * ratio + visible % ratio
-    if out is None:
-        out = np.empty(size, dtype=np.int32)
-    elif out.dtype != np.int32 or out.ndim != 1 or out.size < size:
-        raise HssError(f"select_tokens: out must be a 1-D int32 array of at least {size} entries")
-    res = out[:size]
+    res = np.empty(size, dtype=np.int32) if out is None else out[:size]
     np.add((blocks * ratio).astype(np.int32)[:, None], np.arange(ratio, dtype=np.int32),
            out=res[:k * ratio].reshape(k, ratio))
     res[k * ratio:] = np.arange(complete * ratio, visible, dtype=np.int32)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hss import cuda_min as cm
+from hss import _args
 from hss.errors import HssError
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ HEADER = struct.Struct("<QQ")   # ingested, pooled
 def snapshot_aux(idx: "QsaIndexer", st: "QsaSeqState", stream: Any) -> bytes:
     """See :meth:`QsaIndexer.snapshot_aux`."""
     idx._check_state(st, "snapshot_aux")
-    s = cm.stream_handle(stream)
+    s = _args.stream(stream)
     n = st.ingested * idx.hd * 2
     blob = bytearray(HEADER.size + n)
     HEADER.pack_into(blob, 0, st.ingested, st.pooled)
@@ -64,7 +64,7 @@ def restore_aux(idx: "QsaIndexer", st: "QsaSeqState", blob: Any, stream: Any) ->
     """See :meth:`QsaIndexer.restore_aux`."""
     idx._check_state(st, "restore_aux")
     ingested, pooled, raw = parse_aux(blob, idx.hd, idx.ratio, idx.max_tokens)
-    s = cm.stream_handle(stream)
+    s = _args.stream(stream)
     if ingested:
         idx.gpu.copy_h2d_async(raw, st.raw_keys, s)   # pageable: staged before the call returns
     idx._launch_pool(st, 0, pooled, s)
