@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hss import ptx  # noqa: E402
-from hss.ptx import BuildError  # noqa: E402
+from hss.errors import BuildError  # noqa: E402
 
 NVCC_CANDIDATES = ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc")
 

@@ -34,15 +34,17 @@ import math
 import operator
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hss.errors import HssError
 
-__all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg", "device_ptr",
-           "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type", "register_stream_type", "register_host_type",
-           "set_stream_join", "dtype_name", "DTYPE_SIZES", "RANGES", "LiveRanges"]
+__all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg",
+           "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
+           "register_stream_type", "register_host_type", "set_stream_join", "dtype_name", "DTYPE_SIZES", "RANGES",
+           "LiveRanges"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -465,7 +467,7 @@ def _strided_memory_view() -> Any:
     global _StridedMemoryView
     if _StridedMemoryView is None:
         try:
-            from cuda.core.utils import StridedMemoryView   # cuda.core >= 0.4
+            from cuda.core.utils import StridedMemoryView  # cuda.core >= 0.4
         except ImportError:
             try:
                 from cuda.core.experimental.utils import StridedMemoryView

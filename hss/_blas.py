@@ -26,8 +26,8 @@ class Blas:
 
     def proj_dense(self, act: int, weight: int, out: int, m: int, n: int, k: int, stream: int) -> None:
         if self._emulated:
-            from hss.emulator.blas import proj_dense_bf16
             from hss._driver import check
+            from hss.emulator.blas import proj_dense_bf16
             check(proj_dense_bf16(act, weight, out, m, n, k, stream), "cublas_bf16_proj_dense (emulated)")
             return
         cublas = _cublas()

@@ -22,7 +22,7 @@ _EVENT_DISABLE_TIMING = 2
 
 
 class _TLS(threading.local):
-    pctx: "_PrimaryContext | None" = None   # the context hss last made current on this thread
+    pctx: _PrimaryContext | None = None   # the context hss last made current on this thread
 
 
 _tls = _TLS()
@@ -31,7 +31,7 @@ _tls = _TLS()
 class _PrimaryContext:
     """One retain of a device's primary context, held while hss objects use it (:meth:`hold` / :meth:`drop`)."""
 
-    _live: dict[int, "_PrimaryContext"] = {}
+    _live: dict[int, _PrimaryContext] = {}
     _lock = threading.RLock()
 
     def __init__(self, ordinal: int) -> None:
@@ -51,7 +51,7 @@ class _PrimaryContext:
         self._join_lock = threading.Lock()
 
     @classmethod
-    def get(cls, ordinal: int) -> "_PrimaryContext":
+    def get(cls, ordinal: int) -> _PrimaryContext:
         """The live primary context of device ``ordinal`` (retained if none is)."""
         with cls._lock:
             pctx = cls._live.get(ordinal)
@@ -128,7 +128,7 @@ def _ensure_context() -> None:
         _current()
 
 
-def _context(ctx: "CudaCtx | _PrimaryContext | None") -> _PrimaryContext:
+def _context(ctx: CudaCtx | _PrimaryContext | None) -> _PrimaryContext:
     """The primary context an owner is made in (``ctx``'s, or the current one), made current."""
     if isinstance(ctx, CudaCtx):
         pctx = ctx._live_pctx()
@@ -276,7 +276,7 @@ class CudaCtx(_Owner):
         return f"CudaCtx(device {self.device}{', closed' if self.closed else ''})"
 
 
-def compute_capability(ctx: "CudaCtx | _PrimaryContext | None" = None) -> tuple[int, int]:
+def compute_capability(ctx: CudaCtx | _PrimaryContext | None = None) -> tuple[int, int]:
     """(major, minor) of the device of ``ctx`` (or of the current device)."""
     pctx = _context(ctx)
     attr = api.CUdevice_attribute
@@ -287,7 +287,7 @@ def compute_capability(ctx: "CudaCtx | _PrimaryContext | None" = None) -> tuple[
     return int(major), int(minor)
 
 
-def multiprocessor_count(ctx: "CudaCtx | _PrimaryContext | None" = None) -> int:
+def multiprocessor_count(ctx: CudaCtx | _PrimaryContext | None = None) -> int:
     """Number of SMs of the device of ``ctx`` (or of the current device)."""
     pctx = _context(ctx)
     attr = api.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
@@ -298,7 +298,7 @@ def multiprocessor_count(ctx: "CudaCtx | _PrimaryContext | None" = None) -> int:
 class CudaStream(_Owner):
     """A stream of ``ctx`` (non-blocking by default); has ``handle`` and ``__cuda_stream__``."""
 
-    def __init__(self, ctx: "CudaCtx | None" = None, *, non_blocking: bool = True) -> None:
+    def __init__(self, ctx: CudaCtx | None = None, *, non_blocking: bool = True) -> None:
         pctx = _context(ctx)
         self._handle = int(check(api.cuStreamCreate(1 if non_blocking else 0), "cuStreamCreate"))
         self._own("cuStreamDestroy", self._handle, pctx)
@@ -315,7 +315,7 @@ class CudaStream(_Owner):
     def synchronize(self) -> None:
         stream_sync(self)
 
-    def wait(self, event: "CudaEvent") -> None:
+    def wait(self, event: CudaEvent) -> None:
         """Order later work on this stream after ``event``'s last record (no host wait)."""
         stream_wait_event(self, event)
 
@@ -377,7 +377,7 @@ class CudaEvent(_Owner):
         check((err,), "cuEventQuery")
         return True
 
-    def elapsed_ms(self, end: "CudaEvent") -> float:
+    def elapsed_ms(self, end: CudaEvent) -> float:
         """Milliseconds from this event to ``end`` (both timing events, both recorded and complete)."""
         if not isinstance(end, CudaEvent):
             raise TypeError(f"end must be a CudaEvent, got {type(end).__name__}")

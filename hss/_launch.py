@@ -1,7 +1,8 @@
 """PTX modules, kernel launches and graphs (part of :mod:`hss.cuda_min`, which re-exports them)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ class CudaModule(_Owner):
         self._own("cuModuleUnload", handle, pctx)
 
     @classmethod
-    def from_ptx(cls, text: str | bytes, name: str = "<ptx>", ctx: Any = None) -> "CudaModule":
+    def from_ptx(cls, text: str | bytes, name: str = "<ptx>", ctx: Any = None) -> CudaModule:
         """Load PTX ``text`` (no NUL inside) into ``ctx``'s context (the current device's if None)."""
         if not isinstance(text, (str, bytes, bytearray)):
             raise TypeError(f"PTX text must be str or bytes, got {type(text).__name__}")
@@ -34,7 +35,7 @@ class CudaModule(_Owner):
         handle = check(api.cuModuleLoadData(data + b"\0"), "cuModuleLoadData", f"module {name}")
         return cls(int(handle), pctx, name)
 
-    def function(self, name: str) -> "CudaFunction":
+    def function(self, name: str) -> CudaFunction:
         """The kernel ``name`` of this module (an error names the function and the module)."""
         if not isinstance(name, str):
             raise TypeError(f"a kernel name is a str, got {type(name).__name__}")
@@ -227,7 +228,7 @@ def begin_capture(stream: Any) -> None:
     check(api.cuStreamBeginCapture(s, mode), "cuStreamBeginCapture")
 
 
-def end_capture(stream: Any) -> "CudaGraph":
+def end_capture(stream: Any) -> CudaGraph:
     """Stop capturing ``stream`` and instantiate what was captured as a replayable :class:`CudaGraph`."""
     s = _args.stream(stream)
     pctx = _context(None)

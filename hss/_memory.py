@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class DeviceBuffer(_Owner):
     def _on_close(self) -> None:
         RANGES.remove(self._range)
 
-    def view(self, dtype: Any, shape: int | Sequence[int] | None = None, offset: int = 0) -> "DeviceView":
+    def view(self, dtype: Any, shape: int | Sequence[int] | None = None, offset: int = 0) -> DeviceView:
         """A typed, C-contiguous view of ``shape`` elements of ``dtype`` from byte ``offset`` (default: all that
         fit). ``dtype``: 'bf16', 'f32', 'i32', ... or a numpy / ml_dtypes / torch dtype."""
         return DeviceView(self, dtype, shape, offset)

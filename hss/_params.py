@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,7 @@ class ParamPack:
         kind = self.kinds[i]
         self._slots[i].value = convert(kind, value, f"{self.label} parameter {self.names[i]}")
 
-    def fill(self, *values: Any) -> "ParamPack":
+    def fill(self, *values: Any) -> ParamPack:
         """Store all parameters positionally (exactly one value per parameter)."""
         if len(values) != len(self.kinds):
             raise TypeError(f"{self.label} takes {len(self.kinds)} parameters ({', '.join(self.names)}), "

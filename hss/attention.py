@@ -28,9 +28,19 @@ from hss import _args
 from hss import cuda_min as cm
 from hss._launch import launcher
 from hss.errors import HssError
-from hss.kernels.attention import (ATTENTION_FINALIZE, FINALIZE_THREADS, MAX_HEAD_DIM, PAGED_DECODE_ATTN_TILED,
-                                   STEP_THREADS, UNIT_TOKENS, head_groups, max_units, padded_head_dim, step_grid_z,
-                                   step_shared_bytes)
+from hss.kernels.attention import (
+    ATTENTION_FINALIZE,
+    FINALIZE_THREADS,
+    MAX_HEAD_DIM,
+    PAGED_DECODE_ATTN_TILED,
+    STEP_THREADS,
+    UNIT_TOKENS,
+    head_groups,
+    max_units,
+    padded_head_dim,
+    step_grid_z,
+    step_shared_bytes,
+)
 from hss.ptx import load_module
 
 __all__ = ["TiledAttentionDims", "TiledAttention"]
@@ -191,7 +201,7 @@ class TiledAttention:
         self._counts_arg = _args.pointer_arg("tile_block_counts", None, 4, "i32", what="i32 [num_seqs] entry counts")
 
     @classmethod
-    def new(cls, dims: TiledAttentionDims, ctx: cm.CudaCtx | None = None) -> "TiledAttention":
+    def new(cls, dims: TiledAttentionDims, ctx: cm.CudaCtx | None = None) -> TiledAttention:
         """The original's constructor: allocations only, no stream."""
         return cls(ctx, dims)
 
@@ -206,7 +216,7 @@ class TiledAttention:
         self._closed = True
         self._owned.close()
 
-    def __enter__(self) -> "TiledAttention":
+    def __enter__(self) -> TiledAttention:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -16,13 +16,32 @@ context it was made in retained, and every call makes that context current first
 from __future__ import annotations
 
 from hss._args import device_ptr
-from hss._context import (CudaCtx, CudaEvent, CudaStream, compute_capability, multiprocessor_count, stream_handle,
-                          stream_sync, stream_wait_event)
+from hss._context import (
+                          CudaCtx,
+                          CudaEvent,
+                          CudaStream,
+                          compute_capability,
+                          multiprocessor_count,
+                          stream_handle,
+                          stream_sync,
+                          stream_wait_event,
+)
 from hss._driver import driver_status
 from hss._launch import CudaFunction, CudaGraph, CudaModule, begin_capture, end_capture, launch_kernel
-from hss._memory import (DeviceBuffer, DeviceView, HostToDeviceBatch, PinnedBuffer, copy_2d_d_to_d_async,
-                         copy_d_to_d_async, copy_d_to_h_async, copy_h_to_d_async, copy_h_to_d_batch_async, mem_info,
-                         memset_d8_async, memset_d32_async)
+from hss._memory import (
+                          DeviceBuffer,
+                          DeviceView,
+                          HostToDeviceBatch,
+                          PinnedBuffer,
+                          copy_2d_d_to_d_async,
+                          copy_d_to_d_async,
+                          copy_d_to_h_async,
+                          copy_h_to_d_async,
+                          copy_h_to_d_batch_async,
+                          mem_info,
+                          memset_d8_async,
+                          memset_d32_async,
+)
 from hss._params import ParamPack
 from hss.errors import CudaError, HssError
 

@@ -10,13 +10,13 @@ anything.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
-from hss import _args, _launch
+from hss import _args, _launch, ptx
 from hss import cuda_min as cm
-from hss import ptx
 from hss._blas import Blas
 from hss._context import _ensure_context
 from hss._params import ParamPack
@@ -31,7 +31,7 @@ _I32 = 2**31 - 1
 class DevicePtr(int):
     """A device address (an ``int``); ``offset`` adds bytes, with no scaling and no bounds check."""
 
-    def offset(self, nbytes: int) -> "DevicePtr":
+    def offset(self, nbytes: int) -> DevicePtr:
         return DevicePtr(int(self) + int(nbytes))
 
     def is_null(self) -> bool:
@@ -224,7 +224,7 @@ class CudaBackend:
             mod.close()
         self._modules.clear()
 
-    def __enter__(self) -> "CudaBackend":
+    def __enter__(self) -> CudaBackend:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -28,8 +28,7 @@ from hss import _args, cuda_min
 from hss._launch import launcher
 from hss.cuda_min import CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, memset_d8_async, stream_sync
 from hss.errors import HssError
-from hss.kernels.predictor import (KV_LOWRANK_PROJECT, PREDICTOR_SCORE, Q_LOWRANK_PROJECT, lowrank_rows,
-                                   score_warps)
+from hss.kernels.predictor import KV_LOWRANK_PROJECT, PREDICTOR_SCORE, Q_LOWRANK_PROJECT, lowrank_rows, score_warps
 from hss.projection import PredictorShape, build_projection
 from hss.ptx import load_module
 
@@ -149,7 +148,7 @@ class Predictor:
         self._build(ctx, _args.stream(ctx, "ctx"), dims, projection_seed)
 
     @classmethod
-    def new_on_stream(cls, stream: Any, dims: PredictorDims, projection_seed: int) -> "Predictor":
+    def new_on_stream(cls, stream: Any, dims: PredictorDims, projection_seed: int) -> Predictor:
         """A Predictor in the thread's current context (device 0's if none), set up on ``stream``."""
         self = cls.__new__(cls)
         self._build(None, _args.stream(stream), dims, projection_seed)
@@ -383,7 +382,7 @@ class Predictor:
         self._closed = True
         self._owned.close()
 
-    def __enter__(self) -> "Predictor":
+    def __enter__(self) -> Predictor:
         return self
 
     def __exit__(self, *exc: Any) -> None:

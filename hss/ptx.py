@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hss.errors import BuildError, HssError
+from hss.errors import HssError
 
 DEFAULT_ARCH = "compute_80"
 STAMP_PREFIX = "// hss-stamp:"

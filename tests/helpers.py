@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import ml_dtypes
+import numpy as np
 
 from hss import cuda_min as cm
 from hss._params import ParamPack

@@ -6,7 +6,8 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hss import _args
 from hss import cuda_min as cm

@@ -17,12 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import conftest
 from hss import _driver
 from hss import cuda_min as cm
-from hss.errors import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.errors import HssError
 from hss.reference import attention as ref
+
+import conftest
 from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 
 ON_GPU = conftest.ON_GPU

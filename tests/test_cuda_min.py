@@ -5,12 +5,11 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hss import CudaError, HssError, inject_fault
-from hss import _driver, _memory
+from hss import CudaError, HssError, _driver, _memory, inject_fault, ptx
 from hss import cuda_min as cm
-from hss import ptx
 from hss.kernels.selftest import SELFTEST_AXPY, SELFTEST_BLOCK_SUM, SELFTEST_EMPTY, SELFTEST_FILL
 from hss.reference import selftest as ref
 

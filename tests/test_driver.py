@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-from hss import CudaError, inject_fault
+from hss import CudaError, inject_fault, ptx
 from hss import cuda_min as cm
-from hss import ptx
 from hss._driver import PTX_VERSION_MESSAGE, check, driver_status
 
 from conftest import ON_GPU

@@ -13,13 +13,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import conftest
 import hss.predictor as hp
 from hss import _driver
 from hss import cuda_min as cm
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims, preflight_a_g, read_k_lr_slot
 from hss.reference import predictor as ref
+
+import conftest
 from helpers import BF16, assert_bites, assert_close, download, poisoned, upload, violations
 
 ON_GPU = conftest.ON_GPU
@@ -167,7 +168,7 @@ def test_lifetime(ctx) -> None:
     pred.close()
     assert pred.closed
     with pytest.raises(HssError, match="closed"):
-        pred.a_g_dev_ptr
+        _ = pred.a_g_dev_ptr
     assert "closed" in repr(pred)
     with Predictor.new_on_stream(ctx.stream, LLAMA, SEED) as p2:
         assert not p2.closed

@@ -228,7 +228,7 @@ def test_matches_sequential_reference(shape: PredictorShape, seed: int) -> None:
     assert bits_of(build_projection(shape, seed)) == ref
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tail_case() -> tuple[int, int, int, tuple[int, ...]]:
     """(head_dim, r, seed, reference bits) for the first seed whose P hits the tail (box 0), a wedge
     acceptance and a wedge rejection; searched deterministically with the sequential reference."""

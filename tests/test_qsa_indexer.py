@@ -13,14 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
-from helpers import BF16, Recording, assert_close, bound, download, upload
 from hss import cuda_min as cm
 from hss._driver import CudaError, HssError, inject_fault
 from hss.gpu import CudaBackend
 from hss.qsa import INGEST_SLAB, QsaIndexer, QsaSelection
 from hss.reference import qsa as ref
 from hss.reference.linear import proj_dense
+
+from conftest import ON_GPU
+from helpers import BF16, Recording, assert_close, bound, download, upload
 
 HIDDEN = 2560 if ON_GPU else 256
 N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6
@@ -224,7 +225,7 @@ def test_chunked_ingest_matches_one_shot(gpu, stream, rng, layer):
     rec = Recording(gpu)
     with layer.indexer(rec) as idx:
         st = idx.new_seq_state()
-        for trial in range(3):
+        for _trial in range(3):
             cuts = np.sort(rng.integers(0, T + 1, rng.integers(1, 7)))
             bounds = [0, *cuts.tolist(), T]
             del rec.calls[:]

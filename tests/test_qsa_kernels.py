@@ -16,12 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
-from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 from hss import cuda_min as cm
 from hss.gpu import CudaBackend
 from hss.kernels import qsa as kq
 from hss.reference import qsa as ref
+
+from conftest import ON_GPU
+from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 
 EPS = 1e-6
 
@@ -376,9 +377,10 @@ def test_backend_gemm_arguments(gpu, stream, rng):
 def test_prepared_launcher(gpu, stream, rng):
     """hss.gpu.launcher: on a CudaBackend the prepared hss._launch.launcher (named slots refilled in place give the
     same bits as gpu.launch); on any other backend each run goes through its launch (recorded here)."""
-    from helpers import Recording
     from hss.errors import HssError
     from hss.gpu import KernelHandle, launcher
+
+    from helpers import Recording
     hd, ratio, n_new = 128, 4, 6
     d_raw = upload(normal(rng, (n_new * ratio, hd), 1.0), stream)
     d_w = upload(normal(rng, hd, 0.1), stream)

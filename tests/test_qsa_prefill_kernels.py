@@ -10,7 +10,8 @@ import contextlib
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hss import cuda_min as cm
 from hss import ptx

@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
-from helpers import BF16, MASKED, Recording, assert_bites, assert_close, download, poisoned, tc_bound, upload
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.gpu import CudaBackend, KernelHandle
-from hss.qsa import QsaIndexer, prefill as prefill_mod
+from hss.qsa import QsaIndexer
+from hss.qsa import prefill as prefill_mod
 from hss.reference import qsa_prefill as ref
 from hss.reference.linear import proj_dense
+
+from conftest import ON_GPU
+from helpers import BF16, MASKED, Recording, assert_bites, assert_close, download, poisoned, tc_bound, upload
 
 HIDDEN = 2560 if ON_GPU else 256
 N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6

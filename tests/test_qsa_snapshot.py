@@ -11,12 +11,13 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
-from helpers import BF16, Recording, download, upload
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.gpu import CudaBackend
 from hss.qsa import QsaIndexer
+
+from conftest import ON_GPU
+from helpers import BF16, Recording, download, upload
 
 HIDDEN = 2560 if ON_GPU else 256
 N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6

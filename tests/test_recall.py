@@ -13,6 +13,7 @@ import numpy as np
 
 from hss.predictor import Predictor, PredictorDims
 from hss.reference import predictor as ref
+
 from helpers import BF16, download, poisoned, upload
 
 NEEDLE_SEEDS = (1, 7, 23, 99, 1337)
@@ -58,7 +59,8 @@ def test_needle_recall_at_32(ctx, stream, record_property) -> None:
     assert mean >= 0.95
 
 
-def structured_keys(rng: np.random.Generator, n: int, bs: int, nkv: int, hd: int, nq: int) -> tuple[np.ndarray, np.ndarray]:
+def structured_keys(rng: np.random.Generator, n: int, bs: int, nkv: int, hd: int,
+                    nq: int) -> tuple[np.ndarray, np.ndarray]:
     """Keys with structure and a query that picks part of it.
 
     Four orthonormal topic directions; block b has a topic and a strength c_b ~ U(0, 12), and each of

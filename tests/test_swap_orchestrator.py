@@ -16,14 +16,23 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import conftest
 from hss import _driver
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.reference import attention as ref
-from hss.swap import (HighSpeedSwap, HighSpeedSwapConfig, ModelDims, PreparedReads, StepRecord, StoreError,
-                      StoreIOError, layer_path)
+from hss.swap import (
+    HighSpeedSwap,
+    HighSpeedSwapConfig,
+    ModelDims,
+    PreparedReads,
+    StepRecord,
+    StoreError,
+    StoreIOError,
+    layer_path,
+)
+
+import conftest
 from helpers import BF16, assert_bites, assert_close, download, upload
 
 ON_GPU = conftest.ON_GPU
@@ -240,7 +249,7 @@ def test_eviction_follows_predictor_scores(ctx, tmp_path, rng, store: str) -> No
         assert set(rec.hits) == set(before)
         evicted = [page for (_, page), _ in rec.evicted]
         assert [sc[p] for p in evicted] == sorted(sc[p] for p in evicted), "lowest score evicted first"
-        for (page, slot), (old, _) in zip(rec.promoted, rec.evicted):
+        for (page, _slot), (old, _) in zip(rec.promoted, rec.evicted):
             assert sc[old[1]] <= sc[page]
         resident = set(p for _, p in s.h.pool.residents())
         assert resident == set(sorted(ids, key=lambda b: -sc[b])[:R]), "the resident set is the top-scoring pages"

@@ -17,6 +17,7 @@ from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.swap import DiskBlockAllocator, EvictionPolicy, GroupLayout, PoolExhausted, ScratchPool
+
 from helpers import BF16
 
 LLAMA = GroupLayout(num_blocks=64, num_kv_heads=8, block_size=16, head_dim=128)

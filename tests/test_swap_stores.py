@@ -14,6 +14,7 @@ from hss import _driver, _memory
 from hss import cuda_min as cm
 from hss._driver import HssError
 from hss.swap import FileStore, GroupLayout, HostStore, StoreError, StoreIOError, layer_path
+
 from helpers import BF16, download
 
 LAYOUT = GroupLayout(num_blocks=12, num_kv_heads=2, block_size=8, head_dim=64)   # 1 KiB stripes padded to 4 KiB

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     with cm.CudaCtx(0) as ctx:
         device = ctx.name
     stamp = datetime.date.today().isoformat()
-    print(f"hss bench {stamp} on {device} ({status.kind})" + (" -- SMOKE: numbers are meaningless" if args.smoke else ""))
+    smoke = " -- SMOKE: numbers are meaningless" if args.smoke else ""
+    print(f"hss bench {stamp} on {device} ({status.kind}){smoke}")
     results = {}
     for suite in args.suites or SUITES:
         if suite not in SUITES:

@@ -20,7 +20,8 @@ import gc
 import itertools
 import statistics
 import time
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from hss import cuda_min as cm
 

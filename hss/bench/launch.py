@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ def _peers(ctx: cm.CudaCtx, text: str, a: int, b: int, n: int) -> dict[str, Call
     s = ctx.stream
     try:
         try:
-            from cuda.core import Device, LaunchConfig, ObjectCode, launch   # cuda.core >= 0.4 / 1.x
+            from cuda.core import Device, LaunchConfig, ObjectCode, launch  # cuda.core >= 0.4 / 1.x
         except ImportError:
             from cuda.core.experimental import Device, LaunchConfig, ObjectCode, launch
         dev = Device(ctx.device)
@@ -57,9 +58,10 @@ def _peers(ctx: cm.CudaCtx, text: str, a: int, b: int, n: int) -> dict[str, Call
     except Exception as exc:   # report why it is missing
         peers["cuda.core launch"] = f"skipped: {type(exc).__name__}: {exc}"
     try:
-        import cupy
         import os
         import tempfile
+
+        import cupy
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(text)
         kern = cupy.RawModule(path=f.name).get_function("selftest_empty")

@@ -29,8 +29,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -152,7 +153,7 @@ class _Watch:
         self.names, self.target, self.count, self.blocked = names, target, 0, 0.0
         self._real: dict[str, Any] = {}
 
-    def __enter__(self) -> "_Watch":
+    def __enter__(self) -> _Watch:
         clock = time.perf_counter
         for name in self.names:
             real = getattr(self.target, name, None)

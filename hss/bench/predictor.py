@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np

@@ -23,7 +23,8 @@ import argparse
 import math
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -165,7 +166,7 @@ def _torch_step_us(w, qn, kn, slab, table, n, d, steps, warm, pages) -> float:
     nh, hd, ratio, bs, rot = d["n_heads"], d["hd"], d["ratio"], d["block_size"], d["rot"]
     topk_blocks, eps, half = d["budget"] // ratio, d["eps"], rot // 2
 
-    def t(a: np.ndarray) -> "torch.Tensor":
+    def t(a: np.ndarray) -> torch.Tensor:
         if a.dtype == BF16:
             return torch.from_numpy(a.view(np.uint16).astype(np.int16)).view(torch.bfloat16).to(dev)
         return torch.from_numpy(a).to(dev)

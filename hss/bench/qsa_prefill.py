@@ -15,7 +15,8 @@ per row at 32K. ``--smoke`` runs tiny sizes on any driver without torch: its num
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -140,6 +141,12 @@ def _attn_ms(mod: Any, stream: int, c: dict, ptrs: list[int], out: int, first_po
 
 def _sdpa_ms(torch: Any, c: dict, L: int) -> float:
     """Dense causal SDPA for the slab's rows (positions L-rows .. L-1) over all their causal keys."""
+    ms = _sdpa_timed(torch, c, L)
+    torch.cuda.empty_cache()   # the inputs are gone with _sdpa_timed's frame
+    return ms
+
+
+def _sdpa_timed(torch: Any, c: dict, L: int) -> float:
     import torch.nn.functional as F
     rows, nq, nkv, hd = c["rows"], c["nq"], c["nkv"], c["hd_attn"]
     q = torch.randn(1, nq, rows, hd, device="cuda", dtype=torch.bfloat16)
@@ -150,10 +157,8 @@ def _sdpa_ms(torch: Any, c: dict, L: int) -> float:
         mask = causal_lower_right(rows, L)
     except ImportError:   # older torch: an explicit mask (a slower SDPA backend)
         mask = torch.ones(rows, L, device="cuda", dtype=torch.bool).tril(diagonal=L - rows)
-    ms = _torch_time_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), c["reps"], c["warmup"])
-    del q, k, v
-    torch.cuda.empty_cache()
-    return ms
+    return _torch_time_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), c["reps"],
+                          c["warmup"])
 
 
 def _matmul_tflops(torch: Any, reps: int) -> float:
@@ -233,7 +238,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     c = _cfg(bool(getattr(args, "smoke", False)))
     torch = None
     if not getattr(args, "smoke", False):
-        import torch as _torch   # lazily: only the full run compares against torch
+        import torch as _torch  # lazily: only the full run compares against torch
         torch = _torch
     ctx = cm.CudaCtx(0)
     stream = ctx.stream

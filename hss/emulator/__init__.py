@@ -9,8 +9,23 @@ double: a kernel is proven only on a GPU.
 """
 from .driver import *  # noqa: F401,F403  (the driver-call surface)
 from .driver import S as state  # noqa: F401
-from .enums import (CUDA_MEMCPY2D, CUdevice_attribute, CUevent_flags, CUfunction_attribute,  # noqa: F401
-                    CUmemorytype, CUresult, CUstream_flags, CUstreamCaptureMode)
-from .launch import (EmulatorError, cuFuncGetParamInfo, cuFuncSetAttribute, cuLaunchKernel,  # noqa: F401
-                     cuModuleGetFunction, cuModuleLoadData, cuModuleUnload)
+from .enums import (  # noqa: F401
+                    CUDA_MEMCPY2D,
+                    CUdevice_attribute,
+                    CUevent_flags,
+                    CUfunction_attribute,
+                    CUmemorytype,
+                    CUresult,
+                    CUstream_flags,
+                    CUstreamCaptureMode,
+)
+from .launch import (  # noqa: F401
+                    EmulatorError,
+                    cuFuncGetParamInfo,
+                    cuFuncSetAttribute,
+                    cuLaunchKernel,
+                    cuModuleGetFunction,
+                    cuModuleLoadData,
+                    cuModuleUnload,
+)
 from .memory import MemoryFault  # noqa: F401

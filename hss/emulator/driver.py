@@ -14,9 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from .enums import (CUDA_MEMCPY2D, ERROR_STRINGS, CUdevice_attribute, CUdeviceptr, CUmemcpyAttributes,  # noqa: F401
-                    CUmemcpySrcAccessOrder, CUmemLocationType, CUmemorytype, CUresult,
-                    CUstreamCaptureMode)
+from .enums import (  # noqa: F401
+    CUDA_MEMCPY2D,
+    ERROR_STRINGS,
+    CUdevice_attribute,
+    CUdeviceptr,
+    CUmemcpyAttributes,
+    CUmemcpySrcAccessOrder,
+    CUmemLocationType,
+    CUmemorytype,
+    CUresult,
+    CUstreamCaptureMode,
+)
 from .memory import Arena, host_view
 from .streams import Event, Graph, GraphExec, Stream
 

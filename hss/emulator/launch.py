@@ -14,10 +14,11 @@ import struct
 from types import SimpleNamespace
 from typing import Any
 
+from hss.errors import EmulatorError, MemoryFault
+
 from .driver import S, _needs_ctx, enqueue, stream_of
 from .enums import CUfunction_attribute
 from .enums import CUresult as R
-from hss.errors import EmulatorError, MemoryFault
 
 MAX_PTX_ISA = (9, 0)           # what the emulated driver (13.0) understands
 DEVICE_CC = (9, 0)

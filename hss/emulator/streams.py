@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from collections.abc import Callable
 
 Op = Callable[[], None]
 

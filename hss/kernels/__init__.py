@@ -13,8 +13,10 @@ from hss.kernels._decl import DECLARATIONS, Extent, KernelDecl, Launch, declare,
 __all__ = ["DECLARATIONS", "Extent", "KernelDecl", "Launch", "declare", "f32"]
 
 # Domain declarations register themselves on import; the emulator sees them all through this package.
-from hss.kernels import selftest  # noqa: E402,F401
-from hss.kernels import predictor  # noqa: E402,F401
-from hss.kernels import attention  # noqa: E402,F401
-from hss.kernels import qsa  # noqa: E402,F401
-from hss.kernels import qsa_prefill  # noqa: E402,F401
+from hss.kernels import (
+    attention,  # noqa: E402,F401
+    predictor,  # noqa: E402,F401
+    qsa,  # noqa: E402,F401
+    qsa_prefill,  # noqa: E402,F401
+    selftest,  # noqa: E402,F401
+)

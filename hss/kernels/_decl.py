@@ -4,9 +4,10 @@ The registry :data:`DECLARATIONS` is filled by the declaration modules of :mod:`
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class KernelDecl:
     reads: dict[str, Extent] = field(default_factory=dict)
     writes: dict[str, Extent] = field(default_factory=dict)
     emulate: Callable[[SimpleNamespace, Launch], None] | None = None
-    check: Callable[[SimpleNamespace, Launch], "str | None"] | None = None
+    check: Callable[[SimpleNamespace, Launch], str | None] | None = None
 
     def pack(self, *values: Any, **named: Any) -> ParamPack:
         """A :class:`ParamPack` holding ``values`` (positional, then by name), each range-checked."""

@@ -1,7 +1,6 @@
 """The QSA sparse-attention indexer (SPEC §10-§12): decode and prefill selection over the paged KV cache, and
 per-sequence snapshots."""
-from hss.qsa.indexer import (DEFAULT_MAX_TOKENS, INGEST_SLAB, MIN_BLOCK_SIZE, QsaIndexer, QsaSelection,
-                             QsaSeqState)
+from hss.qsa.indexer import DEFAULT_MAX_TOKENS, INGEST_SLAB, MIN_BLOCK_SIZE, QsaIndexer, QsaSelection, QsaSeqState
 from hss.qsa.prefill import SELECT_SLAB, prefill_scratch_bytes, row_lists
 from hss.qsa.select import select_tokens, selection_size, top_blocks
 

@@ -101,7 +101,7 @@ class QsaSeqState:
 
     __slots__ = ("ingested", "pooled", "table_len", "raw_keys", "block_keys", "_owner", "__weakref__")
 
-    def __init__(self, raw_keys: DevicePtr, block_keys: DevicePtr, owner: "QsaIndexer") -> None:
+    def __init__(self, raw_keys: DevicePtr, block_keys: DevicePtr, owner: QsaIndexer) -> None:
         self.ingested = 0
         self.pooled = 0
         self.table_len = 0
@@ -315,7 +315,7 @@ class QsaIndexer:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "QsaIndexer":
+    def __enter__(self) -> QsaIndexer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

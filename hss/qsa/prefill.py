@@ -72,7 +72,7 @@ class PrefillKernels:
 
     ``score_tc`` / ``attn_tc`` are falsy handles where the backend lacks the optional kernels."""
 
-    def __init__(self, idx: "QsaIndexer") -> None:
+    def __init__(self, idx: QsaIndexer) -> None:
         gpu = idx.gpu
         self.qprep = gpu.kernel(kp.MODULE, "qsa_qprep_rows")
         self.score = gpu.kernel(kp.MODULE, "qsa_score_rows")
@@ -143,7 +143,7 @@ class _Checked(NamedTuple):
     stream: int
 
 
-def _check(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any, v_pool: Any,
+def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any, v_pool: Any,
            seq_block_table: Any, seq_start: Any, num_tokens: Any, nq: Any, block_size: Any, inv_sqrt_d: Any,
            scratch: Any, stream: Any) -> _Checked:
     """Every argument of :func:`prefill_select`, in the documented forms and sizes, or an error naming it."""
@@ -189,7 +189,7 @@ def _check(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: Any, attn
 
 
 # -- the stage ------------------------------------------------------------------------------------
-def prefill_select(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any,
+def prefill_select(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any,
                    v_pool: Any, seq_block_table: Any, seq_start: int, num_tokens: int, nq: int, block_size: int,
                    inv_sqrt_d: float, scratch: Any, stream: Any) -> int:
     """See :meth:`QsaIndexer.prefill_select`; returns the number of rows rewritten."""
@@ -249,7 +249,7 @@ def prefill_select(idx: "QsaIndexer", st: "QsaSeqState", normed: Any, q_roped: A
     return c.total - c.first_sel
 
 
-def _host_scores(idx: "QsaIndexer", n: int) -> np.ndarray:
+def _host_scores(idx: QsaIndexer, n: int) -> np.ndarray:
     """A reused host f32 buffer of at least ``n`` entries (grown on demand), its first ``n`` as a view."""
     buf = idx._prefill_scores_host
     if buf.size < n:

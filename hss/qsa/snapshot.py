@@ -23,7 +23,7 @@ __all__ = ["HEADER", "snapshot_aux", "restore_aux", "parse_aux"]
 HEADER = struct.Struct("<QQ")   # ingested, pooled
 
 
-def snapshot_aux(idx: "QsaIndexer", st: "QsaSeqState", stream: Any) -> bytes:
+def snapshot_aux(idx: QsaIndexer, st: QsaSeqState, stream: Any) -> bytes:
     """See :meth:`QsaIndexer.snapshot_aux`."""
     idx._check_state(st, "snapshot_aux")
     s = _args.stream(stream)
@@ -60,7 +60,7 @@ def parse_aux(blob: Any, hd: int, ratio: int, max_tokens: int) -> tuple[int, int
     return ingested, pooled, mv[HEADER.size:]
 
 
-def restore_aux(idx: "QsaIndexer", st: "QsaSeqState", blob: Any, stream: Any) -> None:
+def restore_aux(idx: QsaIndexer, st: QsaSeqState, blob: Any, stream: Any) -> None:
     """See :meth:`QsaIndexer.restore_aux`."""
     idx._check_state(st, "restore_aux")
     ingested, pooled, raw = parse_aux(blob, idx.hd, idx.ratio, idx.max_tokens)

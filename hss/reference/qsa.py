@@ -86,7 +86,8 @@ def score(q: np.ndarray, block_keys: np.ndarray) -> np.ndarray:
 def gather(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, sel: np.ndarray,
            block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``qsa_gather``: rows of the paged NHD caches ``[pages, block_size, nkv, hd]`` for tokens ``sel``,
-    through ``block_table`` (logical page -> physical page) -> ``(k_out, v_out)`` ``[n_sel, nkv, hd]`` (exact copies)."""
+    through ``block_table`` (logical page -> physical page) -> ``(k_out, v_out)`` ``[n_sel, nkv, hd]``
+    (exact copies)."""
     sel = np.asarray(sel, dtype=np.int64)
     pages = np.asarray(block_table, dtype=np.int64)[sel // block_size]
     slots = sel % block_size

@@ -11,8 +11,7 @@ from hss.swap.eviction import EvictionPolicy
 from hss.swap.layout import KIND_NAMES, GroupLayout, K, V
 from hss.swap.orchestrator import HighSpeedSwap, StepRecord, TileRecord
 from hss.swap.pool import PoolExhausted, ScratchPool
-from hss.swap.stores import (BackingStore, FileStore, HostStore, PreparedReads, StoreError, StoreIOError,
-                             layer_path)
+from hss.swap.stores import BackingStore, FileStore, HostStore, PreparedReads, StoreError, StoreIOError, layer_path
 
 __all__ = [
     "GroupLayout", "K", "V", "KIND_NAMES", "EvictionPolicy", "ScratchPool", "PoolExhausted", "BackingStore",

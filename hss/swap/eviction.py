@@ -10,7 +10,8 @@ overwrite, never what attention reads. Pure host bookkeeping.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 

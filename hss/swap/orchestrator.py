@@ -53,8 +53,8 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
-from hss.errors import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
@@ -155,7 +155,7 @@ class HighSpeedSwap:
         self._build(ctx, _args.stream(ctx, "ctx"), cfg, model)
 
     @classmethod
-    def new_on_stream(cls, stream: Any, cfg: HighSpeedSwapConfig, model: ModelDims) -> "HighSpeedSwap":
+    def new_on_stream(cls, stream: Any, cfg: HighSpeedSwapConfig, model: ModelDims) -> HighSpeedSwap:
         """The original's constructor: set up on ``stream`` in the thread's current context."""
         self = cls.__new__(cls)
         self._build(None, _args.stream(stream), cfg, model)
@@ -621,7 +621,7 @@ class HighSpeedSwap:
             for obj in reversed(owned):
                 obj.close()
 
-    def __enter__(self) -> "HighSpeedSwap":
+    def __enter__(self) -> HighSpeedSwap:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -14,14 +14,15 @@ device contents change only through copies the caller orders on its streams.
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError, PoolExhausted
-from hss.swap.layout import K, V, GroupLayout
+from hss.swap.layout import GroupLayout, K, V
 
 __all__ = ["ScratchPool", "PoolExhausted"]
 
@@ -243,7 +244,7 @@ class ScratchPool:
         """Free the device buffer (the driver waits for work using it); later calls do nothing."""
         self.buffer.close()
 
-    def __enter__(self) -> "ScratchPool":
+    def __enter__(self) -> ScratchPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -69,7 +69,7 @@ class PreparedReads:
     __slots__ = ("store", "layer", "pages", "dsts", "bounds", "run_starts", "run_counts", "run_bounds", "copies",
                  "_block_bytes", "_epoch")
 
-    def __init__(self, store: "BackingStore", layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: list[int],
+    def __init__(self, store: BackingStore, layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: list[int],
                  run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
         self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
         self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
@@ -295,7 +295,7 @@ class BackingStore:
     def close(self) -> None:
         self._closed = True
 
-    def __enter__(self) -> "BackingStore":
+    def __enter__(self) -> BackingStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -519,7 +519,7 @@ class FileStore(BackingStore):
             results = list(self._executor.map(lambda j: self._pread(*j), jobs))
         else:
             results = [self._pread(*j) for j in jobs]
-        for (s, n, b), err in zip(window, results):
+        for _, err in zip(window, results):
             if err is not None:
                 raise err
         for s, n, b in window:
