@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 import operator
 import sys
@@ -150,21 +151,21 @@ class LiveRanges:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: list[tuple[int, int, object]] = []          # (start, end, token), sorted by start
+        self._entries: list[tuple[int, int, int]] = []             # (start, end, key), sorted by start
+        self._keys = itertools.count()
         self.snapshot: tuple[list[int], list[int]] = ([], [])      # starts, ends
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
-    def add(self, start: int, size: int) -> object:
-        """Register ``[start, start + size)``; the returned token removes exactly this entry."""
-        token = object()
+    def add(self, start: int, size: int) -> int:
+        """Register ``[start, start + size)``; the returned key removes exactly this entry."""
         with self._lock:
-            bisect.insort(self._entries, (start, start + size, id(token)))
+            key = next(self._keys)
+            bisect.insort(self._entries, (start, start + size, key))
             self._publish()
-        return token
+        return key
 
-    def remove(self, token: object) -> None:
+    def remove(self, key: int) -> None:
         with self._lock:
-            key = id(token)
             self._entries = [e for e in self._entries if e[2] != key]
             self._publish()
 

@@ -150,10 +150,13 @@ _args.set_stream_join(_join)
 
 
 # -- owners -----------------------------------------------------------------------------------
-def _destroy(call: str | None, handle: int, pctx: _PrimaryContext, raising: bool) -> None:
-    """Free one driver object and give back its context hold. A destroyed context is tolerated; other failures
-    raise when ``raising`` (a close), and are kept by the emulator for its next sync when not (a finalizer)."""
+def _destroy(call: str | None, handle: int, pctx: _PrimaryContext, forget: Any, raising: bool) -> None:
+    """Free one driver object and give back its context hold; ``forget()`` (if any) first drops what hss knows of
+    the object. A destroyed context is tolerated; other failures raise when ``raising`` (a close), and are kept
+    by the emulator for its next sync when not (a finalizer)."""
     try:
+        if forget is not None:
+            forget()
         if call is not None:
             try:
                 pctx.make_current()
@@ -177,18 +180,18 @@ def _destroy(call: str | None, handle: int, pctx: _PrimaryContext, raising: bool
 class _Owner:
     """Idempotent close / context manager / finalizer, shared by every owner class.
 
-    ``_own(call, handle, pctx)`` takes a hold on ``pctx`` and arranges ``call(handle)`` (None: nothing to free)
-    to run exactly once: at :meth:`close`, or when the object is collected."""
+    ``_own(call, handle, pctx, forget)`` takes a hold on ``pctx`` and arranges ``forget()`` and ``call(handle)``
+    (None: nothing to free) to run exactly once: at :meth:`close`, or when the object is collected."""
 
     _finalizer: weakref.finalize | None = None
     _open = False   # True from _own until close(): the one fact `closed` derives from (a finalizer runs only
     #                 once nothing can reach the object, so it never needs to clear it)
     _pctx: _PrimaryContext
 
-    def _own(self, call: str | None, handle: int, pctx: _PrimaryContext) -> None:
+    def _own(self, call: str | None, handle: int, pctx: _PrimaryContext, forget: Any = None) -> None:
         pctx.hold()
         self._pctx = pctx
-        self._finalizer = weakref.finalize(self, _destroy, call, handle, pctx, False)
+        self._finalizer = weakref.finalize(self, _destroy, call, handle, pctx, forget, False)
         self._open = True
 
     @property

@@ -8,6 +8,7 @@ say theirs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,8 +37,7 @@ class DeviceBuffer(_Owner):
         pctx = _context(ctx)
         self._ptr = int(check(api.cuMemAlloc(nbytes), "cuMemAlloc", f"{nbytes} bytes"))
         self.bytes = nbytes
-        self._range = RANGES.add(self._ptr, nbytes)
-        self._own("cuMemFree", self._ptr, pctx)
+        self._own("cuMemFree", self._ptr, pctx, functools.partial(RANGES.remove, RANGES.add(self._ptr, nbytes)))
 
     @property
     def ptr(self) -> int:
@@ -49,9 +49,6 @@ class DeviceBuffer(_Owner):
     def device(self) -> int:
         """The ordinal of the device this memory is on."""
         return self._pctx.ordinal
-
-    def _on_close(self) -> None:
-        RANGES.remove(self._range)
 
     def view(self, dtype: Any, shape: int | Sequence[int] | None = None, offset: int = 0) -> DeviceView:
         """A typed, C-contiguous view of ``shape`` elements of ``dtype`` from byte ``offset`` (default: all that
@@ -174,8 +171,7 @@ class PinnedBuffer(_Owner):
         self._ptr = int(check(api.cuMemAllocHost(nbytes), "cuMemAllocHost", f"{nbytes} bytes"))
         self.bytes = nbytes
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._ptr))
-        self._range = RANGES.add(self._ptr, nbytes)
-        self._own("cuMemFreeHost", self._ptr, pctx)
+        self._own("cuMemFreeHost", self._ptr, pctx, functools.partial(RANGES.remove, RANGES.add(self._ptr, nbytes)))
 
     @property
     def ptr(self) -> int:
@@ -184,7 +180,6 @@ class PinnedBuffer(_Owner):
         return self._ptr
 
     def _on_close(self) -> None:
-        RANGES.remove(self._range)
         self.array = np.empty(0, dtype=np.uint8)   # no view may outlive the memory
 
     def view(self, dtype: Any) -> np.ndarray:

@@ -309,3 +309,18 @@ def test_dtype_names():
     with pytest.raises(TypeError):
         _args.dtype_name(np.complex64)
     assert math.prod(()) == 1
+
+
+def test_a_collected_buffer_leaves_the_registry(ctx):
+    """A buffer dropped without close() is forgotten with its memory: the driver may hand its address to the next
+    allocation, which must not be checked against the old size."""
+    import gc
+    buf = cm.DeviceBuffer(4096)
+    ptr = buf.ptr
+    assert _args.RANGES.find(ptr) == (ptr, ptr + 4096)
+    del buf
+    gc.collect()
+    assert _args.RANGES.find(ptr) is None
+    with cm.PinnedBuffer(64) as pin:
+        p = pin.ptr
+    assert _args.RANGES.find(p) is None
