@@ -155,6 +155,7 @@ class LiveRanges:
         self._keys = itertools.count()
         self.snapshot: tuple[list[int], list[int]] = ([], [])      # starts, ends
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self.generation = 0   # changes with every add / remove: a check made at one generation holds until it changes
 
     def add(self, start: int, size: int) -> int:
         """Register ``[start, start + size)``; the returned key removes exactly this entry."""
@@ -172,6 +173,7 @@ class LiveRanges:
     def _publish(self) -> None:
         self.snapshot = ([e[0] for e in self._entries], [e[1] for e in self._entries])
         self._arrays = None
+        self.generation += 1
 
     def find(self, ptr: int) -> tuple[int, int] | None:
         """(start, end) of the live buffer holding ``ptr``, or None."""
@@ -298,27 +300,33 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
     """A prepared :func:`pointer` for one parameter of a hot call: ``check(obj, stream=None, nbytes=None) -> int``
     (``nbytes`` overrides the prepared size for calls whose size varies).
 
-    Same rules and errors as :func:`pointer`, with the common cases (an int address, a torch tensor) decided in
-    a few attribute reads; anything unusual takes the general path."""
-    snapshot = RANGES
+    Same rules and errors as :func:`pointer`, with the common cases (an int address, a torch tensor, an hss
+    buffer) decided in a few attribute reads, and an int address that passed at least this size while the live
+    buffers did not change passing at once; anything unusual takes the general path."""
+    registry = RANGES
     fixed = nbytes or 0
     torch_dtypes: set[Any] = set()   # the torch dtypes that match `dtype`, resolved at the first torch tensor
-
     prepared = nbytes
+    last_ptr, last_need, last_gen = -1, -1, -1   # the last int address that passed, for how many bytes, when
 
     def check(obj: Any, stream: int | None = None, nbytes: int | None = None) -> int:
+        nonlocal last_ptr, last_need, last_gen
         if nbytes is None:
             need, nbytes = fixed, prepared
         else:
             need = nbytes
         cls = type(obj)
         if cls is int:
+            if obj == last_ptr and need <= last_need and registry.generation == last_gen:
+                return obj
             if obj > 0 and not obj % align:
+                gen = registry.generation
                 if need:
-                    starts, ends = snapshot.snapshot
+                    starts, ends = registry.snapshot
                     i = bisect.bisect_right(starts, obj) - 1
                     if i >= 0 and obj < ends[i] < obj + need:
-                        snapshot.check(obj, need, name)
+                        registry.check(obj, need, name)
+                last_ptr, last_need, last_gen = obj, need, gen
                 return obj
         elif cls in _QUICK:
             got = _QUICK[cls](obj)
@@ -359,6 +367,8 @@ def _reader_for(cls: type, obj: Any, name: str) -> Reader:
         reader = _read_int
     elif _is_torch_tensor(cls):
         reader = _read_torch
+    elif cls.__name__ == "ndarray" and cls.__module__.startswith("cupy") and hasattr(obj, "data"):
+        reader = _read_cupy
     elif issubclass(cls, np.ndarray):
         reader = _refuse
     elif hasattr(obj, "__cuda_array_interface__"):   # an instance attribute counts too
@@ -412,6 +422,27 @@ def _read_torch(t: Any, name: str, stream: int | None) -> DeviceArg:
         raise HssError(f"{name} is a non-contiguous torch tensor; pass .contiguous()")
     names = _TORCH if _TORCH is not None else _torch_dtypes()
     return DeviceArg(t.data_ptr(), t.nbytes, names.get(t.dtype))   # type: ignore[union-attr]
+
+
+_cupy_stream: Callable[[], int | None] | None = None
+
+
+def _read_cupy(a: Any, name: str, stream: int | None) -> DeviceArg:
+    """A CuPy array read as its ``__cuda_array_interface__`` says, without building the dictionary: the address,
+    C-contiguity, size and dtype, and CuPy's current stream as the producer (unless CUPY_CUDA_ARRAY_INTERFACE_SYNC
+    is 0, where CuPy names none)."""
+    global _cupy_stream
+    if not a.flags.c_contiguous:
+        raise HssError(f"{name} is a non-contiguous CuPy array; pass cupy.ascontiguousarray(...)")
+    if _cupy_stream is None:
+        import os
+        cupy = sys.modules["cupy"]
+        if os.environ.get("CUPY_CUDA_ARRAY_INTERFACE_SYNC", "1") == "0":
+            _cupy_stream = lambda: None   # noqa: E731
+        else:
+            current = cupy.cuda.get_current_stream
+            _cupy_stream = lambda: current().ptr or 1   # noqa: E731  (the null stream is the legacy one: 1)
+    return DeviceArg(a.data.ptr, a.nbytes, _TYPESTR.get(a.dtype.str), False, _cupy_stream())
 
 
 def _contiguous_bytes(shape: tuple, strides: tuple | None, itemsize: int, name: str) -> int:

@@ -165,6 +165,9 @@ def _untyped_kind(i: int, v: Any) -> str:
     return "ptr"
 
 
+_DIM = 2**31   # launch dimensions are 1 .. 2^31 - 1 (the driver narrows further per axis)
+
+
 def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, stream: Any,
                   params: ParamPack | Sequence[Any]) -> None:
     """Launch ``func`` on ``stream`` with explicit geometry and packed parameters (cuLaunchKernel).
@@ -176,18 +179,30 @@ def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, 
     """
     if type(func) is not CudaFunction:
         raise TypeError(f"func must be a CudaFunction (CudaModule.function(name)), got {type(func).__name__}")
-    gx, gy, gz = _args.dims3("grid", grid)
-    bx, by, bz = _args.dims3("block", block)
+    if type(grid) is tuple and len(grid) == 3:
+        gx, gy, gz = grid
+        if not (type(gx) is int and type(gy) is int and type(gz) is int and 0 < gx < _DIM and 0 < gy < _DIM
+                and 0 < gz < _DIM):
+            gx, gy, gz = _args.dims3("grid", grid)
+    else:
+        gx, gy, gz = _args.dims3("grid", grid)
+    if type(block) is tuple and len(block) == 3:
+        bx, by, bz = block
+        if not (type(bx) is int and type(by) is int and type(bz) is int and 0 < bx < _DIM and 0 < by < _DIM
+                and 0 < bz < _DIM):
+            bx, by, bz = _args.dims3("block", block)
+    else:
+        bx, by, bz = _args.dims3("block", block)
     shared = shared_bytes if type(shared_bytes) is int and shared_bytes >= 0 else \
         _args.as_int("shared_bytes", shared_bytes, 0)
-    s = stream if type(stream) is int else _args.stream(stream)
+    s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
     if type(params) is ParamPack:
-        func.check_pack(params)
+        if params.kinds is not func._checked:
+            func.check_pack(params)
         p = params
     else:
         p = func.pack_values(params)
-    pctx = func._pctx
-    if _tls.pctx is not pctx:
+    if _tls.pctx is not func._pctx:
         func.module._live_pctx().make_current()
     err = api.cuLaunchKernel(func.handle, gx, gy, gz, bx, by, bz, shared, s, p.address, 0)[0]
     if err:

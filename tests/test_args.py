@@ -324,3 +324,21 @@ def test_a_collected_buffer_leaves_the_registry(ctx):
     with cm.PinnedBuffer(64) as pin:
         p = pin.ptr
     assert _args.RANGES.find(p) is None
+
+
+def test_prepared_int_checks_remember_only_while_the_buffers_stay():
+    """pointer_arg passes an address it already passed at once, but not for more bytes, and not once the live
+    buffers changed (a new allocation may now hold that address)."""
+    base = 0x7F00_0000_0000
+    check = _args.pointer_arg("x", None)
+    assert check(base, nbytes=256) == base          # no live buffer there: trusted
+    key = _args.RANGES.add(base, 128)               # as if the driver handed that address to a new 128-byte buffer
+    try:
+        with pytest.raises(HssError, match="256 bytes at offset 0 run past the end of its 128-byte buffer"):
+            check(base, nbytes=256)
+        assert check(base, nbytes=64) == base
+        with pytest.raises(HssError, match="run past the end"):
+            check(base, nbytes=129)                 # more than the remembered size: checked again
+    finally:
+        _args.RANGES.remove(key)
+    assert check(base, nbytes=256) == base
