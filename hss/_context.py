@@ -22,16 +22,16 @@ _EVENT_DISABLE_TIMING = 2
 
 
 class _TLS(threading.local):
-    pctx: _PrimaryContext | None = None   # the context hss last made current on this thread
+    pctx: PrimaryContext | None = None   # the context hss last made current on this thread
 
 
-_tls = _TLS()
+thread_state = _TLS()
 
 
-class _PrimaryContext:
+class PrimaryContext:
     """One retain of a device's primary context, held while hss objects use it (:meth:`hold` / :meth:`drop`)."""
 
-    _live: dict[int, _PrimaryContext] = {}
+    _live: dict[int, PrimaryContext] = {}
     _lock = threading.RLock()
 
     def __init__(self, ordinal: int) -> None:
@@ -51,7 +51,7 @@ class _PrimaryContext:
         self._join_lock = threading.Lock()
 
     @classmethod
-    def get(cls, ordinal: int) -> _PrimaryContext:
+    def get(cls, ordinal: int) -> PrimaryContext:
         """The live primary context of device ``ordinal`` (retained if none is)."""
         with cls._lock:
             pctx = cls._live.get(ordinal)
@@ -70,8 +70,8 @@ class _PrimaryContext:
             if self.holds > 0 or not self.alive:
                 return
             self.alive = False
-            if _PrimaryContext._live.get(self.ordinal) is self:
-                del _PrimaryContext._live[self.ordinal]
+            if PrimaryContext._live.get(self.ordinal) is self:
+                del PrimaryContext._live[self.ordinal]
         try:
             if self._join_event:
                 self.make_current()
@@ -80,15 +80,15 @@ class _PrimaryContext:
         except Exception:   # interpreter shutdown: the binding may already be gone
             err = None
         finally:
-            if _tls.pctx is self:
-                _tls.pctx = None
+            if thread_state.pctx is self:
+                thread_state.pctx = None
         if err and err.name not in _GONE:
             raise cuda_error(err, "cuDevicePrimaryCtxRelease")
 
     def make_current(self) -> None:
-        if _tls.pctx is not self:
+        if thread_state.pctx is not self:
             check(api.cuCtxSetCurrent(self.handle), "cuCtxSetCurrent")
-            _tls.pctx = self
+            thread_state.pctx = self
 
     def join(self, consumer: int, producer: int) -> None:
         """Order later work on stream ``consumer`` after the work queued so far on ``producer`` (no host wait)."""
@@ -100,10 +100,10 @@ class _PrimaryContext:
             check(api.cuStreamWaitEvent(consumer, self._join_event, 0), "cuStreamWaitEvent")
 
 
-def _current() -> _PrimaryContext:
+def _current() -> PrimaryContext:
     """The context for a call with only raw handles: hss's current one on this thread, else the current device's
     primary context (held for the rest of the process: raw handles say nothing about their lifetime)."""
-    pctx = _tls.pctx
+    pctx = thread_state.pctx
     if pctx is not None and pctx.alive:
         return pctx
     ordinal = 0
@@ -112,8 +112,8 @@ def _current() -> _PrimaryContext:
         check(api.cuInit(0), "cuInit")
         if int(check(api.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):
             ordinal = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
-    with _PrimaryContext._lock:
-        pctx = _PrimaryContext.get(ordinal)
+    with PrimaryContext._lock:
+        pctx = PrimaryContext.get(ordinal)
         if not getattr(pctx, "_ambient", False):
             pctx._ambient = True   # type: ignore[attr-defined]
             pctx.hold()
@@ -121,18 +121,18 @@ def _current() -> _PrimaryContext:
     return pctx
 
 
-def _ensure_context() -> None:
+def ensure_context() -> None:
     """Make some context current on this thread before a raw-handle call."""
-    pctx = _tls.pctx
+    pctx = thread_state.pctx
     if pctx is None or not pctx.alive:
         _current()
 
 
-def _context(ctx: CudaCtx | _PrimaryContext | None) -> _PrimaryContext:
+def owner_context(ctx: CudaCtx | PrimaryContext | None) -> PrimaryContext:
     """The primary context an owner is made in (``ctx``'s, or the current one), made current."""
     if isinstance(ctx, CudaCtx):
         pctx = ctx._live_pctx()
-    elif isinstance(ctx, _PrimaryContext):
+    elif isinstance(ctx, PrimaryContext):
         pctx = ctx
     elif ctx is None:
         pctx = _current()
@@ -150,7 +150,7 @@ _args.set_stream_join(_join)
 
 
 # -- owners -----------------------------------------------------------------------------------
-def _destroy(call: str | None, handle: int, pctx: _PrimaryContext, forget: Any, raising: bool) -> None:
+def _destroy(call: str | None, handle: int, pctx: PrimaryContext, forget: Any, raising: bool) -> None:
     """Free one driver object and give back its context hold; ``forget()`` (if any) first drops what hss knows of
     the object. A destroyed context is tolerated; other failures raise when ``raising`` (a close), and are kept
     by the emulator for its next sync when not (a finalizer)."""
@@ -177,7 +177,7 @@ def _destroy(call: str | None, handle: int, pctx: _PrimaryContext, forget: Any, 
         pctx.drop()
 
 
-class _Owner:
+class Owner:
     """Idempotent close / context manager / finalizer, shared by every owner class.
 
     ``_own(call, handle, pctx, forget)`` takes a hold on ``pctx`` and arranges ``forget()`` and ``call(handle)``
@@ -186,9 +186,9 @@ class _Owner:
     _finalizer: weakref.finalize | None = None
     _open = False   # True from _own until close(): the one fact `closed` derives from (a finalizer runs only
     #                 once nothing can reach the object, so it never needs to clear it)
-    _pctx: _PrimaryContext
+    _pctx: PrimaryContext
 
-    def _own(self, call: str | None, handle: int, pctx: _PrimaryContext, forget: Any = None) -> None:
+    def _own(self, call: str | None, handle: int, pctx: PrimaryContext, forget: Any = None) -> None:
         pctx.hold()
         self._pctx = pctx
         self._finalizer = weakref.finalize(self, _destroy, call, handle, pctx, forget, False)
@@ -198,7 +198,7 @@ class _Owner:
     def closed(self) -> bool:
         return not self._open
 
-    def _live_pctx(self) -> _PrimaryContext:
+    def _live_pctx(self) -> PrimaryContext:
         if self.closed:
             raise HssError(f"this {type(self).__name__} is closed")
         return self._pctx
@@ -226,7 +226,7 @@ class _Owner:
 
 
 # -- contexts ---------------------------------------------------------------------------------
-class CudaCtx(_Owner):
+class CudaCtx(Owner):
     """Device ``ordinal``'s primary context (shared with PyTorch, CuPy, cuda.core) and a stream.
 
     ``stream`` is non-blocking unless ``non_blocking=False`` (the original's blocking stream). As a stream
@@ -236,7 +236,7 @@ class CudaCtx(_Owner):
 
     def __init__(self, ordinal: int = 0, *, non_blocking: bool = True) -> None:
         ordinal = _args.as_int("ordinal", ordinal, 0)
-        pctx = _PrimaryContext.get(ordinal)
+        pctx = PrimaryContext.get(ordinal)
         pctx.hold()   # keeps it through the stream's creation
         try:
             pctx.make_current()
@@ -279,9 +279,9 @@ class CudaCtx(_Owner):
         return f"CudaCtx(device {self.device}{', closed' if self.closed else ''})"
 
 
-def compute_capability(ctx: CudaCtx | _PrimaryContext | None = None) -> tuple[int, int]:
+def compute_capability(ctx: CudaCtx | PrimaryContext | None = None) -> tuple[int, int]:
     """(major, minor) of the device of ``ctx`` (or of the current device)."""
-    pctx = _context(ctx)
+    pctx = owner_context(ctx)
     attr = api.CUdevice_attribute
     major = check(api.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, pctx.device),
                   "cuDeviceGetAttribute")
@@ -290,19 +290,19 @@ def compute_capability(ctx: CudaCtx | _PrimaryContext | None = None) -> tuple[in
     return int(major), int(minor)
 
 
-def multiprocessor_count(ctx: CudaCtx | _PrimaryContext | None = None) -> int:
+def multiprocessor_count(ctx: CudaCtx | PrimaryContext | None = None) -> int:
     """Number of SMs of the device of ``ctx`` (or of the current device)."""
-    pctx = _context(ctx)
+    pctx = owner_context(ctx)
     attr = api.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
     return int(check(api.cuDeviceGetAttribute(attr, pctx.device), "cuDeviceGetAttribute"))
 
 
 # -- streams and events -----------------------------------------------------------------------
-class CudaStream(_Owner):
+class CudaStream(Owner):
     """A stream of ``ctx`` (non-blocking by default); has ``handle`` and ``__cuda_stream__``."""
 
     def __init__(self, ctx: CudaCtx | None = None, *, non_blocking: bool = True) -> None:
-        pctx = _context(ctx)
+        pctx = owner_context(ctx)
         self._handle = int(check(api.cuStreamCreate(1 if non_blocking else 0), "cuStreamCreate"))
         self._own("cuStreamDestroy", self._handle, pctx)
 
@@ -343,13 +343,13 @@ _args.register_stream_type(CudaCtx, _read_ctx_stream)
 stream_handle = _args.stream
 
 
-class CudaEvent(_Owner):
+class CudaEvent(Owner):
     """An event; ``timing=False`` (the original's CU_EVENT_DISABLE_TIMING) unless asked for."""
 
     def __init__(self, timing: bool = False, ctx: Any = None) -> None:
         if not isinstance(timing, (bool, int)):
             raise TypeError(f"timing must be a bool, got {type(timing).__name__}")
-        pctx = _context(ctx)
+        pctx = owner_context(ctx)
         self.timing = bool(timing)
         self._handle = int(check(api.cuEventCreate(0 if timing else _EVENT_DISABLE_TIMING), "cuEventCreate"))
         self._own("cuEventDestroy", self._handle, pctx)
@@ -404,5 +404,5 @@ def stream_wait_event(stream: Any, event: CudaEvent) -> None:
 def stream_sync(stream: Any) -> None:
     """Block the host until all work queued on ``stream`` has finished (cuStreamSynchronize)."""
     s = _args.stream(stream)
-    _ensure_context()
+    ensure_context()
     check(api.cuStreamSynchronize(s), "cuStreamSynchronize")

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from hss import _args
-from hss._context import _context, _Owner, _PrimaryContext, _tls
+from hss._context import Owner, PrimaryContext, owner_context, thread_state
 from hss._driver import api, check, cuda_error
 from hss._params import KIND_SIZES, ParamPack
 from hss.errors import CudaError, HssError
@@ -16,10 +16,10 @@ from hss.kernels import DECLARATIONS
 __all__ = ["CudaModule", "CudaFunction", "CudaGraph", "launch_kernel", "launcher", "begin_capture", "end_capture"]
 
 
-class CudaModule(_Owner):
+class CudaModule(Owner):
     """A loaded PTX module (JIT-compiled by the driver at load). ``name`` labels its errors."""
 
-    def __init__(self, handle: int, pctx: _PrimaryContext, name: str) -> None:
+    def __init__(self, handle: int, pctx: PrimaryContext, name: str) -> None:
         self.handle, self.name = handle, name
         self._own("cuModuleUnload", handle, pctx)
 
@@ -31,7 +31,7 @@ class CudaModule(_Owner):
         data = text.encode() if isinstance(text, str) else bytes(text)
         if b"\0" in data:
             raise HssError(f"PTX module {name} contains a NUL byte; pass the PTX text itself")
-        pctx = _context(ctx)
+        pctx = owner_context(ctx)
         handle = check(api.cuModuleLoadData(data + b"\0"), "cuModuleLoadData", f"module {name}")
         return cls(int(handle), pctx, name)
 
@@ -202,7 +202,7 @@ def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, 
         p = params
     else:
         p = func.pack_values(params)
-    if _tls.pctx is not func._pctx:
+    if thread_state.pctx is not func._pctx:
         func.module._live_pctx().make_current()
     err = api.cuLaunchKernel(func.handle, gx, gy, gz, bx, by, bz, shared, s, p.address, 0)[0]
     if err:
@@ -226,7 +226,7 @@ def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack)
     handle, address, pctx, module = func.handle, pack.address, func._pctx, func.module
 
     def run(stream: int, gx: int, gy: int = 1, gz: int = 1) -> None:
-        if _tls.pctx is not pctx:
+        if thread_state.pctx is not pctx:
             module._live_pctx().make_current()
         err = api.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, stream, address, 0)[0]
         if err:
@@ -238,7 +238,7 @@ def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack)
 def begin_capture(stream: Any) -> None:
     """Start capturing ``stream``'s work into a graph (thread-local mode): nothing runs until replay."""
     s = _args.stream(stream)
-    _context(None)
+    owner_context(None)
     mode = api.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
     check(api.cuStreamBeginCapture(s, mode), "cuStreamBeginCapture")
 
@@ -246,7 +246,7 @@ def begin_capture(stream: Any) -> None:
 def end_capture(stream: Any) -> CudaGraph:
     """Stop capturing ``stream`` and instantiate what was captured as a replayable :class:`CudaGraph`."""
     s = _args.stream(stream)
-    pctx = _context(None)
+    pctx = owner_context(None)
     graph = int(check(api.cuStreamEndCapture(s), "cuStreamEndCapture"))
     try:
         exe = int(check(api.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
@@ -255,10 +255,10 @@ def end_capture(stream: Any) -> CudaGraph:
     return CudaGraph(exe, pctx)
 
 
-class CudaGraph(_Owner):
+class CudaGraph(Owner):
     """A captured, instantiated graph; ``launch(stream)`` replays it (asynchronously)."""
 
-    def __init__(self, exe: int, pctx: _PrimaryContext) -> None:
+    def __init__(self, exe: int, pctx: PrimaryContext) -> None:
         self.handle = exe
         self._own("cuGraphExecDestroy", exe, pctx)
 

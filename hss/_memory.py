@@ -17,7 +17,7 @@ import numpy as np
 
 from hss import _args, _dlpack
 from hss._args import RANGES, DeviceArg
-from hss._context import _context, _ensure_context, _Owner, _tls
+from hss._context import Owner, ensure_context, owner_context, thread_state
 from hss._driver import api, check
 from hss.errors import HssError
 
@@ -26,7 +26,7 @@ __all__ = ["DeviceBuffer", "DeviceView", "PinnedBuffer", "HostToDeviceBatch", "c
            "memset_d8_async", "memset_d32_async", "mem_info"]
 
 
-class DeviceBuffer(_Owner):
+class DeviceBuffer(Owner):
     """``nbytes`` of device memory (cuMemAlloc; NOT zeroed). ``ptr`` is the address, ``bytes`` the size.
 
     Exports ``__cuda_array_interface__`` (v3, bytes) and ``__dlpack__`` (uint8), so torch, CuPy and JAX take it
@@ -34,7 +34,7 @@ class DeviceBuffer(_Owner):
 
     def __init__(self, nbytes: int, ctx: Any = None) -> None:
         nbytes = _args.as_int("nbytes", nbytes, 1, why="a DeviceBuffer holds at least one byte")
-        pctx = _context(ctx)
+        pctx = owner_context(ctx)
         self._ptr = int(check(api.cuMemAlloc(nbytes), "cuMemAlloc", f"{nbytes} bytes"))
         self.bytes = nbytes
         self._own("cuMemFree", self._ptr, pctx, functools.partial(RANGES.remove, RANGES.add(self._ptr, nbytes)))
@@ -159,7 +159,7 @@ _args.register_pointer_type(DeviceBuffer, _read_buffer, _quick_buffer)
 _args.register_pointer_type(DeviceView, _read_view, _quick_view)
 
 
-class PinnedBuffer(_Owner):
+class PinnedBuffer(Owner):
     """``nbytes`` of page-locked host memory (cuMemAllocHost): truly asynchronous copies.
 
     ``array`` is a uint8 numpy view; ``view(dtype)`` reinterprets it; ``ptr`` is the host address (also its
@@ -167,7 +167,7 @@ class PinnedBuffer(_Owner):
 
     def __init__(self, nbytes: int, ctx: Any = None) -> None:
         nbytes = _args.as_int("nbytes", nbytes, 1, why="a PinnedBuffer holds at least one byte")
-        pctx = _context(ctx)
+        pctx = owner_context(ctx)
         self._ptr = int(check(api.cuMemAllocHost(nbytes), "cuMemAllocHost", f"{nbytes} bytes"))
         self.bytes = nbytes
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._ptr))
@@ -214,7 +214,7 @@ def copy_h_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     d = _args.pointer(dst, "copy_h_to_d_async dst", n, write=True, stream=s)
     h = _args.host_buffer(src, n, False, "copy_h_to_d_async src")
     if n:
-        _ensure_context()
+        ensure_context()
         check(api.cuMemcpyHtoDAsync(d, h, n, s), "cuMemcpyHtoDAsync")
 
 
@@ -227,7 +227,7 @@ def copy_d_to_h_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     d = _args.host_buffer(dst, n, True, "copy_d_to_h_async dst")
     p = _args.pointer(src, "copy_d_to_h_async src", n, stream=s)
     if n:
-        _ensure_context()
+        ensure_context()
         check(api.cuMemcpyDtoHAsync(d, p, n, s), "cuMemcpyDtoHAsync")
 
 
@@ -238,7 +238,7 @@ def copy_d_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     d = _args.pointer(dst, "copy_d_to_d_async dst", n, write=True, stream=s)
     p = _args.pointer(src, "copy_d_to_d_async src", n, stream=s)
     if n:
-        _ensure_context()
+        ensure_context()
         check(api.cuMemcpyDtoDAsync(d, p, n, s), "cuMemcpyDtoDAsync")
 
 
@@ -258,7 +258,7 @@ def copy_2d_d_to_d_async(dst: Any, dst_pitch: int, src: Any, src_pitch: int, wid
     desc.srcMemoryType = desc.dstMemoryType = api.CUmemorytype.CU_MEMORYTYPE_DEVICE
     desc.srcDevice, desc.srcPitch, desc.dstDevice, desc.dstPitch = p, sp, d, dp
     desc.WidthInBytes, desc.Height = w, h
-    _ensure_context()
+    ensure_context()
     check(api.cuMemcpy2DAsync(desc, s), "cuMemcpy2DAsync", f"{h} rows of {w} bytes")
 
 
@@ -269,7 +269,7 @@ def memset_d8_async(dst: Any, value: int, count: int, stream: Any) -> None:
     s = _args.stream(stream)
     d = _args.pointer(dst, "memset_d8_async dst", n, write=True, stream=s)
     if n:
-        _ensure_context()
+        ensure_context()
         check(api.cuMemsetD8Async(d, v, n, s), "cuMemsetD8Async")
 
 
@@ -281,13 +281,13 @@ def memset_d32_async(dst: Any, value: int, count: int, stream: Any) -> None:
     s = _args.stream(stream)
     d = _args.pointer(dst, "memset_d32_async dst", 4 * n, 4, write=True, stream=s)
     if n:
-        _ensure_context()
+        ensure_context()
         check(api.cuMemsetD32Async(d, v, n, s), "cuMemsetD32Async")
 
 
 def mem_info() -> tuple[int, int]:
     """(free, total) bytes of the current device (cuMemGetInfo)."""
-    _ensure_context()
+    ensure_context()
     free, total = check(api.cuMemGetInfo(), "cuMemGetInfo")
     return int(free), int(total)
 
@@ -347,8 +347,8 @@ class HostToDeviceBatch:
         if not count:
             return
         s = _args.stream(stream)
-        _ensure_context()
-        key = _tls.pctx.handle   # type: ignore[union-attr]
+        ensure_context()
+        key = thread_state.pctx.handle   # type: ignore[union-attr]
         attr = _batch_attrs.get(key, False)   # False: not tried in this context yet; None: no batch call here
         batch = getattr(api, "cuMemcpyBatchAsync", None)
         if batch is not None and attr is not None:

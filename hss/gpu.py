@@ -18,7 +18,7 @@ import numpy as np
 from hss import _args, _launch, ptx
 from hss import cuda_min as cm
 from hss._blas import Blas
-from hss._context import _ensure_context
+from hss._context import ensure_context
 from hss._params import ParamPack
 from hss.errors import CudaError, HssError
 from hss.kernels import DECLARATIONS, KernelDecl
@@ -210,7 +210,7 @@ class CudaBackend:
         if self.ctx is not None:
             self.ctx.make_current()
         else:   # no CudaCtx to name: the context current on this thread (made so if there is none)
-            _ensure_context()
+            ensure_context()
         self._blas.proj_dense(act, weight, out, m, n, k, stream)
 
     # -- lifetime -------------------------------------------------------------------------------
