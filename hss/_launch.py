@@ -168,6 +168,15 @@ def _untyped_kind(i: int, v: Any) -> str:
 _DIM = 2**31   # launch dimensions are 1 .. 2^31 - 1 (the driver narrows further per axis)
 
 
+def _dims(value: Any, name: str) -> tuple[int, int, int]:
+    """:func:`hss._args.dims3` with the common case (a 3-tuple of valid ints) decided inline."""
+    if type(value) is tuple and len(value) == 3:
+        x, y, z = value
+        if type(x) is int and type(y) is int and type(z) is int and 0 < x < _DIM and 0 < y < _DIM and 0 < z < _DIM:
+            return value
+    return _args.dims3(name, value)
+
+
 def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, stream: Any,
                   params: ParamPack | Sequence[Any]) -> None:
     """Launch ``func`` on ``stream`` with explicit geometry and packed parameters (cuLaunchKernel).
@@ -179,20 +188,8 @@ def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, 
     """
     if type(func) is not CudaFunction:
         raise TypeError(f"func must be a CudaFunction (CudaModule.function(name)), got {type(func).__name__}")
-    if type(grid) is tuple and len(grid) == 3:
-        gx, gy, gz = grid
-        if not (type(gx) is int and type(gy) is int and type(gz) is int and 0 < gx < _DIM and 0 < gy < _DIM
-                and 0 < gz < _DIM):
-            gx, gy, gz = _args.dims3("grid", grid)
-    else:
-        gx, gy, gz = _args.dims3("grid", grid)
-    if type(block) is tuple and len(block) == 3:
-        bx, by, bz = block
-        if not (type(bx) is int and type(by) is int and type(bz) is int and 0 < bx < _DIM and 0 < by < _DIM
-                and 0 < bz < _DIM):
-            bx, by, bz = _args.dims3("block", block)
-    else:
-        bx, by, bz = _args.dims3("block", block)
+    gx, gy, gz = _dims(grid, "grid")
+    bx, by, bz = _dims(block, "block")
     shared = shared_bytes if type(shared_bytes) is int and shared_bytes >= 0 else \
         _args.as_int("shared_bytes", shared_bytes, 0)
     s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
