@@ -17,12 +17,23 @@ CUBLAS_GEMM_DEFAULT = -1
 
 
 class Blas:
-    """One cuBLAS handle (created lazily in the current context), bound to each call's stream."""
+    """One cuBLAS handle (created by :meth:`prepare` or the first GEMM, in the current context), bound to each
+    call's stream. Create it before a stream capture: cublasCreate allocates, which a capture forbids."""
 
     def __init__(self) -> None:
         self._handle: int | None = None
         self._scalars = np.array([1.0, 0.0], dtype=np.float32)   # alpha, beta (host pointer mode)
         self._emulated = is_emulator()
+
+    def prepare(self) -> None:
+        """Create the handle now (in the current context), if there is none yet."""
+        if self._emulated or self._handle is not None:
+            return
+        cublas = _cublas()
+        try:
+            self._handle = cublas.create()
+        except cublas.cuBLASError as exc:
+            raise CudaError("cublasCreate", type(exc).__name__, str(exc)) from None
 
     def proj_dense(self, act: int, weight: int, out: int, m: int, n: int, k: int, stream: int) -> None:
         if self._emulated:

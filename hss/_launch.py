@@ -1,19 +1,21 @@
 """PTX modules, kernel launches and graphs (part of :mod:`hss.cuda_min`, which re-exports them)."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hss import _args
-from hss._context import Owner, PrimaryContext, owner_context, thread_state
+from hss._context import Owner, PrimaryContext, ensure_context, owner_context, thread_state
 from hss._driver import api, check, cuda_error
 from hss._params import KIND_SIZES, ParamPack
 from hss.errors import CudaError, HssError
 from hss.kernels import DECLARATIONS
 
-__all__ = ["CudaModule", "CudaFunction", "CudaGraph", "launch_kernel", "launcher", "begin_capture", "end_capture"]
+__all__ = ["CudaModule", "CudaFunction", "CudaGraph", "launch_kernel", "launcher", "begin_capture", "end_capture",
+           "on_replay", "is_capturing"]
 
 
 class CudaModule(Owner):
@@ -241,25 +243,100 @@ def begin_capture(stream: Any) -> None:
 
 
 def end_capture(stream: Any) -> CudaGraph:
-    """Stop capturing ``stream`` and instantiate what was captured as a replayable :class:`CudaGraph`."""
+    """Stop capturing ``stream`` and instantiate what was captured as a replayable :class:`CudaGraph`; the host
+    callbacks registered with :func:`on_replay` during the capture go with it (its ``launch`` runs them)."""
     s = _args.stream(stream)
     pctx = owner_context(None)
-    graph = int(check(api.cuStreamEndCapture(s), "cuStreamEndCapture"))
+    capture = _capture_id(s)
+    try:
+        graph = int(check(api.cuStreamEndCapture(s), "cuStreamEndCapture"))
+    finally:
+        with _replay_lock:
+            kept = _replay_fns.pop(capture, (0, []))[1] if capture else []
     try:
         exe = int(check(api.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
     finally:
         api.cuGraphDestroy(graph)   # the executable graph does not need its template
-    return CudaGraph(exe, pctx)
+    return CudaGraph(exe, pctx, kept)
+
+
+# -- host work that a replay repeats -----------------------------------------------------------
+# Host callbacks registered while a stream captures, per capture sequence id: (stream, [fn, ...]). end_capture
+# hands its sequence's callbacks to the graph; a capture hss does not end (torch.cuda.graph) leaves its entry,
+# pruned when a later capture registers.
+_replay_fns: dict[int, tuple[int, list[Callable[[], Any]]]] = {}
+_replay_lock = threading.Lock()
+_NONE = 0   # CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _capture_id(s: int) -> int:
+    """The id of the capture sequence ``s`` takes part in (0: ``s`` is not capturing)."""
+    ensure_context()
+    result = api.cuStreamGetCaptureInfo(s)
+    check(result[:1], "cuStreamGetCaptureInfo")
+    return int(result[2] or 0) if int(result[1]) != _NONE else 0
+
+
+def is_capturing(stream: Any) -> bool:
+    """Whether ``stream`` is capturing into a graph now (an hss capture, torch.cuda.graph's, any other)."""
+    s = _args.stream(stream)
+    ensure_context()
+    status = check(api.cuStreamIsCapturing(s), "cuStreamIsCapturing")
+    return int(status) != _NONE
+
+
+def on_replay(stream: Any, fn: Callable[[], Any]) -> bool:
+    """Run host callback ``fn()`` when the work queued so far on ``stream`` "happens" for the host.
+
+    While ``stream`` is not capturing that is now: ``fn`` runs at once (returns False). While it captures, ``fn`` is
+    kept (returns True): :func:`end_capture` attaches it to the :class:`CudaGraph`, whose every ``launch`` runs it
+    after queuing the graph, so host state that mirrors what the captured work does on the device (a sequence
+    position, say) advances once per replay. A capture that hss does not end (``torch.cuda.graph``) never runs
+    it: such callers refresh their mirrors from the device instead."""
+    if not callable(fn):
+        raise TypeError(f"on_replay needs a callable, got {type(fn).__name__}")
+    s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+    ensure_context()
+    status = api.cuStreamIsCapturing(s)
+    if status[0]:
+        check(status[:1], "cuStreamIsCapturing")
+    if int(status[1]) == _NONE:
+        fn()
+        return False
+    capture = _capture_id(s)
+    with _replay_lock:
+        entry = _replay_fns.get(capture)
+        if entry is None:
+            _prune_ended()
+            entry = _replay_fns[capture] = (s, [])
+        entry[1].append(fn)
+    return True
+
+
+def _prune_ended() -> None:
+    """Drop the callbacks of capture sequences that ended without end_capture (their stream has moved on)."""
+    for capture, (s, _) in list(_replay_fns.items()):
+        try:
+            result = api.cuStreamGetCaptureInfo(s)
+            alive = not result[0] and int(result[1]) != _NONE and int(result[2] or 0) == capture
+        except Exception:   # a destroyed stream
+            alive = False
+        if not alive:
+            del _replay_fns[capture]
 
 
 class CudaGraph(Owner):
-    """A captured, instantiated graph; ``launch(stream)`` replays it (asynchronously)."""
+    """A captured, instantiated graph; ``launch(stream)`` replays it (asynchronously), then runs the host callbacks
+    registered with :func:`on_replay` during its capture (``replay_callbacks``), in registration order."""
 
-    def __init__(self, exe: int, pctx: PrimaryContext) -> None:
+    def __init__(self, exe: int, pctx: PrimaryContext, callbacks: Sequence[Callable[[], Any]] = ()) -> None:
         self.handle = exe
+        self.replay_callbacks: tuple[Callable[[], Any], ...] = tuple(callbacks)
         self._own("cuGraphExecDestroy", exe, pctx)
 
     def launch(self, stream: Any) -> None:
-        s = _args.stream(stream)
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
         self._live_pctx().make_current()
         check(api.cuGraphLaunch(self.handle, s), "cuGraphLaunch")
+        for fn in self.replay_callbacks:
+            fn()

@@ -5,7 +5,8 @@ modules that own each concept.
   ``stream_wait_event``, ``compute_capability``, ``multiprocessor_count``;
 - :mod:`hss._memory`: :class:`DeviceBuffer` (and its typed :class:`DeviceView`), :class:`PinnedBuffer`, the copies,
   memsets and :class:`HostToDeviceBatch`, ``mem_info``;
-- :mod:`hss._launch`: :class:`CudaModule`, :class:`CudaFunction`, ``launch_kernel``, graphs;
+- :mod:`hss._launch`: :class:`CudaModule`, :class:`CudaFunction`, ``launch_kernel``, graphs (``begin_capture``,
+  ``end_capture``, ``on_replay``: host callbacks a graph's replay runs, ``is_capturing``);
 - :mod:`hss._args`: how arguments are read (``device_ptr``, ``stream_handle``).
 
 Device addresses are plain ints (offsets are ``ptr + nbytes``). Streams are explicit everywhere and nothing
@@ -27,7 +28,16 @@ from hss._context import (
                           stream_wait_event,
 )
 from hss._driver import driver_status
-from hss._launch import CudaFunction, CudaGraph, CudaModule, begin_capture, end_capture, launch_kernel
+from hss._launch import (
+                          CudaFunction,
+                          CudaGraph,
+                          CudaModule,
+                          begin_capture,
+                          end_capture,
+                          is_capturing,
+                          launch_kernel,
+                          on_replay,
+)
 from hss._memory import (
                           DeviceBuffer,
                           DeviceView,
@@ -50,5 +60,6 @@ __all__ = [
     "CudaEvent", "CudaGraph", "ParamPack", "HostToDeviceBatch", "copy_h_to_d_async", "copy_h_to_d_batch_async",
     "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async", "memset_d8_async", "memset_d32_async",
     "launch_kernel", "stream_sync", "mem_info", "multiprocessor_count", "compute_capability", "begin_capture",
-    "end_capture", "driver_status", "device_ptr", "stream_handle", "stream_wait_event", "CudaError", "HssError",
+    "end_capture", "on_replay", "is_capturing", "driver_status", "device_ptr", "stream_handle", "stream_wait_event",
+    "CudaError", "HssError",
 ]

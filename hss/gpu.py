@@ -207,11 +207,19 @@ class CudaBackend:
 
     def _gemm(self, act: int, weight: int, out: int, m: int, n: int, k: int, stream: int) -> None:
         """The GEMM on checked ints, in this backend's context."""
+        self._make_current()
+        self._blas.proj_dense(act, weight, out, m, n, k, stream)
+
+    def _prepare_gemm(self) -> None:
+        """Create the cuBLAS handle now, in this backend's context (a GEMM inside a capture needs one)."""
+        self._make_current()
+        self._blas.prepare()
+
+    def _make_current(self) -> None:
         if self.ctx is not None:
             self.ctx.make_current()
         else:   # no CudaCtx to name: the context current on this thread (made so if there is none)
             ensure_context()
-        self._blas.proj_dense(act, weight, out, m, n, k, stream)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -271,6 +279,7 @@ def proj_dense(gpu: GpuBackend, weight: Any, out: Any, n: int, k: int, max_m: in
     o = _args.pointer(out, "out", 2 * max_m * n, 2, "bf16", write=True, what=f"[{max_m}, n] bf16")
     if _own_method(gpu, "cublas_bf16_proj_dense"):
         gemm = gpu._gemm   # type: ignore[attr-defined]
+        gpu._prepare_gemm()   # type: ignore[attr-defined]  (the handle exists before any capture)
 
         def run(act: int, m: int, stream: int) -> None:
             gemm(act, w, o, m, n, k, stream)

@@ -48,6 +48,8 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("attention_finalize", fast_math=True),
     # qsa: indexer kernels (SPEC §3: no --use_fast_math, as the original)
     ModuleSpec("qsa_indexer"),
+    # qsa: the device decode step (SPEC §17.2-§17.4), built like qsa_indexer
+    ModuleSpec("qsa_device"),
 )}
 
 

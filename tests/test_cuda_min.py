@@ -226,6 +226,63 @@ def test_capture_and_replay(ctx, selftest):
     s.close()
 
 
+def test_on_replay_runs_now_or_at_each_replay(ctx):
+    """hss._launch.on_replay: eager -> at once; inside a capture -> kept by the graph, run after every launch, in
+    registration order; a capture that fails or that hss does not end keeps nothing."""
+    s = cm.CudaStream(ctx)
+    log = []
+    assert not cm.is_capturing(s)
+    assert cm.on_replay(s, lambda: log.append("eager")) is False and log == ["eager"]
+    with cm.DeviceBuffer(64) as buf:
+        cm.begin_capture(s)
+        assert cm.is_capturing(s)
+        cm.memset_d32_async(buf, 7, 16, s)
+        assert cm.on_replay(s, lambda: log.append("a")) is True
+        assert cm.on_replay(s.handle, lambda: log.append("b")) is True
+        assert log == ["eager"], "nothing runs while capturing"
+        graph = cm.end_capture(s)
+        assert not cm.is_capturing(s) and len(graph.replay_callbacks) == 2
+        for _ in range(3):
+            graph.launch(s)
+        assert log == ["eager"] + ["a", "b"] * 3
+        s.synchronize()
+        assert (download(buf, 16, np.uint32, s.handle) == 7).all()
+        # a second capture on the same stream starts empty
+        cm.begin_capture(s)
+        cm.memset_d32_async(buf, 8, 16, s)
+        plain = cm.end_capture(s)
+        assert plain.replay_callbacks == ()
+        plain.launch(s)
+        assert log == ["eager"] + ["a", "b"] * 3
+        # a broken capture: its callbacks are dropped with it
+        cm.begin_capture(s)
+        cm.on_replay(s, lambda: log.append("lost"))
+        with pytest.raises(CudaError):
+            cm.stream_sync(s)
+        with pytest.raises(CudaError):
+            cm.end_capture(s)
+        # a capture ended outside hss (as torch.cuda.graph does): its callbacks never run, and go at the next one
+        _driver.api.cuStreamBeginCapture(s.handle, _driver.api.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        cm.on_replay(s, lambda: log.append("foreign"))
+        err, foreign = _driver.api.cuStreamEndCapture(s.handle)
+        assert not err
+        _driver.api.cuGraphDestroy(foreign)
+        cm.begin_capture(s)
+        cm.on_replay(s, lambda: log.append("c"))
+        from hss import _launch
+        assert [len(fns) for _, fns in _launch._replay_fns.values()] == [1], "the ended capture's entry is pruned"
+        g2 = cm.end_capture(s)
+        g2.launch(s)
+        assert log == ["eager"] + ["a", "b"] * 3 + ["c"]
+        for g in (graph, plain, g2):
+            g.close()
+    with pytest.raises(TypeError, match="callable"):
+        cm.on_replay(s, 5)
+    with pytest.raises(TypeError, match="a stream is required"):
+        cm.on_replay(None, lambda: None)
+    s.close()
+
+
 def test_sync_inside_capture_is_refused(ctx):
     s = cm.CudaStream(ctx)
     cm.begin_capture(s)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hss import ptx
-from hss.kernels import DECLARATIONS, attention, predictor, qsa, qsa_prefill
+from hss.kernels import DECLARATIONS, attention, predictor, qsa, qsa_device, qsa_prefill
 from hss.reference import qsa_prefill as ref_qsa_prefill
 
 PTX_DIR = ptx.ptx_dir()
@@ -120,6 +120,15 @@ MIRRORS = [
     ("32 * QSP_PA_WARPS", qsa_prefill.ATTN_THREADS),   # its __launch_bounds__ says 256: both are checked
     ("QSP_PA_HG", qsa_prefill.ATTN_HEAD_GROUP),
     ("QSP_AT_MAXG", qsa_prefill.ATTN_TC_MAX_GROUP),
+    ("QSD_SCORE_THREADS", qsa_device.SCORE_THREADS),
+    ("QSD_SCORE_STEPS", qsa_device.SCORE_STEPS),
+    ("QSA_TOPK_THREADS", qsa_device.TOPK_THREADS),
+    ("QSA_TOPK_ITEMS", qsa_device.TOPK_ITEMS),
+    ("QSA_TOPK_TILE", qsa_device.TOPK_TILE),
+    ("QSA_SPLIT", qsa_device.SPLIT),
+    ("QSA_ATTN_THREADS", qsa_device.ATTN_THREADS),
+    ("QSA_ATTN_MAX_G", qsa_device.ATTN_MAX_GROUP),
+    ("QSA_ATTN_MAX_HD", qsa_device.ATTN_MAX_HD),
 ]
 
 
@@ -142,6 +151,9 @@ BLOCKS = {
     "qsa_score_rows_tc": qsa_prefill.score_rows_tc_geometry(1, 1).block[0],
     "qsa_prefill_attn": qsa_prefill.prefill_attn_geometry(1, 4, 1, 128).block[0],
     "qsa_prefill_attn_tc": qsa_prefill.prefill_attn_tc_geometry(1, 1).block[0],
+    "qsa_dev_score": qsa_device.score_geometry(1, 1, 1, 128).block[0],
+    "qsa_dev_topk": qsa_device.topk_geometry(1, 1).block[0],
+    "qsa_sparse_attn": qsa_device.attn_geometry(1, 1, 1, 128).block[0],
 }
 
 
@@ -151,6 +163,18 @@ def test_launch_bounds_match_python_block(name):
     assert bounds, f"{name} has no __launch_bounds__"
     max_threads = evaluate(bounds.split(",")[0], defines())
     assert max_threads == BLOCKS[name], f"{name}: __launch_bounds__({bounds}) but Python launches {BLOCKS[name]}"
+
+
+@pytest.mark.parametrize("hd", range(32, 257, 32))
+def test_sparse_attn_shared_layout_matches_python(hd):
+    """qsa_sparse_attn's QsdAttnSmem<HD> (each member a constant expression over HD and the #defines, in order)
+    against hss.kernels.qsa_device.attn_smem_bytes: the launch must give the kernel at least BYTES."""
+    body = re.search(r"struct\s+QsdAttnSmem\s*\{(.*?)\};", code(PTX_DIR / "qsa_device.cu"), re.DOTALL)
+    assert body, "struct QsdAttnSmem not found in qsa_device.cu"
+    table = {**defines(), "HD": str(hd)}
+    for name, expr in re.findall(r"static\s+constexpr\s+u32\s+(\w+)\s*=\s*([^;]+);", body.group(1)):
+        table[name] = str(evaluate(expr, table))
+    assert int(table["BYTES"]) == qsa_device.attn_smem_bytes(hd)
 
 
 def test_parser_sees_every_kernel_and_override():

@@ -1,4 +1,5 @@
-"""Tests for hss.qsa.select: the host top-k of decode_select (SPEC §11.4 steps 6-7), pure Python."""
+"""Tests for hss.qsa.select: the host top-k of decode_select (SPEC §11.4 steps 6-7) in the SPEC §17.1 order (NaN
+below every number), pure Python."""
 from __future__ import annotations
 
 import math
@@ -18,7 +19,12 @@ finite = st.one_of(st.sampled_from([v for v in TIE_VALUES if math.isfinite(v)]),
 with_nan = st.one_of(finite, st.sampled_from(TIE_VALUES + [math.nan]))
 
 
-def rust_cmp(s: list[float], a: int, b: int) -> int:
+def spec_order(s: list[float]) -> list[int]:
+    """SPEC §17.1 literally: ids sorted by (NaN last, score descending, index ascending); -0.0 == +0.0 by value."""
+    return sorted(range(len(s)), key=lambda i: (math.isnan(s[i]), 0.0 if math.isnan(s[i]) else -s[i], i))
+
+
+def original_cmp(s: list[float], a: int, b: int) -> int:
     """The original comparator: scores[b].partial_cmp(scores[a]).unwrap_or(Equal).then(a.cmp(b)); -1 = Less."""
     sa, sb = s[a], s[b]
     if sb < sa:
@@ -26,18 +32,6 @@ def rust_cmp(s: list[float], a: int, b: int) -> int:
     if sb > sa:
         return 1
     return (a > b) - (a < b)   # Equal (including any NaN): by index
-
-
-def insertion_sort(s: list[float]) -> list[int]:
-    """A literal stable insertion sort of 0..n-1 with the original comparator (shift left while Less)."""
-    v = list(range(len(s)))
-    for i in range(1, len(v)):
-        x, j = v[i], i
-        while j > 0 and rust_cmp(s, x, v[j - 1]) < 0:
-            v[j] = v[j - 1]
-            j -= 1
-        v[j] = x
-    return v
 
 
 def expand(blocks, ratio: int, visible: int) -> list[int]:
@@ -63,32 +57,41 @@ def test_select_tokens_is_the_exact_top_k_without_nan(values, block_topk, ratio,
 
 
 @given(st.lists(with_nan, min_size=0, max_size=45))
-def test_order_is_the_insertion_sort_of_the_original_comparator(values):
+def test_order_is_spec_17_1(values):
     s = np.array(values, dtype=np.float64)
     order = top_blocks(s, len(values)).tolist()
-    assert order == insertion_sort([float(v) for v in s])
-    for a, b in zip(order, order[1:]):   # every adjacent pair satisfies the comparator
-        assert rust_cmp(list(s), a, b) <= 0
+    assert order == spec_order([float(v) for v in s])
+    numbers = [i for i in order if not math.isnan(s[i])]
+    assert order[:len(numbers)] == numbers   # every number before every NaN, the NaNs by index
+    for a, b in zip(numbers, numbers[1:]):   # among numbers the original comparator agrees
+        assert original_cmp(list(s), a, b) < 0
 
 
 @given(st.lists(with_nan, min_size=1, max_size=45), st.integers(0, 50), st.integers(1, 4), st.integers(0, 3))
 def test_select_tokens_with_nan_takes_the_first_k_of_that_order(values, block_topk, ratio, tail):
     complete = len(values)
     visible = complete * ratio + min(tail, ratio - 1)
-    s = np.array(values, dtype=np.float32)
-    got = select_tokens(s, block_topk, ratio, visible)
-    k = min(block_topk, complete)
-    assert got.tolist() == expand(insertion_sort([float(v) for v in s])[:k], ratio, visible)
-    assert got.dtype == np.int32 and (np.diff(got) > 0).all()
-    assert top_blocks(s, k).tolist() == insertion_sort([float(v) for v in s])[:k]
+    for dtype in (np.float32, np.float64):
+        s = np.array(values, dtype=dtype)
+        got = select_tokens(s, block_topk, ratio, visible)
+        k = min(block_topk, complete)
+        want = spec_order([float(v) for v in s])[:k]
+        assert got.tolist() == expand(want, ratio, visible)
+        assert got.dtype == np.int32 and (np.diff(got) > 0).all()
+        assert top_blocks(s, k).tolist() == want
 
 
-def test_nan_is_a_barrier():
-    nan = math.nan
-    assert top_blocks(np.array([1.0, nan, 5.0, 3.0]), 4).tolist() == [0, 1, 2, 3]
-    assert top_blocks(np.array([nan, 1.0, 5.0, 3.0]), 4).tolist() == [0, 2, 3, 1]
-    assert top_blocks(np.array([5.0, 1.0, 3.0, nan]), 4).tolist() == [0, 2, 1, 3]
-    assert select_tokens(np.array([1.0, nan, 5.0, 3.0], np.float32), 2, 1, 4).tolist() == [0, 1]
+def test_nan_ranks_below_every_number():
+    nan, inf = math.nan, math.inf
+    assert top_blocks(np.array([1.0, nan, 5.0, 3.0]), 4).tolist() == [2, 3, 0, 1]
+    assert top_blocks(np.array([nan, 1.0, 5.0, 3.0]), 4).tolist() == [2, 3, 1, 0]
+    assert top_blocks(np.array([nan, -inf, nan, -1e30]), 4).tolist() == [3, 1, 0, 2]   # -inf above NaN
+    assert top_blocks(np.array([nan, -inf, nan, -1e30]), 3).tolist() == [3, 1, 0]
+    assert select_tokens(np.array([1.0, nan, 5.0, 3.0], np.float32), 2, 1, 4).tolist() == [2, 3]
+    assert select_tokens(np.array([nan, nan, 5.0, nan], np.float32), 3, 2, 9).tolist() == [0, 1, 2, 3, 4, 5, 8]
+    # quiet, negative and signalling NaNs, then -inf: every NaN pattern ranks below -inf
+    bits = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0xFF800000], np.uint32)
+    assert select_tokens(bits.view(np.float32), 2, 1, 4).tolist() == [0, 3]
 
 
 def test_signed_zeros_tie_by_index():

@@ -8,6 +8,7 @@ with each kernel's declaration in :mod:`hss.kernels` and runs its numpy implemen
 double: a kernel is proven only on a GPU.
 """
 from .driver import *  # noqa: F401,F403  (the driver-call surface)
+from .driver import CUstreamCaptureStatus  # noqa: F401
 from .driver import S as state  # noqa: F401
 from .enums import (  # noqa: F401
                     CUDA_MEMCPY2D,

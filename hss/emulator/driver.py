@@ -7,6 +7,7 @@ one fail with ``CUDA_ERROR_INVALID_CONTEXT`` on a thread that has none current, 
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import os
 import threading
@@ -44,6 +45,12 @@ ATTRIBUTES = {
 LEGACY_STREAMS = (0, 1, 2)   # NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD all map to the legacy stream
 
 
+class CUstreamCaptureStatus(enum.IntEnum):
+    CU_STREAM_CAPTURE_STATUS_NONE = 0
+    CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+    CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2
+
+
 class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -51,6 +58,7 @@ class _State:
         self.initialised = False
         self.arena = Arena(int(os.environ.get("HSS_EMULATOR_MEMORY", 8 << 30)))
         self.ids = itertools.count(0x1000)
+        self.capture_ids = itertools.count(1)   # capture sequence ids, unique over the process (as the driver's)
         self.ctx_handle = 0xC0_0000
         self.ctx_refs = 0
         self.streams: dict[int, Stream] = {}
@@ -540,7 +548,34 @@ def cuStreamBeginCapture(hstream: Any, mode: Any) -> tuple:
     if st.capture is not None:
         return (R.CUDA_ERROR_ILLEGAL_STATE,)
     st.capture, st.capture_broken = [], False
+    st.capture_id = next(S.capture_ids)
     return (R.CUDA_SUCCESS,)
+
+
+def _capture_status(st: Stream) -> CUstreamCaptureStatus:
+    if st.capture is None:
+        return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    if st.capture_broken:
+        return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_INVALIDATED
+    return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+def cuStreamIsCapturing(hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err, None)
+    return (R.CUDA_SUCCESS, _capture_status(st))
+
+
+def cuStreamGetCaptureInfo(hstream: Any) -> tuple:
+    """(status, id, graph, dependencies, edge data, count) as the 13.x binding returns them; the id is valid while
+    the status is ACTIVE (0 otherwise); graph and dependencies are not emulated (None, 0)."""
+    st, err = _stream_or_err(hstream)
+    if err:
+        return (err, None, None, None, None, None, None)
+    status = _capture_status(st)
+    cid = getattr(st, "capture_id", 0) if status == CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE else 0
+    return (R.CUDA_SUCCESS, status, cid, None, None, None, 0)
 
 
 def cuStreamEndCapture(hstream: Any) -> tuple:
@@ -591,5 +626,6 @@ def cuGraphExecDestroy(hexec: Any) -> tuple:
 
 
 __all__ = [n for n in dir() if n.startswith("cu")] + ["keep_fault",
-    "CUDA_MEMCPY2D", "CUmemorytype", "CUresult", "CUdevice_attribute", "CUstreamCaptureMode", "CUdeviceptr",
+    "CUDA_MEMCPY2D", "CUmemorytype", "CUresult", "CUdevice_attribute", "CUstreamCaptureMode",
+    "CUstreamCaptureStatus", "CUdeviceptr",
     "CUmemcpyAttributes", "CUmemcpySrcAccessOrder", "CUmemLocationType"]

@@ -152,6 +152,12 @@ def _geometry_error(grid: tuple, block: tuple, shared: int, limit: int) -> str |
     return None
 
 
+def _device_view(addr: int, nbytes: int, what: str) -> Any:
+    """Launch.view: emulated device memory at run time (MemoryFault outside every allocation)."""
+    with S.lock:
+        return S.arena.view(int(addr), int(nbytes), what)
+
+
 def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
                    hstream: Any, params: Any, extra: Any) -> tuple:
     err = _needs_ctx()
@@ -175,7 +181,7 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         return (R.CUDA_ERROR_INVALID_VALUE,)
     args = _decode(decl, address)
     args.grid, args.block = grid, block
-    launch = Launch(grid, block, shared)
+    launch = Launch(grid, block, shared, view=_device_view)
     if decl.check is not None:
         problem = decl.check(args, launch)
         if problem:

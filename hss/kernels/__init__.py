@@ -17,6 +17,7 @@ from hss.kernels import (
     attention,  # noqa: E402,F401
     predictor,  # noqa: E402,F401
     qsa,  # noqa: E402,F401
+    qsa_device,  # noqa: E402,F401
     qsa_prefill,  # noqa: E402,F401
     selftest,  # noqa: E402,F401
 )

@@ -14,14 +14,21 @@ import numpy as np
 from hss._params import ParamPack
 
 Extent = Callable[[SimpleNamespace], "int | None"]   # bytes from the pointer; None = to the allocation's end
+MemoryView = Callable[[int, int, str], np.ndarray]   # (address, bytes, what) -> writable uint8 view
 
 
 @dataclass(frozen=True)
 class Launch:
-    """Geometry of one launch, as the emulator hands it to ``emulate`` and ``check``."""
+    """Geometry of one launch, as the emulator hands it to ``emulate`` and ``check``.
+
+    ``view(address, nbytes, what)``: a writable uint8 view of emulated device memory at the time the kernel runs,
+    bounds-checked against the allocations (:class:`~hss.errors.MemoryFault` naming ``what`` otherwise), for
+    emulations that follow addresses found in device memory (e.g. a descriptor table); None outside the emulator.
+    """
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared: int
+    view: MemoryView | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@ ordinary paged decode attention reads through an identity block table. ``prefill
 :mod:`hss.qsa.prefill`) rewrites the selective rows of a prefill chunk's attention output;
 ``snapshot_aux`` / ``restore_aux`` (in :mod:`hss.qsa.snapshot`) save and restore a sequence.
 
+The device-resident batched decode (issue 12, SPEC §17.2-§17.4; host code in :mod:`hss.qsa.device`):
+``decode_select_batch`` runs ingest and selection for R sequences with the positions on the device (no host sync,
+graph-capturable) and ``sparse_decode_attention`` attends each sequence's selected tokens through its page table.
+Every state holds a slot of the indexer's device arrays; every host path keeps ``pos_dev[slot]`` equal to
+``st.ingested`` in stream order.
+
 Differences from the original (SPEC §0): methods use the indexer's own ``gpu`` (no ``gpu`` argument);
 every argument is read by :mod:`hss._args` (ints, floats, device pointers checked against the bytes the call
 reads or writes, streams) and every input error (an :class:`~hss.errors.HssError`, a ``TypeError`` for a wrong
@@ -35,11 +41,12 @@ from hss.errors import HssError
 from hss.gpu import DevicePtr, GpuBackend, launcher, proj_dense
 from hss.kernels import qsa as kq
 from hss.kernels import qsa_prefill as kp
-from hss.qsa import prefill, snapshot
+from hss.qsa import device, prefill, snapshot
+from hss.qsa.device import QsaDeviceSelection
 from hss.qsa.select import _select_tokens
 
-__all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "INGEST_SLAB", "MIN_BLOCK_SIZE", "DEFAULT_MAX_TOKENS",
-           "env_flag"]
+__all__ = ["QsaIndexer", "QsaSeqState", "QsaSelection", "QsaDeviceSelection", "INGEST_SLAB", "MIN_BLOCK_SIZE",
+           "DEFAULT_MAX_TOKENS", "env_flag"]
 
 INGEST_SLAB = 2048          # prefill GEMM slab (rows), bounding qk_scratch
 DEFAULT_MAX_TOKENS = 32768
@@ -96,22 +103,44 @@ class QsaSeqState:
 
     ``ingested``: tokens whose raw keys are stored (contiguous from 0); ``pooled``: complete blocks pooled;
     ``table_len``: identity-table pages uploaded; ``raw_keys`` ``[max_tokens, hd]`` bf16;
-    ``block_keys`` ``[max_tokens // ratio, hd]`` bf16.
+    ``block_keys`` ``[max_tokens // ratio, hd]`` bf16; ``slot``: its row of the indexer's device arrays (the
+    position ``pos_dev[slot]`` is the device's copy of ``ingested``; -1 once released).
     """
 
-    __slots__ = ("ingested", "pooled", "table_len", "raw_keys", "block_keys", "_owner", "__weakref__")
+    __slots__ = ("ingested", "pooled", "table_len", "raw_keys", "block_keys", "_owner", "_slot", "__weakref__")
 
-    def __init__(self, raw_keys: DevicePtr, block_keys: DevicePtr, owner: QsaIndexer) -> None:
+    def __init__(self, raw_keys: DevicePtr, block_keys: DevicePtr, owner: QsaIndexer, slot: int = -1) -> None:
         self.ingested = 0
         self.pooled = 0
         self.table_len = 0
         self.raw_keys = raw_keys
         self.block_keys = block_keys
         self._owner = weakref.ref(owner)
+        self._slot = slot
 
     @property
     def released(self) -> bool:
         return self.raw_keys.is_null() and self.block_keys.is_null()
+
+    @property
+    def slot(self) -> int:
+        """This state's row of the indexer's device arrays (``pos_dev``, ``desc_dev``, ...); -1 once released."""
+        return self._slot
+
+    def sync(self, stream: Any) -> int:
+        """Refresh ``ingested`` (and ``pooled``) from the device position after the work queued on ``stream``, and
+        return it. Blocking (a 4-byte D2H, then a wait). Needed only where device steps ran without hss seeing
+        them: replays of a ``torch.cuda.graph`` capture (hss's own eager steps and ``CudaGraph.launch`` replays keep
+        the mirrors current)."""
+        owner = self._owner()
+        if owner is None:
+            raise HssError("QsaSeqState.sync: the indexer of this state is gone")
+        owner._check_state(self, "QsaSeqState.sync")
+        s = _args.stream(stream)
+        n = owner._dev.read_pos(self, s)
+        if n != self.ingested:
+            self.ingested, self.pooled = n, n // owner.ratio
+        return n
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"raw_keys={self.raw_keys!r}, block_keys={self.block_keys!r}"
@@ -147,17 +176,33 @@ class QsaIndexer:
     ``HSS_QSA_NO_PREFILL_SELECT=1``); both are read once, here. Device memory comes from ``gpu.alloc`` and is
     freed by ``close()`` (idempotent; also a context manager); sequence states are freed by
     ``release_seq_state``.
+
+    Batched device decode (:meth:`decode_select_batch`, :meth:`sparse_decode_attention`): ``max_seqs`` (default
+    64, at most 2048) bounds the live states (each holds a slot of the device arrays) and so the batch;
+    ``nq_attn`` (optional) sizes the sparse attention's split partials at construction for that many query heads
+    (otherwise the first ``sparse_decode_attention`` call allocates them, which must not be a captured one).
+    Steps: ``sel = idx.decode_select_batch(states, normed, block_tables, block_size, stream)``, then
+    ``idx.sparse_decode_attention(q, k_pool, v_pool, None, sel, out, stream)``; both capture into CUDA graphs
+    (``hss.cuda_min.begin_capture`` / ``end_capture``), whose replays advance the states' host mirrors.
     """
 
     def __init__(self, qk_proj_w: Any, q_norm_w: Any, k_norm_w: Any, n_heads: int, hd: int, ratio: int,
                  budget: int, rot: int, theta: float, eps: float, hidden: int, nkv_attn: int, hd_attn: int,
                  gpu: GpuBackend, max_tokens: int | None = None, *, score_scalar: bool | None = None,
-                 no_prefill_select: bool | None = None) -> None:
+                 no_prefill_select: bool | None = None, max_seqs: int = device.DEFAULT_MAX_SEQS,
+                 nq_attn: int | None = None) -> None:
         self._closed = True   # until construction succeeds, close() has nothing of ours to free
         self._owned: list[DevicePtr] = []
         self._pinned: cm.PinnedBuffer | None = None
+        self._dev: device.DeviceState | None = None
         # every check first: nothing touches the device before they pass
         self._check_dims(n_heads, hd, ratio, budget, rot, theta, eps, hidden, nkv_attn, hd_attn, max_tokens)
+        self.max_seqs = _args.as_int("max_seqs", max_seqs, 1, device.MAX_SEQS,
+                                     why="live sequence states (and so the largest batch) of decode_select_batch")
+        if nq_attn is not None:
+            nq_attn = _args.as_int("nq_attn", nq_attn, 1, _I32, why="the attention's query heads")
+            if nq_attn % self.nkv_attn:
+                raise HssError(f"QsaIndexer: nq_attn ({nq_attn}) must be a multiple of nkv_attn ({self.nkv_attn})")
         score_scalar = env_flag("HSS_QSA_SCORE_SCALAR", score_scalar)
         self.prefill_select_enabled = not env_flag("HSS_QSA_NO_PREFILL_SELECT", no_prefill_select)
         hd, qkw = self.hd, self.qk_width
@@ -169,6 +214,7 @@ class QsaIndexer:
         self._closed = False
         try:
             self._prepare(score_scalar)
+            self._dev = device.DeviceState(self, self.max_seqs, nq_attn)
         except BaseException:
             self.close()
             raise
@@ -292,9 +338,20 @@ class QsaIndexer:
         self._owned.append(ptr)
         return ptr
 
+    def _release(self, ptr: DevicePtr) -> None:
+        """Free one buffer of ``_alloc`` before close (a grown scratch's old one)."""
+        self._owned.remove(ptr)
+        self.gpu.free(ptr)
+
     def close(self) -> None:
         """Free the layer's device and pinned buffers (idempotent); attempts every free, raises the first error."""
         first: BaseException | None = None
+        if self._dev is not None:
+            dev, self._dev = self._dev, None
+            try:
+                dev.close()
+            except Exception as exc:
+                first = exc
         while self._owned:
             ptr = self._owned.pop()
             try:
@@ -327,22 +384,31 @@ class QsaIndexer:
 
     # -- sequence state -------------------------------------------------------------------------------
     def new_seq_state(self) -> QsaSeqState:
-        """A fresh sequence (counters 0) with its raw-key and block-key buffers (not zeroed)."""
+        """A fresh sequence (counters 0) with its raw-key and block-key buffers (not zeroed) and a free slot of the
+        device arrays (an error when all ``max_seqs`` are taken). Blocking, briefly: the slot's descriptor and
+        position 0 are written on a private stream of the indexer, and waited for (never call it while this
+        thread captures a graph)."""
         self._check_open("new_seq_state")
+        dev = self._dev
+        dev.check_free_slot()
         raw = DevicePtr(self.gpu.alloc(self.max_tokens * self.hd * 2))
         try:
             blocks = DevicePtr(self.gpu.alloc(self.max_tokens // self.ratio * self.hd * 2))
         except BaseException:
             self.gpu.free(raw)
             raise
-        return QsaSeqState(raw, blocks, self)
+        return QsaSeqState(raw, blocks, self, dev.take_slot(raw, blocks))
 
     def release_seq_state(self, st: QsaSeqState) -> None:
-        """Free ``st``'s buffers, nulling each pointer. Idempotent; attempts both frees even if the first
-        fails, then raises the first error."""
+        """Free ``st``'s buffers, nulling each pointer, and its slot. Idempotent; attempts both frees even if the
+        first fails, then raises the first error."""
         if not isinstance(st, QsaSeqState):
             raise TypeError(f"release_seq_state needs a QsaSeqState, not {type(st).__name__}")
         first: BaseException | None = None
+        owner = st._owner()
+        if st._slot >= 0 and owner is not None and owner._dev is not None:
+            owner._dev.give_slot(st._slot)   # cached batches holding st can never match again: they age out
+        st._slot = -1
         for name in ("raw_keys", "block_keys"):
             ptr = getattr(st, name)
             if ptr.is_null():
@@ -415,6 +481,7 @@ class QsaIndexer:
             self.gpu.copy_d2d_2d_async(self._key_cols, qkw * 2, st.raw_keys + (seq_start + off) * hd * 2, hd * 2,
                                        hd * 2, rows, s)
         st.ingested = seq_start + num_tokens
+        self._dev.store_pos(st, s)
         self._pool_new_blocks(st, s)
 
     def _pool_new_blocks(self, st: QsaSeqState, s: int) -> None:
@@ -514,6 +581,49 @@ class QsaIndexer:
         tokens = self._host_select(complete, visible, s)
         return self._gather(st, tokens, kc, vc, table, block_size, s)
 
+    # -- batched device decode (issue 12; SPEC §17.2-§17.4) ------------------------------------------------
+    def decode_select_batch(self, states: list[QsaSeqState] | tuple[QsaSeqState, ...], normed: Any, block_tables: Any,
+                            block_size: int, stream: Any, *, max_pages: int | None = None) -> QsaDeviceSelection:
+        """One decode step of R sequences on the device: ingest each one's token at its device position, pool a
+        block it completes, and select what it attends (SPEC §17.1: the inert regime selects every visible token).
+
+        ``states``: R distinct live states of this indexer (1 <= R <= max_seqs; a tuple is cached fastest), each
+        with ``ingested < max_tokens``; ``normed`` bf16 ``[R, hidden]``: row r is sequence r's attention input for
+        its position ``states[r].ingested``; ``block_tables`` i32 ``[R, max_pages]``: row r is sequence r's logical
+        -> physical page table (``max_pages`` from the array's shape, or ``max_pages=``; a row must hold the
+        sequence's visible tokens), kept in the selection for :meth:`sparse_decode_attention`; ``block_size`` >= 8
+        tokens per page. Every argument is checked before any device work or state change.
+
+        Queues on ``stream``: the slots' copy, the qk GEMM (m = R), ``qsa_dev_prep``, ``qsa_dev_score``,
+        ``qsa_dev_topk`` (which advances the device positions). Nothing blocks or reads the device, so it can be
+        captured; the host mirrors (``ingested``, ``pooled``) advance by one now, or, inside an hss capture, at
+        each replay of the graph (``torch.cuda.graph``: call :meth:`QsaSeqState.sync` after replays). Returns a
+        :class:`QsaDeviceSelection` (``tokens_dev`` i32 ``[R, budget + ratio]``, ``counts_dev`` i32 ``[R]``), views
+        of this indexer's buffers valid until its next ``decode_select_batch``.
+
+        Batches are cached by their tuple of states (256 compositions per indexer): a new one past that recycles the
+        least recently used one no capture holds, after waiting for the stream of its last step (long finished in
+        practice). A captured batch keeps its entry for the indexer's lifetime (the graph's copy reads it).
+        """
+        return device.select_batch(self, states, normed, block_tables, block_size, stream, max_pages)
+
+    def sparse_decode_attention(self, q: Any, k_pool: Any, v_pool: Any, block_tables: Any,
+                                selection: QsaDeviceSelection, out: Any, stream: Any, scale: float | None = None, *,
+                                nq: int | None = None) -> None:
+        """Attention of each sequence's queries over exactly its selected tokens, read through its page table (no
+        gather; SPEC §17.4): ``out[r, h] = softmax_t(q[r, h] . K[t, h // (nq / nkv_attn)] * scale) V[t, ...]``.
+
+        ``q`` bf16 ``[R, nq, hd_attn]`` (the main attention's roped queries; ``nq`` from its shape or ``nq=``, a
+        multiple of ``nkv_attn``, at most 16 per KV head); ``k_pool`` / ``v_pool``: paged NHD caches ``[pages,
+        block_size, nkv_attn, hd_attn]`` bf16 holding every page the tables name (a negative page id contributes
+        nothing); ``block_tables``: None for the selection's, else i32 ``[R, selection.max_pages]``; ``selection``:
+        this indexer's latest :meth:`decode_select_batch` result; ``out`` bf16 ``[R, nq, hd_attn]`` (written; a
+        sequence with no selected token gets zeros); ``scale``: default ``1 / sqrt(hd_attn)``. Two launches on
+        ``stream`` (split-K partials of 128 tokens, then a log-sum-exp merge in split order: the bits depend only on
+        each sequence's token list); capturable. Every argument is checked before any device work.
+        """
+        device.sparse_attention(self, q, k_pool, v_pool, block_tables, selection, out, stream, scale, nq)
+
     # The decode stages, separately callable so the benchmark can time each one; they take checked ints.
     def _ingest_token(self, st: QsaSeqState, normed: int, pos: int, s: int) -> None:
         """qk GEMV of the token into qk_scratch row 0; its raw key into raw_keys[pos]; pool a completed block."""
@@ -521,6 +631,7 @@ class QsaIndexer:
         self._gemm(normed, 1, s)
         self.gpu.copy_d2d_async(self._key_cols, st.raw_keys + pos * hd2, hd2, s)
         st.ingested = pos + 1
+        self._dev.store_pos(st, s)
         self._pool_new_blocks(st, s)
 
     def _score_blocks(self, st: QsaSeqState, pos: int, complete: int, s: int) -> None:

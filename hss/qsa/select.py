@@ -1,20 +1,13 @@
-"""The indexer's host top-k (SPEC §11.4 steps 6-7) as pure functions.
+"""The indexer's host top-k (SPEC §11.4 steps 6-7) as pure functions, under SPEC §17.1's total order.
 
-The original sorts the block ids ``0..complete-1`` with Rust's stable ``sort_by`` and the comparator
-``scores[b].partial_cmp(&scores[a]).unwrap_or(Equal).then(a.cmp(&b))``: score descending, index ascending,
-and a NaN compares Equal to everything, so any comparison that involves a NaN is decided by index alone.
+Blocks are ranked by (score descending, block index ascending) in a total order where NaN ranks below every
+number (-inf ranks above NaN) and -0.0 equals +0.0; the first k are chosen. The device top-k
+(``qsa_dev_topk``) follows the same rule, so the two choose the same set from the same f32 scores.
 
-Without NaN that comparator is a total order and the result is unique: hss reproduces it exactly.
-
-With NaN it is not a total order (scores 1, NaN, 5 at ids 0, 1, 2 give 0 < 1 < 2 < 0), so the outcome is
-whatever the sorting algorithm's comparison sequence makes of it (Rust's own result differs between
-releases, and since 1.81 ``sort_by`` may panic on such input). hss defines it as what a stable *insertion*
-sort with that comparator produces from the initial order ``0..n-1`` (Rust's stable sort for fewer than 21
-elements before 1.81): an element never moves across a NaN, because the NaN compares by index and every
-later id is larger. So **each NaN is a barrier**: the NaNs split the ids into segments, each segment is
-sorted by (score desc, index asc), and the order is segment 0, the first NaN, segment 1, the second NaN, ...
-Every adjacent pair of that order satisfies the comparator, it is deterministic, and it equals the exact
-order when there is no NaN. ``top_blocks`` returns its first k ids; ``select_tokens`` takes that set.
+The original sorted with ``partial_cmp(..).unwrap_or(Equal)``, which is not a total order once a NaN is present
+(its result depended on the sorting algorithm); for scores without NaN the two rules agree, and the result is
+unique: hss reproduces it exactly. ``top_blocks`` returns the first k ids in that order; ``select_tokens`` takes
+that set, ascending, and expands it to tokens.
 """
 from __future__ import annotations
 
@@ -42,44 +35,38 @@ def _scores(scores: Any, complete: int, what: str) -> np.ndarray:
     return s[:complete]
 
 
-def _nan_mask(s: np.ndarray) -> np.ndarray | None:
+def _full_order(s: np.ndarray) -> np.ndarray:
+    """Every id in the SPEC §17.1 order: numbers by (score desc, index asc), then the NaNs by index."""
     nan = np.isnan(s)
-    return nan if nan.any() else None
-
-
-def _full_order(s: np.ndarray, nan: np.ndarray | None) -> np.ndarray:
-    """Every id in comparator order (NaNs as barriers, see the module docstring)."""
-    idx = np.arange(s.size)
-    neg = -np.where(nan, 0, s) if nan is not None else -s
-    if nan is None:
-        return np.lexsort((idx, neg))
-    before = np.cumsum(nan) - nan               # NaNs at smaller ids
-    segment = 2 * before + nan                  # NaN j (0-based) sits between segments j and j + 1
-    return np.lexsort((idx, neg, segment))
+    return np.lexsort((np.arange(s.size), -np.where(nan, 0, s), nan))   # the last key sorts first
 
 
 def top_blocks(scores: Any, k: int) -> np.ndarray:
-    """The first ``min(k, n)`` ids of ``scores [n]`` in the comparator's order (score desc, index asc; NaN
-    handling in the module docstring), in that order (not re-sorted), int64."""
+    """The first ``min(k, n)`` ids of ``scores [n]`` in the SPEC §17.1 order (score desc, index asc; NaN below every
+    number), in that order (not re-sorted), int64."""
     s = _scores(scores, np.asarray(scores).size if np.ndim(scores) == 1 else 0, "top_blocks")
     k = min(_args.as_int("top_blocks: k", k, 0), s.size)
-    if 0 < k < s.size:
+    if 0 < k < s.size:   # order just the k chosen
         chosen = _top_set(s, k)
-        if chosen is not None:   # no NaN: the order is total; order just the k chosen
-            return chosen[np.lexsort((chosen, -s[chosen]))]
-    return _full_order(s, _nan_mask(s))[:k]
+        nan = np.isnan(s[chosen])
+        return chosen[np.lexsort((chosen, -np.where(nan, 0, s[chosen]), nan))]
+    return _full_order(s)[:k]
 
 
-def _top_set(s: np.ndarray, k: int) -> np.ndarray | None:
-    """The ids of the k first under (score desc, index asc), ascending, for 0 < k < n; None when ``s`` has a NaN
-    (a NaN sorts last in a partition, so it lands among the top k, or is the k-th itself)."""
+def _top_set(s: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k first in the SPEC §17.1 order, ascending, for 0 < k < n: the numbers' top k, or every number
+    and the lowest-id NaNs when fewer than k scores are numbers."""
     n = s.size
-    top = np.partition(s, n - k)[n - k:]
+    top = np.partition(s, n - k)[n - k:]   # a NaN sorts last in a partition: s has one iff top has one
     if np.isnan(top).any():
-        return None
-    blocks = np.flatnonzero(s >= top[0])         # top[0]: the k-th largest score
+        nan = np.isnan(s)
+        numbers = np.flatnonzero(~nan)
+        if k >= numbers.size:
+            return np.sort(np.concatenate([numbers, np.flatnonzero(nan)[:k - numbers.size]]))
+        return numbers[_top_set(s[numbers], k)]
+    blocks = np.flatnonzero(s >= top[0])   # top[0]: the k-th largest score
     extra = blocks.size - k
-    if extra:                                      # ties at the cut-off: the lowest ids stay
+    if extra:                              # ties at the cut-off: the lowest ids stay
         keep = np.ones(blocks.size, dtype=bool)
         keep[np.flatnonzero(s[blocks] == top[0])[-extra:]] = False
         blocks = blocks[keep]
@@ -95,7 +82,7 @@ def select_tokens(scores: Any, block_topk: int, ratio: int, visible: int, out: n
     """The tokens the query at 0-based position ``visible - 1`` attends: the chosen blocks' tokens, then the tail.
 
     ``scores``: at least ``complete = visible // ratio`` block scores (only the first ``complete`` are read).
-    The ``min(block_topk, complete)`` first blocks under (score desc, index asc; NaN as in the module docstring)
+    The ``min(block_topk, complete)`` first blocks under (score desc, index asc; SPEC §17.1: NaN below every number)
     are chosen, sorted ascending and expanded to tokens ``b*ratio .. b*ratio + ratio - 1``; the tail
     ``complete*ratio .. visible-1`` follows. Returns int32 ``[selection_size(block_topk, ratio, visible)]``,
     ascending; written into ``out[:size]`` (and a view of it returned) when ``out`` is given.
@@ -124,8 +111,6 @@ def _select_tokens(s: np.ndarray, block_topk: int, ratio: int, visible: int, out
         blocks = np.empty(0, dtype=np.int64)
     else:
         blocks = _top_set(s, k)
-        if blocks is None:
-            blocks = np.sort(_full_order(s, _nan_mask(s))[:k])
     size = k * ratio + visible % ratio
     res = np.empty(size, dtype=np.int32) if out is None else out[:size]
     np.add((blocks * ratio).astype(np.int32)[:, None], np.arange(ratio, dtype=np.int32),

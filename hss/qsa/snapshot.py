@@ -69,3 +69,4 @@ def restore_aux(idx: QsaIndexer, st: QsaSeqState, blob: Any, stream: Any) -> Non
         idx.gpu.copy_h2d_async(raw, st.raw_keys, s)   # pageable: staged before the call returns
     idx._launch_pool(st, 0, pooled, s)
     st.ingested, st.pooled = ingested, pooled
+    idx._dev.store_pos(st, s)   # the device position follows the mirror (SPEC §17.2)

@@ -1,0 +1,502 @@
+"""Device-resident batched QSA decode (issue 12; SPEC §17.2-§17.4): the host side of ``decode_select_batch`` and
+``sparse_decode_attention``.
+
+Each :class:`~hss.qsa.QsaSeqState` owns a *slot* ``0 .. max_seqs - 1`` of its indexer's device arrays:
+
+* ``pos_dev`` i32 ``[max_seqs]``: the slot's position, equal to the host mirror ``st.ingested`` in stream order
+  (the host paths store it with a memset on their stream; the device step advances it itself);
+* ``desc_dev`` u64 ``[max_seqs, 2]``: the slot's (raw_keys, block_keys) addresses; ``new_seq_state`` writes them and
+  position 0 on a private stream and waits for that stream alone (so no later capture has to);
+* the step's scratch, one row per slot of a batch: ``q_post_b`` f32 ``[max_seqs, n_heads, hd]``, ``scores_b`` f32
+  ``[max_seqs, max_tokens // ratio]``, ``tokens_dev`` i32 ``[max_seqs, budget + ratio]``, ``counts_dev`` i32
+  ``[max_seqs]`` and the sparse attention's split partials (sized for ``nq`` at the first call, or at construction
+  with ``nq_attn=``).
+
+A batch is a tuple of states (its *composition*); its slots are written once into an entry of a pinned pool and
+copied into ``slots_dev`` i32 ``[max_seqs]`` by every step (an async copy: a memcpy node when captured, so a graph
+replays its own batch whatever ran in between). Compositions are cached (least recently used recycled, never one a
+capture used); a steady batch costs one small copy and four launches per step, and no per-state work beyond
+reading the mirrors.
+
+The step never reads the device on the host, so it captures into CUDA graphs: the mirror update ("every state
+advanced by one") is registered with :func:`hss._launch.on_replay`, which runs it at once when eager and at each
+:meth:`hss.cuda_min.CudaGraph.launch` when captured.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hss import _args, _launch
+from hss import cuda_min as cm
+from hss.errors import CudaError, HssError
+from hss.gpu import DevicePtr, launcher
+from hss.kernels import qsa_device as kd
+
+if TYPE_CHECKING:
+    from hss.qsa.indexer import QsaIndexer, QsaSeqState
+
+__all__ = ["QsaDeviceSelection", "DeviceState", "MAX_SEQS", "DEFAULT_MAX_SEQS", "COMPOSITIONS"]
+
+DEFAULT_MAX_SEQS = 64
+MAX_SEQS = 2048            # the qk GEMM writes one qk_scratch row per sequence (INGEST_SLAB rows)
+COMPOSITIONS = 256         # batch compositions cached (pinned slot lists)
+_RESERVE = 32              # entries eager steps leave free, so that a capture always finds one
+_I32 = 2**31 - 1
+_SHARED_DEFAULT = 48 * 1024   # dynamic shared memory a launch may use without the opt-in attribute
+
+
+@dataclass(frozen=True)
+class QsaDeviceSelection:
+    """One batched step's selection, on the device (SPEC §17.3): ``tokens_dev`` i32 ``[R, sel_cap]`` (row r's first
+    ``counts_dev[r]`` entries are its selected positions, ascending), ``counts_dev`` i32 ``[R]``; ``sel_cap`` =
+    budget + ratio. ``block_tables`` (address of i32 ``[R, max_pages]``) and ``block_size`` are the step's page
+    tables, which :meth:`QsaIndexer.sparse_decode_attention` reads by default. Views of the indexer's buffers:
+    valid until its next ``decode_select_batch``."""
+    tokens_dev: DevicePtr
+    counts_dev: DevicePtr
+    R: int
+    sel_cap: int
+    max_pages: int
+    block_tables: int
+    block_size: int
+    _owner: Any = field(default=None, repr=False, compare=False)
+    _generation: int = field(default=0, repr=False, compare=False)
+
+
+class _Composition:
+    """A cached batch: its states, the pinned entry holding their slots, the mirror update a step registers."""
+
+    __slots__ = ("states", "entry", "host", "addr", "nbytes", "advance", "stream", "captured")
+
+    def __init__(self, states: tuple, entry: int, host: np.ndarray, advance: Any) -> None:
+        self.states, self.entry, self.host, self.advance = states, entry, host, advance
+        self.addr, self.nbytes = host.ctypes.data, host.nbytes   # pinned: the copy reads it when it runs
+        self.stream = -1          # the last stream a step of it ran on (an eviction waits for it)
+        self.captured = False     # a graph's memcpy node reads its entry: never recycled
+
+
+def _advance_fn(states: tuple, max_tokens: int, ratio: int) -> Any:
+    """The host mirror of one device step: each position advances by one (the device stops at max_tokens)."""
+    def advance() -> None:
+        for st in states:
+            n = st.ingested
+            if n < max_tokens:
+                st.ingested = n + 1
+                st.pooled = (n + 1) // ratio
+    return advance
+
+
+class DeviceState:
+    """The device-resident part of one :class:`QsaIndexer`: slots, positions, descriptors, the batched step's
+    buffers and prepared launches. Its buffers are the indexer's (freed by ``QsaIndexer.close``)."""
+
+    def __init__(self, idx: QsaIndexer, max_seqs: int, nq_attn: int | None) -> None:
+        self.idx = weakref.proxy(idx)
+        self.idx_ref = weakref.ref(idx)   # what a selection names as its owner
+        gpu = idx.gpu
+        self.gpu = gpu
+        self.max_seqs = max_seqs
+        self.max_blocks = idx.max_tokens // idx.ratio
+        self.splits = kd.splits(idx.sel_cap)
+        self.free_slots = list(range(max_seqs - 1, -1, -1))   # pop() hands out the lowest slot first
+        self.generation = 0
+        alloc = idx._alloc
+        self.pos_dev = alloc(max_seqs * 4)
+        self.desc_dev = alloc(max_seqs * 16)
+        self.slots_dev = alloc(max_seqs * 4)
+        self.counts_dev = alloc(max_seqs * 4)
+        self.tokens_dev = alloc(max_seqs * idx.sel_cap * 4)
+        self.q_post_b = alloc(max_seqs * idx.n_heads * idx.hd * 4)
+        self.scores_b = alloc(max_seqs * self.max_blocks * 4)
+        self.part_nq = 0
+        self.part_ml = self.part_o = DevicePtr(0)
+        # pinned: the descriptors' host mirror, the composition pool, a word for QsaSeqState.sync
+        desc_bytes, pool_bytes = max_seqs * 16, COMPOSITIONS * max_seqs * 4
+        self.pinned = cm.PinnedBuffer(desc_bytes + pool_bytes + 16, getattr(gpu, "ctx", None))
+        self.desc_host = self.pinned.array[:desc_bytes].view(np.uint64).reshape(max_seqs, 2)
+        self.pool_host = self.pinned.array[desc_bytes:desc_bytes + pool_bytes].view(np.int32).reshape(
+            COMPOSITIONS, max_seqs)
+        self.sync_host = self.pinned.array[desc_bytes + pool_bytes:].view(np.int32)[:1]
+        self.free_entries = list(range(COMPOSITIONS - 1, -1, -1))
+        self.compositions: collections.OrderedDict[tuple, _Composition] = collections.OrderedDict()
+        self.pos_addr, self.desc_addr, self.slots_addr = int(self.pos_dev), int(self.desc_dev), int(self.slots_dev)
+        self.init_stream: cm.CudaStream | None = None
+        try:
+            self.init_stream = cm.CudaStream(getattr(gpu, "ctx", None))
+            self._prepare(idx, nq_attn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, idx: QsaIndexer, nq_attn: int | None) -> None:
+        self.normed_arg = _args.pointer_arg("normed", None, 2, "bf16",
+                                            what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
+        # the sparse attention loads q and K/V rows in 16-byte vectors
+        self.q_arg = _args.pointer_arg("q", None, 16, "bf16", what=f"the queries [R, nq, hd_attn] = [R, nq, "
+                                                                   f"{idx.hd_attn}] bf16, 16-byte aligned")
+        self.out_arg = _args.pointer_arg("out", None, 2, "bf16", write=True,
+                                         what=f"the output [R, nq, hd_attn] = [R, nq, {idx.hd_attn}] bf16")
+        self.table_arg = _args.pointer_arg("block_tables", None, 4, "i32",
+                                           what="the batch's i32 page tables [R, max_pages]")
+        pool = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16, 16-byte aligned: at least one page"
+        self.k_pool_arg = _args.pointer_arg("k_pool", None, 16, "bf16", what=pool)
+        self.v_pool_arg = _args.pointer_arg("v_pool", None, 16, "bf16", what=pool)
+        self._kernels(idx)
+        if nq_attn is not None:
+            self.ensure_partials(nq_attn, None)
+
+    # -- kernels and prepared launches ----------------------------------------------------------------
+    def _kernels(self, idx: QsaIndexer) -> None:
+        gpu = self.gpu
+        names = ("qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
+        handles = [gpu.try_kernel(kd.MODULE, n) for n in names]
+        self.missing = [n for n, h in zip(names, handles) if not h]
+        self.attn_ok = False
+        self.ready = not self.missing
+        if not self.ready:
+            return
+        prep, score, topk, attn, merge = handles
+        n_heads, hd, ratio = idx.n_heads, idx.hd, idx.ratio
+        self.prep_pack = prep.pack(qk=idx.qk_scratch, q_norm_w=idx.q_norm_w, k_norm_w=idx.k_norm_w,
+                                   desc=self.desc_dev, pos=self.pos_dev, slots=self.slots_dev, q_post=self.q_post_b,
+                                   qkw=idx.qk_width, n_heads=n_heads, hd=hd, ratio=ratio, rot=idx.rot,
+                                   theta=idx.theta, eps=idx.eps, max_tokens=idx.max_tokens)
+        self.score_pack = score.pack(q_post=self.q_post_b, desc=self.desc_dev, pos=self.pos_dev, slots=self.slots_dev,
+                                     scores=self.scores_b, score_stride=self.max_blocks, n_heads=n_heads, hd=hd,
+                                     ratio=ratio, k_blocks=idx.block_topk)
+        self.topk_pack = topk.pack(scores=self.scores_b, pos=self.pos_dev, slots=self.slots_dev,
+                                   tokens=self.tokens_dev, counts=self.counts_dev, score_stride=self.max_blocks,
+                                   k_blocks=idx.block_topk, ratio=ratio, sel_cap=idx.sel_cap,
+                                   max_tokens=idx.max_tokens)
+        self.attn_pack = attn.pack(q=0, k_pool=0, v_pool=0, block_tables=0, tokens=self.tokens_dev,
+                                   counts=self.counts_dev, part_ml=0, part_o=0, max_pages=1, sel_cap=idx.sel_cap,
+                                   block_size=8, nq=idx.nkv_attn, nkv=idx.nkv_attn, hd=idx.hd_attn, scale=1.0)
+        self.merge_pack = merge.pack(part_ml=0, part_o=0, counts=self.counts_dev, out=0, sel_cap=idx.sel_cap,
+                                     nq=idx.nkv_attn, hd=idx.hd_attn)
+        a, m = self.attn_pack, self.merge_pack
+        self.attn_slots = tuple(a.slot(n) for n in ("q", "k_pool", "v_pool", "block_tables", "max_pages",
+                                                    "block_size", "nq", "scale"))
+        self.merge_out, self.merge_nq = m.slot("out"), m.slot("nq")
+        # geometry: the declarations' (the grids' R, and nq for the merge, are the only per-call parts)
+        g_prep = kd.prep_geometry(1, n_heads, hd)
+        g_score = kd.score_geometry(1, self.max_blocks, n_heads, hd)
+        g_topk = kd.topk_geometry(1, self.max_blocks)
+        self.score_gx = g_score.grid[0]
+        self.run_prep = launcher(gpu, prep, g_prep.block, g_prep.shared, self.prep_pack)
+        self.run_score = launcher(gpu, score, g_score.block, g_score.shared, self.score_pack)
+        self.run_topk = launcher(gpu, _opt_in(topk, g_topk.shared), g_topk.block, g_topk.shared, self.topk_pack)
+        self.attn_ok = kd.attn_hd_problem(idx.hd_attn) is None
+        if self.attn_ok:
+            g_attn = kd.attn_geometry(1, idx.nkv_attn, idx.sel_cap, idx.hd_attn)
+            g_merge = kd.merge_geometry(1, 1, idx.hd_attn)
+            self.run_attn = launcher(gpu, _opt_in(attn, g_attn.shared), g_attn.block, g_attn.shared, self.attn_pack)
+            self.run_merge = launcher(gpu, merge, g_merge.block, g_merge.shared, self.merge_pack)
+
+    def require(self, what: str) -> None:
+        """Raise unless the device-decode kernels were found."""
+        if not self.ready:
+            raise HssError(f"QsaIndexer.{what}: the device-decode kernels {', '.join(self.missing)} are missing "
+                           f"from PTX module {kd.MODULE}; run `python build_ptx.py` (or reinstall hss)")
+
+    # -- slots and positions ----------------------------------------------------------------------------
+    def check_free_slot(self) -> None:
+        if not self.free_slots:
+            raise HssError(f"QsaIndexer.new_seq_state: all max_seqs = {self.max_seqs} slots are taken by live "
+                           "states; release one (release_seq_state) or construct the indexer with a larger "
+                           "max_seqs=")
+
+    def take_slot(self, raw_keys: int, block_keys: int) -> int:
+        """A free slot holding (raw_keys, block_keys) at position 0 on the device when this returns (blocking on a
+        private stream only)."""
+        self.check_free_slot()
+        slot = self.free_slots[-1]
+        self.desc_host[slot] = (raw_keys, block_keys)
+        s = self.init_stream.handle
+        cm.copy_h_to_d_async(self.desc_addr + 16 * slot, self.desc_host[slot], 16, s)
+        cm.memset_d32_async(self.pos_addr + 4 * slot, 0, 1, s)
+        cm.stream_sync(s)
+        return self.free_slots.pop()
+
+    def give_slot(self, slot: int) -> None:
+        if 0 <= slot < self.max_seqs and slot not in self.free_slots:
+            self.free_slots.append(slot)
+            self.free_slots.sort(reverse=True)
+
+    def store_pos(self, st: QsaSeqState, s: int) -> None:
+        """Make ``pos_dev[st's slot]`` equal the host mirror ``st.ingested``, in stream order on ``s``."""
+        cm.memset_d32_async(self.pos_addr + 4 * st._slot, st.ingested, 1, s)
+
+    def read_pos(self, st: QsaSeqState, s: int) -> int:
+        """Blocking: ``pos_dev[st's slot]`` after the work queued on ``s``."""
+        self.gpu.copy_d2h_on_stream(self.pos_addr + 4 * st._slot, self.sync_host, s)
+        return int(self.sync_host[0])
+
+    # -- compositions -----------------------------------------------------------------------------------
+    def composition(self, key: tuple, s: int) -> _Composition:
+        """The cached composition of the (checked) states ``key``, made if new (recycling the least recently
+        used one that no capture holds)."""
+        comp = self.compositions.get(key)
+        if comp is not None:
+            self.compositions.move_to_end(key)
+            return comp
+        idx = self.idx
+        if len(self.free_entries) <= _RESERVE and not _launch.is_capturing(s):
+            self._recycle()
+        if not self.free_entries:
+            raise HssError(f"QsaIndexer.decode_select_batch: {COMPOSITIONS} batch compositions are held by graph "
+                           "captures (or cached); capture fewer distinct batches per indexer")
+        entry = self.free_entries.pop()
+        host = self.pool_host[entry, :len(key)]
+        host[:] = [st._slot for st in key]
+        comp = _Composition(key, entry, host, _advance_fn(key, idx.max_tokens, idx.ratio))
+        self.compositions[key] = comp
+        return comp
+
+    def _recycle(self) -> None:
+        """Free the least recently used entries no capture holds, down to the reserve, each after its last copy."""
+        for key in list(self.compositions):
+            if len(self.free_entries) > _RESERVE:
+                return
+            comp = self.compositions[key]
+            if comp.captured:
+                continue
+            if comp.stream >= 0:
+                try:
+                    cm.stream_sync(comp.stream)   # its last step's copy read the entry; nearly always long done
+                except CudaError:
+                    pass                            # a stream destroyed since: its work ran to the end
+            del self.compositions[key]
+            self.free_entries.append(comp.entry)
+
+    # -- partials ------------------------------------------------------------------------------------------
+    def ensure_partials(self, nq: int, s: int | None) -> None:
+        """Split partials for ``nq`` query heads (grown eagerly only: allocation cannot be captured)."""
+        if nq <= self.part_nq:
+            return
+        if s is not None and _launch.is_capturing(s):
+            raise HssError(f"QsaIndexer.sparse_decode_attention: the first call with nq = {nq} is being captured, "
+                           "but its split partials must be allocated first; run one step eagerly before the capture, "
+                           f"or construct the indexer with nq_attn={nq}")
+        idx = self.idx
+        ml = idx._alloc(kd.part_ml_bytes(self.max_seqs, nq, idx.sel_cap))
+        try:
+            o = idx._alloc(kd.part_o_bytes(self.max_seqs, nq, idx.sel_cap, idx.hd_attn))
+        except BaseException:
+            idx._release(ml)
+            raise
+        for old in (self.part_ml, self.part_o):
+            if old:
+                idx._release(old)
+        self.part_ml, self.part_o, self.part_nq = ml, o, nq
+        if self.ready:
+            self.attn_pack.set("part_ml", ml)
+            self.attn_pack.set("part_o", o)
+            self.merge_pack.set("part_ml", ml)
+            self.merge_pack.set("part_o", o)
+
+    def close(self) -> None:
+        self.compositions.clear()
+        try:
+            if self.init_stream is not None:
+                self.init_stream.close()
+        finally:
+            self.pinned.close()
+
+
+def _opt_in(kernel: Any, shared: int) -> Any:
+    """``kernel`` allowed ``shared`` bytes of dynamic shared memory (the opt-in past 48 KiB)."""
+    if shared > _SHARED_DEFAULT:
+        kernel.func.set_max_dynamic_shared(shared)
+    return kernel
+
+
+# -- the batched step -------------------------------------------------------------------------------------
+def check_batch(idx: QsaIndexer, states: Any) -> tuple:
+    """``states`` as a tuple of distinct live states of ``idx`` (1 .. max_seqs of them)."""
+    if not isinstance(states, (list, tuple)):
+        raise TypeError(f"QsaIndexer.decode_select_batch: states must be a list or tuple of QsaSeqState, not "
+                        f"{type(states).__name__}")
+    key = tuple(states)
+    dev = idx._dev
+    if not 1 <= len(key) <= dev.max_seqs:
+        raise HssError(f"QsaIndexer.decode_select_batch: {len(key)} states; a batch holds 1 .. max_seqs = "
+                       f"{dev.max_seqs} (construct the indexer with a larger max_seqs=)")
+    for r, st in enumerate(key):
+        try:
+            idx._check_state(st, "decode_select_batch")
+        except (HssError, TypeError) as exc:
+            raise type(exc)(f"states[{r}]: {exc}") from None
+    if len({id(st) for st in key}) != len(key):
+        dup = next(r for r, st in enumerate(key) if any(x is st for x in key[:r]))
+        raise HssError(f"QsaIndexer.decode_select_batch: states[{dup}] appears twice; each sequence advances once "
+                       "per step: pass distinct states")
+    return key
+
+
+def _shape(obj: Any) -> tuple | None:
+    """The shape an array argument states (``.shape``, or its ``__cuda_array_interface__``); None if it states none."""
+    shape = getattr(obj, "shape", None)
+    if shape is None:
+        try:
+            shape = obj.__cuda_array_interface__["shape"]
+        except Exception:
+            return None
+    try:
+        return tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _table_arg(check: Any, obj: Any, R: int, max_pages: Any, s: int, name: str) -> tuple[int, int]:
+    """(address, max_pages) of an i32 ``[R, max_pages]`` page table (max_pages from its shape unless given);
+    ``check`` is the prepared pointer check."""
+    if max_pages is None:
+        shape = _shape(obj) if type(obj) is not int else None
+        if shape is None or len(shape) != 2 or shape[0] != R or shape[1] < 1:
+            got = "an address" if shape is None else f"an array of shape {shape}"
+            raise HssError(f"{name}: got {got}; pass an i32 [R, max_pages] = [{R}, max_pages] array, or say the row "
+                           "length with max_pages=")
+        max_pages = shape[1]
+    else:
+        max_pages = _args.as_int("max_pages", max_pages, 1, _I32 // max(R, 1), why="the page table's row length")
+    return check(obj, s, 4 * R * max_pages), max_pages
+
+
+def select_batch(idx: QsaIndexer, states: Any, normed: Any, block_tables: Any, block_size: Any, stream: Any,
+                 max_pages: Any) -> QsaDeviceSelection:
+    """See :meth:`QsaIndexer.decode_select_batch`."""
+    dev = idx._dev
+    if dev is None:
+        idx._check_open("decode_select_batch")
+    key = states if type(states) is tuple else tuple(states) if type(states) is list else None
+    try:
+        comp = dev.compositions.get(key)
+    except TypeError:   # unhashable items: check_batch names them
+        comp = None
+    if comp is None:
+        idx._check_open("decode_select_batch")
+        key = check_batch(idx, states)
+    else:
+        key = comp.states
+    dev.require("decode_select_batch")
+    R = len(key)
+    bs = block_size if type(block_size) is int and 8 <= block_size <= _I32 else idx._block_size(block_size)
+    s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+    x = dev.normed_arg(normed, s, R * idx.hidden * 2)
+    table, pages = _table_arg(dev.table_arg, block_tables, R, max_pages, s, "block_tables")
+    limit = min(idx.max_tokens, pages * bs)   # visible = ingested + 1 must fit the table and max_tokens
+    ratio = idx.ratio
+    for st in key:
+        n = st.ingested
+        if n >= limit or st.pooled != n // ratio or st._slot < 0:
+            fix = _slow_states(idx, key, pages, bs)
+            break
+    else:
+        fix = None
+    # every check passed: device work from here on
+    if comp is None:
+        comp = dev.composition(key, s)
+    if fix:
+        for st in fix:
+            idx._pool_new_blocks(st, s)   # blocks a partial restore left unpooled (a capture re-pools them: same bits)
+    comp.stream = s
+    cm.copy_h_to_d_async(dev.slots_addr, comp.addr, comp.nbytes, s)
+    idx._gemm(x, R, s)
+    dev.run_prep(s, R, idx.n_heads + 2)
+    dev.run_score(s, dev.score_gx, R)
+    dev.run_topk(s, R)
+    if _launch.on_replay(s, comp.advance):
+        comp.captured = True
+    dev.generation += 1
+    return QsaDeviceSelection(dev.tokens_dev, dev.counts_dev, R, idx.sel_cap, pages, table, bs, dev.idx_ref,
+                              dev.generation)
+
+
+def _slow_states(idx: QsaIndexer, key: tuple, pages: int, bs: int) -> list:
+    """The per-state checks behind the hot loop (raising the first problem), and the states needing fix-ups."""
+    fix = []
+    for r, st in enumerate(key):
+        if st._slot < 0 or not (st.raw_keys and st.block_keys):
+            raise HssError(f"QsaIndexer.decode_select_batch: states[{r}] was released; make a new one with "
+                           "new_seq_state()")
+        n = st.ingested
+        if n >= idx.max_tokens:
+            raise HssError(f"QSA: states[{r}] holds {n} tokens = max_tokens = {idx.max_tokens}: no room for the next; "
+                           "construct the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
+        if n + 1 > pages * bs:
+            raise HssError(f"block_tables: states[{r}] decodes position {n} (visible {n + 1}) but a row holds "
+                           f"max_pages = {pages} pages of {bs} tokens = {pages * bs}; pass wider page tables")
+        if st.pooled != n // idx.ratio:
+            fix.append(st)
+    return fix
+
+
+def sparse_attention(idx: QsaIndexer, q: Any, k_pool: Any, v_pool: Any, block_tables: Any,
+                     selection: QsaDeviceSelection, out: Any, stream: Any, scale: Any, nq: Any) -> None:
+    """See :meth:`QsaIndexer.sparse_decode_attention`."""
+    dev = idx._dev
+    if dev is None:
+        idx._check_open("sparse_decode_attention")
+    if type(selection) is not QsaDeviceSelection:
+        raise TypeError(f"QsaIndexer.sparse_decode_attention: selection must be the QsaDeviceSelection that "
+                        f"decode_select_batch returned, not {type(selection).__name__}")
+    if selection._owner is not dev.idx_ref:
+        idx._check_open("sparse_decode_attention")
+        raise HssError("QsaIndexer.sparse_decode_attention: the selection comes from another indexer; pass this "
+                       "indexer's decode_select_batch result")
+    if selection._generation != dev.generation:
+        raise HssError("QsaIndexer.sparse_decode_attention: the selection is stale (a later decode_select_batch "
+                       "overwrote its buffers); attend right after the step that made it")
+    idx._check_open("sparse_decode_attention")
+    dev.require("sparse_decode_attention")
+    R, hd, nkv = selection.R, idx.hd_attn, idx.nkv_attn
+    s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+    if nq is None:
+        nq = _heads_from(q, R, hd)
+    else:
+        nq = _args.as_int("nq", nq, 1, _I32, why="the attention's query heads")
+    if not dev.attn_ok:
+        raise HssError(f"QsaIndexer.sparse_decode_attention: hd_attn = {hd}: {kd.attn_hd_problem(hd)}")
+    if nq % nkv or nq // nkv > kd.ATTN_MAX_GROUP:
+        raise HssError(f"QsaIndexer.sparse_decode_attention: nq = {nq} must be a multiple of nkv_attn = {nkv}, at "
+                       f"most {kd.ATTN_MAX_GROUP} query heads per KV head")
+    row = R * nq * hd * 2
+    qp = dev.q_arg(q, s, row)
+    op = dev.out_arg(out, s, row)
+    page = selection.block_size * idx._kv_row
+    kp = dev.k_pool_arg(k_pool, s, page)
+    vp = dev.v_pool_arg(v_pool, s, page)
+    if block_tables is None:
+        table, pages = selection.block_tables, selection.max_pages
+    else:
+        pages = selection.max_pages
+        table = dev.table_arg(block_tables, s, 4 * R * pages)
+    if scale is None:
+        sc = 1.0 / math.sqrt(hd)
+    else:
+        sc = idx._f32("scale", scale, positive=True)
+    dev.ensure_partials(nq, s)
+    q_slot, k_slot, v_slot, t_slot, p_slot, b_slot, n_slot, s_slot = dev.attn_slots
+    q_slot.value, k_slot.value, v_slot.value, t_slot.value = qp, kp, vp, table
+    p_slot.value, b_slot.value, n_slot.value, s_slot.value = pages, selection.block_size, nq, sc
+    dev.merge_out.value, dev.merge_nq.value = op, nq
+    dev.run_attn(s, R, nkv, dev.splits)
+    dev.run_merge(s, R, nq)
+
+
+def _heads_from(q: Any, R: int, hd: int) -> int:
+    """nq from q's shape: ``[R, nq, hd_attn]`` or ``[R, nq * hd_attn]``."""
+    shape = _shape(q) if type(q) is not int else None
+    if shape is not None and len(shape) == 3 and shape[0] == R and shape[2] == hd and shape[1] >= 1:
+        return shape[1]
+    if shape is not None and len(shape) == 2 and shape[0] == R and shape[1] % hd == 0 and shape[1] >= hd:
+        return shape[1] // hd
+    got = "an address" if shape is None else f"an array of shape {shape}"
+    raise HssError(f"q: got {got}; pass bf16 [R, nq, hd_attn] = [{R}, nq, {hd}] queries, or say the head count "
+                   "with nq=")
