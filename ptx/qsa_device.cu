@@ -74,12 +74,11 @@
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
 #include "hss_rope.cuh"
+#include "qsa_common.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define QSD_SCORE_THREADS 256    // qsa_dev_score: most threads per CTA (qsa_score's QSA_SCORE_THREADS)
-#define QSD_SCORE_STEPS 4        // qsa_dev_score: tile steps per warp (qsa_score's QSA_SCORE_STEPS)
 #define QSA_TOPK_THREADS 1024    // qsa_dev_topk: block
 #define QSA_TOPK_ITEMS 8         // qsa_dev_topk: consecutive blocks per thread in a tile
 #define QSA_TOPK_TILE (QSA_TOPK_THREADS * QSA_TOPK_ITEMS)
@@ -87,12 +86,6 @@ typedef unsigned long long u64;
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
 #define QSA_ATTN_MAX_G 16        // qsa_sparse_attn: query heads per kv head (the 16 rows of an mma tile)
 #define QSA_ATTN_MAX_HD 256
-
-__device__ __forceinline__ u32 qsd_dynamic_smem_bytes() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-    return r;
-}
 
 // The slot of batch row r and its position p (false: the row is left alone). Plain loads: qsa_dev_topk writes pos.
 __device__ __forceinline__ bool qsd_row(const int* __restrict__ slots, const int* pos, u32 r, int& slot, u32& p) {
@@ -106,15 +99,6 @@ __device__ __forceinline__ bool qsd_row(const int* __restrict__ slots, const int
 // ------------------------------------------------------------------------------------------------
 // qsa_dev_prep
 // ------------------------------------------------------------------------------------------------
-// y[d] = x * rsqrtf(mean(x^2) + eps) * (1 + w[d]) into shared y; ends with a barrier (qsa_indexer's qsa_rms_norm).
-__device__ __forceinline__ void qsd_rms_norm(float x, const __nv_bfloat16* __restrict__ w, u32 hd, float eps, float* y,
-                                             float* red) {
-    const float ms = hss_block_sum<false>(x * x, red);
-    const float rms = rsqrtf(ms / (float)hd + eps);
-    const u32 d = threadIdx.x;
-    y[d] = x * rms * (1.0f + __bfloat162float(w[d]));
-    __syncthreads();
-}
 
 extern "C" __global__ void qsa_dev_prep(const __nv_bfloat16* __restrict__ qk, const __nv_bfloat16* __restrict__ q_norm_w,
                                         const __nv_bfloat16* __restrict__ k_norm_w, const u64* __restrict__ desc,
@@ -124,7 +108,7 @@ extern "C" __global__ void qsa_dev_prep(const __nv_bfloat16* __restrict__ qk, co
     extern __shared__ float smem[];   // [hd] normed row, then [32] warp sums
     if (hd == 0 || (hd & 31) || blockDim.x != hd || blockDim.y != 1 || blockDim.z != 1 || rot > hd || (rot & 1) ||
         ratio == 0 || gridDim.y != n_heads + 2 || gridDim.z != 1 || (u64)(n_heads + 1) * hd > qkw ||
-        qsd_dynamic_smem_bytes() < (hd + 32) * 4)
+        qsa_dynamic_smem_bytes() < (hd + 32) * 4)
         return;
     const u32 r = blockIdx.x, y = blockIdx.y, d = threadIdx.x;
     int slot;
@@ -132,7 +116,7 @@ extern "C" __global__ void qsa_dev_prep(const __nv_bfloat16* __restrict__ qk, co
     if (!qsd_row(slots, pos, r, slot, p) || p >= max_tokens) return;
     const __nv_bfloat16* row = qk + (size_t)r * qkw;
     if (y < n_heads) {
-        qsd_rms_norm(__bfloat162float(row[(size_t)y * hd + d]), q_norm_w, hd, eps, smem, smem + hd);
+        qsa_rms_norm(__bfloat162float(row[(size_t)y * hd + d]), q_norm_w, hd, eps, smem, smem + hd);
         q_post[((size_t)r * n_heads + y) * hd + d] = hss_rope(smem, d, rot, (double)p, theta);
         return;
     }
@@ -150,7 +134,7 @@ extern "C" __global__ void qsa_dev_prep(const __nv_bfloat16* __restrict__ qk, co
         sum += __bfloat162float(t == p ? key : raw[t * hd + d]);
     }
     const float v = sum / (float)ratio;
-    qsd_rms_norm(v, k_norm_w, hd, eps, smem, smem + hd);
+    qsa_rms_norm(v, k_norm_w, hd, eps, smem, smem + hd);
     __nv_bfloat16* keys = reinterpret_cast<__nv_bfloat16*>(desc[2 * (size_t)slot + 1]);
     keys[b * hd + d] = __float2bfloat16_rn(hss_rope(smem, d, rot, (double)b * (double)ratio, theta));
 }
@@ -158,96 +142,14 @@ extern "C" __global__ void qsa_dev_prep(const __nv_bfloat16* __restrict__ qk, co
 // ------------------------------------------------------------------------------------------------
 // qsa_dev_score (qsa_indexer's qsa_score, per batch row)
 // ------------------------------------------------------------------------------------------------
-// Fast path: LPB = hd / 8 lanes per block (one 16-byte chunk each), NB = 32 / LPB blocks per warp step, a warp tile
-// = QSD_SCORE_STEPS steps. Warps walk tiles grid-stride over grid.x. qs: shared [n_heads, hd], staged here.
-template <int LPB>
-__device__ __forceinline__ void qsd_score_chunks(const float* __restrict__ q, const __nv_bfloat16* __restrict__ keys,
-                                                 float* __restrict__ scores, u32 n_blocks, u32 n_heads, u32 hd,
-                                                 float* qs) {
-    constexpr int NB = 32 / LPB;
-    constexpr int U = QSD_SCORE_STEPS;
-    constexpr int TILE = NB * U;
-    const u32 lane = threadIdx.x & 31, sub = lane / LPB, c = lane % LPB;
-    const size_t warps_per_cta = blockDim.x >> 5;
-    const size_t n_tiles = ((size_t)n_blocks + TILE - 1) / TILE;
-    const size_t stride = (size_t)gridDim.x * warps_per_cta;
-    size_t t = (size_t)blockIdx.x * warps_per_cta + (threadIdx.x >> 5);
-    const uint4* rows = reinterpret_cast<const uint4*>(keys);   // hd / 8 = LPB uint4 per block row
-
-    uint4 kv[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {   // the first tile's keys are in flight while q is staged
-        const size_t b = t * TILE + u * NB + sub;
-        kv[u] = (t < n_tiles && b < n_blocks) ? __ldg(rows + b * LPB + c) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    for (u32 i = threadIdx.x; i < n_heads * hd; i += blockDim.x) qs[i] = q[i];
-    __syncthreads();
-
-    const float scale = rsqrtf((float)hd);
-    while (t < n_tiles) {   // warp-uniform: every lane of a warp shares t
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const size_t b = t * TILE + u * NB + sub;
-            const float k0 = hss_bf16_lo(kv[u].x), k1 = hss_bf16_hi(kv[u].x);
-            const float k2 = hss_bf16_lo(kv[u].y), k3 = hss_bf16_hi(kv[u].y);
-            const float k4 = hss_bf16_lo(kv[u].z), k5 = hss_bf16_hi(kv[u].z);
-            const float k6 = hss_bf16_lo(kv[u].w), k7 = hss_bf16_hi(kv[u].w);
-            float acc = 0.0f;
-            for (u32 h = 0; h < n_heads; ++h) {
-                const float4 qa = *reinterpret_cast<const float4*>(qs + h * hd + 8 * c);
-                const float4 qb = *reinterpret_cast<const float4*>(qs + h * hd + 8 * c + 4);
-                float dot = qa.x * k0;
-                dot = fmaf(qa.y, k1, dot);
-                dot = fmaf(qa.z, k2, dot);
-                dot = fmaf(qa.w, k3, dot);
-                dot = fmaf(qb.x, k4, dot);
-                dot = fmaf(qb.y, k5, dot);
-                dot = fmaf(qb.z, k6, dot);
-                dot = fmaf(qb.w, k7, dot);
-                dot = hss_warp_sum<LPB>(dot);   // over the block's LPB lanes
-                acc += fmaxf(dot, 0.0f);
-            }
-            if (c == 0 && b < n_blocks) scores[b] = acc * scale;
-        }
-        t += stride;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const size_t b = t * TILE + u * NB + sub;
-            kv[u] = (t < n_tiles && b < n_blocks) ? __ldg(rows + b * LPB + c) : make_uint4(0u, 0u, 0u, 0u);
-        }
-    }
-}
-
-// Any hd: a warp per block (grid-stride over warps), lanes stride over dims.
-__device__ __forceinline__ void qsd_score_dims(const float* __restrict__ q, const __nv_bfloat16* __restrict__ keys,
-                                               float* __restrict__ scores, u32 n_blocks, u32 n_heads, u32 hd,
-                                               float* qs) {
-    for (u32 i = threadIdx.x; i < n_heads * hd; i += blockDim.x) qs[i] = q[i];
-    __syncthreads();
-    const u32 lane = threadIdx.x & 31;
-    const size_t warps_per_cta = blockDim.x >> 5;
-    const size_t stride = (size_t)gridDim.x * warps_per_cta;
-    const float scale = rsqrtf((float)hd);
-    for (size_t b = (size_t)blockIdx.x * warps_per_cta + (threadIdx.x >> 5); b < n_blocks; b += stride) {
-        const __nv_bfloat16* k = keys + b * hd;
-        float acc = 0.0f;
-        for (u32 h = 0; h < n_heads; ++h) {
-            float dot = 0.0f;
-            for (u32 d = lane; d < hd; d += 32) dot = fmaf(qs[h * hd + d], __bfloat162float(k[d]), dot);
-            acc += fmaxf(hss_warp_sum(dot), 0.0f);
-        }
-        if (lane == 0) scores[b] = acc * scale;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(QSD_SCORE_THREADS)
+extern "C" __global__ void __launch_bounds__(QSA_SCORE_THREADS)
     qsa_dev_score(const float* __restrict__ q_post, const u64* __restrict__ desc, const int* __restrict__ pos,
                   const int* __restrict__ slots, float* __restrict__ scores, u32 score_stride, u32 n_heads, u32 hd,
                   u32 ratio, u32 k_blocks) {
     extern __shared__ __align__(16) float qs[];   // [n_heads, hd]
-    if (hd == 0 || n_heads == 0 || ratio == 0 || (blockDim.x & 31) || blockDim.x > QSD_SCORE_THREADS ||
+    if (hd == 0 || n_heads == 0 || ratio == 0 || (blockDim.x & 31) || blockDim.x > QSA_SCORE_THREADS ||
         blockDim.y != 1 || blockDim.z != 1 || gridDim.z != 1 ||
-        (u64)qsd_dynamic_smem_bytes() < 4ull * n_heads * hd)
+        (u64)qsa_dynamic_smem_bytes() < 4ull * n_heads * hd)
         return;
     const u32 r = blockIdx.y;
     int slot;
@@ -261,15 +163,15 @@ extern "C" __global__ void __launch_bounds__(QSD_SCORE_THREADS)
     const u32 n = (u32)complete;
     const bool aligned = (reinterpret_cast<uintptr_t>(keys) & 15) == 0;
     if (aligned && hd == 128)
-        qsd_score_chunks<16>(q, keys, out, n, n_heads, hd, qs);
+        qsa_score_chunks<16>(q, keys, out, n, n_heads, hd, qs);
     else if (aligned && hd == 64)
-        qsd_score_chunks<8>(q, keys, out, n, n_heads, hd, qs);
+        qsa_score_chunks<8>(q, keys, out, n, n_heads, hd, qs);
     else if (aligned && hd == 256)
-        qsd_score_chunks<32>(q, keys, out, n, n_heads, hd, qs);
+        qsa_score_chunks<32>(q, keys, out, n, n_heads, hd, qs);
     else if (aligned && hd == 32)
-        qsd_score_chunks<4>(q, keys, out, n, n_heads, hd, qs);
+        qsa_score_chunks<4>(q, keys, out, n, n_heads, hd, qs);
     else
-        qsd_score_dims(q, keys, out, n, n_heads, hd, qs);
+        qsa_score_dims(q, keys, out, n, n_heads, hd, qs);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -413,7 +315,7 @@ __device__ __forceinline__ void qsd_topk_select(const float* __restrict__ row, u
     __shared__ u32 tile_total[2];
     const u32 tid = threadIdx.x, warp = tid >> 5;
     const u32 n_tiles = (n + QSA_TOPK_TILE - 1) / QSA_TOPK_TILE;
-    const bool cached = n_tiles > 1 && 4ull * n <= qsd_dynamic_smem_bytes();
+    const bool cached = n_tiles > 1 && 4ull * n <= qsa_dynamic_smem_bytes();
     for (u32 i = tid; i < 2 * 256; i += QSA_TOPK_THREADS) (&hist[0][0])[i] = 0u;
 
     u32 key[QSA_TOPK_ITEMS];   // tile 0's keys, kept for the whole selection when the row is one tile
@@ -767,7 +669,7 @@ extern "C" __global__ void __launch_bounds__(QSA_ATTN_THREADS) qsa_sparse_attn(
     const u32 n_total = cnt <= 0 ? 0u : min((u32)cnt, sel_cap);
     if (blockIdx.z * QSA_SPLIT >= n_total) return;   // an empty split: nothing to write (the merge skips it)
     const u32 G = nq / nkv;
-    const u32 have = qsd_dynamic_smem_bytes();
+    const u32 have = qsa_dynamic_smem_bytes();
 #define QSD_ATTN_CASE(HD)                                                                                         \
     case HD:                                                                                                      \
         if (have >= QsdAttnSmem<HD>::BYTES)                                                                       \

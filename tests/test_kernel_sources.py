@@ -120,8 +120,6 @@ MIRRORS = [
     ("32 * QSP_PA_WARPS", qsa_prefill.ATTN_THREADS),   # its __launch_bounds__ says 256: both are checked
     ("QSP_PA_HG", qsa_prefill.ATTN_HEAD_GROUP),
     ("QSP_AT_MAXG", qsa_prefill.ATTN_TC_MAX_GROUP),
-    ("QSD_SCORE_THREADS", qsa_device.SCORE_THREADS),
-    ("QSD_SCORE_STEPS", qsa_device.SCORE_STEPS),
     ("QSA_TOPK_THREADS", qsa_device.TOPK_THREADS),
     ("QSA_TOPK_ITEMS", qsa_device.TOPK_ITEMS),
     ("QSA_TOPK_TILE", qsa_device.TOPK_TILE),

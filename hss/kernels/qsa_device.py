@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from hss.errors import EmulatorError, MemoryFault
+from hss.kernels import qsa as kq
 from hss.kernels._decl import Launch, declare, f32
 from hss.kernels.qsa_prefill import Geometry
 from hss.reference import qsa as ref
@@ -41,8 +42,7 @@ __all__ = ["MODULE", "SCORE_THREADS", "SCORE_STEPS", "SCORE_MAX_CTAS", "TOPK_THR
 
 BF16 = ml_dtypes.bfloat16
 MODULE = "qsa_device"
-SCORE_THREADS = 256        # QSD_SCORE_THREADS in the .cu
-SCORE_STEPS = 4            # QSD_SCORE_STEPS: tile steps per warp
+SCORE_THREADS, SCORE_STEPS = kq.SCORE_THREADS, kq.SCORE_STEPS   # qsa_common.cuh's, shared with qsa_score
 SCORE_MAX_CTAS = 256       # score_geometry's cap on grid.x (the kernel is grid-stride: any G gives the same bits)
 TOPK_THREADS = 1024        # QSA_TOPK_THREADS
 TOPK_ITEMS = 8             # QSA_TOPK_ITEMS: consecutive blocks per thread
