@@ -51,6 +51,15 @@ def ctx():
     c.close()
 
 
+@pytest.fixture(scope="module")
+def gpu(ctx):
+    """A CudaBackend (the QSA indexer's GPU) on the session context."""
+    from hss.gpu import CudaBackend
+    g = CudaBackend(ctx)
+    yield g
+    g.close()
+
+
 @pytest.fixture
 def stream(ctx):
     return ctx.stream

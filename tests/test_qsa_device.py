@@ -20,7 +20,6 @@ import pytest
 from hss import _driver
 from hss import cuda_min as cm
 from hss.errors import HssError
-from hss.gpu import CudaBackend
 from hss.qsa import QsaDeviceSelection, QsaIndexer, device
 from hss.reference import qsa as ref
 from hss.reference import qsa_device as rd
@@ -37,13 +36,6 @@ else:
 RATIO, BUDGET, BS = D["ratio"], D["budget"], D["bs"]
 BOUND = BUDGET + RATIO - 1          # inert bound: visible <= BOUND selects every token
 QKW = (D["n_heads"] + 1) * D["hd"]
-
-
-@pytest.fixture(scope="module")
-def gpu(ctx):
-    g = CudaBackend(ctx)
-    yield g
-    g.close()
 
 
 @dataclass

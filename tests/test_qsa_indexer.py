@@ -15,7 +15,6 @@ import pytest
 
 from hss import cuda_min as cm
 from hss._driver import CudaError, HssError, inject_fault
-from hss.gpu import CudaBackend
 from hss.qsa import INGEST_SLAB, QsaIndexer, QsaSelection
 from hss.reference import qsa as ref
 from hss.reference.linear import proj_dense
@@ -28,13 +27,6 @@ N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6
 NKV, HD_ATTN, BS = 2, 256, 16
 QKW = (N_HEADS + 1) * HD
 TH32, EPS32 = float(np.float32(THETA)), float(np.float32(EPS))
-
-@pytest.fixture(scope="module")
-def gpu(ctx):
-    g = CudaBackend(ctx)
-    yield g
-    g.close()
-
 
 @dataclass
 class Layer:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
-from hss.gpu import CudaBackend
 from hss.kernels import qsa as kq
 from hss.reference import qsa as ref
 
@@ -25,13 +24,6 @@ from conftest import ON_GPU
 from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 
 EPS = 1e-6
-
-
-@pytest.fixture(scope="module")
-def gpu(ctx):
-    g = CudaBackend(ctx)
-    yield g
-    g.close()
 
 
 def std_of(scale: str, hd: int) -> float:

@@ -17,7 +17,7 @@ import pytest
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss.gpu import CudaBackend, KernelHandle
+from hss.gpu import KernelHandle
 from hss.qsa import QsaIndexer
 from hss.qsa import prefill as prefill_mod
 from hss.reference import qsa_prefill as ref
@@ -35,13 +35,6 @@ BOUND = BUDGET + RATIO - 1
 MAX_TOKENS = 8192 if ON_GPU else 4096
 TH32, EPS32 = float(np.float32(THETA)), float(np.float32(EPS))
 PREFILL_KERNELS = {"qsa_qprep_rows", "qsa_score_rows", "qsa_score_rows_tc", "qsa_prefill_attn", "qsa_prefill_attn_tc"}
-
-
-@pytest.fixture(scope="module")
-def gpu(ctx):
-    g = CudaBackend(ctx)
-    yield g
-    g.close()
 
 
 @dataclass

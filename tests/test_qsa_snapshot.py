@@ -13,7 +13,6 @@ import pytest
 
 from hss import cuda_min as cm
 from hss._driver import HssError
-from hss.gpu import CudaBackend
 from hss.qsa import QsaIndexer
 
 from conftest import ON_GPU
@@ -23,13 +22,6 @@ HIDDEN = 2560 if ON_GPU else 256
 N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6
 NKV, HD_ATTN, BS = 2, 64, 16
 QKW = (N_HEADS + 1) * HD
-
-
-@pytest.fixture(scope="module")
-def gpu(ctx):
-    g = CudaBackend(ctx)
-    yield g
-    g.close()
 
 
 @pytest.fixture(scope="module")
