@@ -78,7 +78,17 @@ def _choose() -> None:
         api._module = emulator
         _status = DriverStatus("emulator", False, None, "HSS_DRIVER=emulator: running on the CPU emulator")
         return
-    from cuda.bindings import driver as real
+    try:
+        from cuda.bindings import driver as real
+    except ImportError as exc:
+        if want == "cuda":
+            raise ImportError(f"HSS_DRIVER=cuda but cuda-python is not importable ({exc}): pip install cuda-python") \
+                from exc
+        from hss import emulator
+        api._module = emulator
+        _status = DriverStatus("emulator", False, None, f"cuda-python is not installed ({exc}); running on the CPU "
+                               "emulator (pip install cuda-python for a GPU)")
+        return
     try:
         err, = real.cuInit(0)
     except Exception as exc:  # cuda.pathfinder's DynamicLibNotFoundError (or an OSError) when no libcuda

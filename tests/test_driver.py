@@ -68,3 +68,22 @@ def test_no_driver_gives_a_cuda_error_that_says_so():
 def test_real_driver_is_used_on_a_gpu():
     status = driver_status()
     assert status.kind == "cuda" and status.found and status.version >= 12000
+
+
+def test_without_cuda_python_the_seam_chooses_the_emulator_and_says_why():
+    """A process where cuda-python cannot be imported runs on the emulator (HSS_DRIVER unset) and says so; with
+    HSS_DRIVER=cuda it raises an ImportError naming the fix."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
+            "import hss._driver as d\n"
+            "try:\n    print(d.driver_status().kind, '|', d.driver_status().message)\n"
+            "except ImportError as e:\n    print('ImportError |', e)\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    for want, expect in (("", "emulator | cuda-python is not installed"),
+                         ("cuda", "ImportError | HSS_DRIVER=cuda but cuda-python is not importable")):
+        env = dict(os.environ, HSS_DRIVER=want, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert out.stdout.startswith(expect), (out.stdout, out.stderr)
