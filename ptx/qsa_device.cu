@@ -70,6 +70,24 @@
 //   most 256). Folds the ceil(n / QSA_SPLIT) partials of (r, h) in split order: M = max m_s, w_s =
 //   exp2(m_s - M), out = bf16(sum o_s w_s / sum l_s w_s) (f32, fma in split order); no token (n = 0, or every
 //   split empty) -> zeros.
+//
+// Opt-in variants (QsaIndexer(device_kernels="fast"); not yet measured on a GPU), at the end of this file so that
+// the kernels above keep their PTX. Each gives exactly the result of what it replaces.
+// qsa_dev_topk_fast(the parameters of qsa_dev_topk)
+//   qsa_dev_topk's contract and result with block (QSA_TOPK_FAST_THREADS, 1, 1): QSA_TOPK_FAST_ITEMS consecutive
+//   blocks per thread (the same QSA_TOPK_TILE tiles, the same optional key cache, so the same dynamic smem), static
+//   smem 17.3 KB. No __match_any_sync: the radix passes count with plain shared atomics into QSA_TOPK_FAST_COPIES
+//   copies of the histogram (lane l into copy l % COPIES: at most two lanes of a warp per address or bank, whatever
+//   the scores), each thread then sums and clears 8 words of the copies, and every warp scans the 256 totals itself
+//   (two barriers a pass).
+// qsa_sparse_attn_fused(q, k_pool, v_pool, block_tables, tokens, counts, part_ml, part_o 16 B, out bf16 [R, nq, hd],
+//                       merge_count u32 [R, nkv], the scalars of qsa_sparse_attn)
+//   qsa_sparse_attn's geometry and partials, then the merge in the same launch: each CTA with tokens counts its
+//   split in merge_count[r, g] (after a device-wide fence); the one that counts ns = ceil(n / QSA_SPLIT) folds the
+//   G heads' ns partials as qsa_sparse_merge does (the same bits: same partials, same order and operations) from
+//   shared memory (its attention smem, staged by cp.async from L2, as many heads at a time as fit; straight from
+//   global memory when one head's partials do not fit) and puts the counter back to 0. n = 0: split 0's CTA writes
+//   the zeros. merge_count must be zero before the launch (allocate it zeroed once; every launch leaves it zero).
 #include "hss_async.cuh"
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
@@ -82,6 +100,9 @@ typedef unsigned long long u64;
 #define QSA_TOPK_THREADS 1024    // qsa_dev_topk: block
 #define QSA_TOPK_ITEMS 8         // qsa_dev_topk: consecutive blocks per thread in a tile
 #define QSA_TOPK_TILE (QSA_TOPK_THREADS * QSA_TOPK_ITEMS)
+#define QSA_TOPK_FAST_THREADS 512   // qsa_dev_topk_fast: block
+#define QSA_TOPK_FAST_ITEMS (QSA_TOPK_TILE / QSA_TOPK_FAST_THREADS)   // its blocks per thread (the same tiles)
+#define QSA_TOPK_FAST_COPIES 16     // qsa_dev_topk_fast: histogram copies (lane % 16 adds to its own)
 #define QSA_SPLIT 128            // qsa_sparse_attn: tokens per split (fixed: the bits depend on it)
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
 #define QSA_ATTN_MAX_G 16        // qsa_sparse_attn: query heads per kv head (the 16 rows of an mma tile)
@@ -269,8 +290,11 @@ __device__ __forceinline__ void qsd_topk_choose(const u32* hist, u32 krem, u32* 
     }
 }
 
-// Exclusive scan of v over the CTA (every thread calls it); *total gets the sum. ws: shared [32]. Two barriers.
+// Exclusive scan of v over a CTA of WARPS warps (every thread calls it); *total gets the sum. ws: shared [32]. Two
+// barriers.
+template <int WARPS>
 __device__ __forceinline__ u32 qsd_block_scan(u32 v, u32* ws, u32* total) {
+    static_assert(WARPS >= 1 && WARPS <= 32, "one value per lane of warp 0");
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 incl = v;
 #pragma unroll
@@ -280,8 +304,8 @@ __device__ __forceinline__ u32 qsd_block_scan(u32 v, u32* ws, u32* total) {
     }
     if (lane == 31) ws[warp] = incl;
     __syncthreads();
-    if (warp == 0) {   // QSA_TOPK_THREADS = 32 warps: one value per lane
-        const u32 w = ws[lane];
+    if (warp == 0) {   // one warp total per lane (lanes past WARPS: 0)
+        const u32 w = lane < (u32)WARPS ? ws[lane] : 0u;
         u32 wi = w;
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
@@ -372,7 +396,7 @@ __device__ __forceinline__ void qsd_topk_select(const float* __restrict__ row, u
             }
         }
         // both counts of a tile fit 16 bits (<= QSA_TOPK_TILE = 8192 each): one scan of gt | eq << 16
-        const u32 before = qsd_block_scan(n_gt | (n_eq << 16), wsum[t & 1], &tile_total[t & 1]);
+        const u32 before = qsd_block_scan<QSA_TOPK_THREADS / 32>(n_gt | (n_eq << 16), wsum[t & 1], &tile_total[t & 1]);
         const u32 total = tile_total[t & 1];
         u32 gt = run_gt + (before & 0xffffu), eq = run_eq + (before >> 16);
         if (gt + min(eq, krem) < k) {   // else nothing of this thread's run is taken
@@ -717,4 +741,413 @@ extern "C" __global__ void qsa_sparse_merge(const float* __restrict__ part_ml, c
         }
         out[row * hd + d] = __float2bfloat16_rn(res);
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// qsa_dev_topk_fast: the selection of qsa_dev_topk without __match_any_sync (opt-in)
+// ------------------------------------------------------------------------------------------------
+// qsd_topk_load / qsd_topk_keys for ITEMS entries per thread (those two stay as they are: qsa_dev_topk's PTX is
+// kept unchanged while the fast variant is being measured).
+template <int ITEMS>
+__device__ __forceinline__ void qsd_load_bits(const float* __restrict__ row, size_t i0, size_t n, bool vec,
+                                              u32 (&v)[ITEMS]) {
+    if (vec && i0 + ITEMS <= n) {
+        const uint4* src = reinterpret_cast<const uint4*>(row + i0);
+#pragma unroll
+        for (int c = 0; c < ITEMS / 4; ++c) {
+            const uint4 a = __ldg(src + c);
+            v[4 * c] = a.x; v[4 * c + 1] = a.y; v[4 * c + 2] = a.z; v[4 * c + 3] = a.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) v[j] = i0 + j < n ? __float_as_uint(__ldg(row + i0 + j)) : 0u;
+    }
+}
+
+template <int ITEMS>
+__device__ __forceinline__ void qsd_tile_keys(const float* __restrict__ row, u32 n, u32 tile, bool vec, u32* cache,
+                                              bool from_cache, bool to_cache, u32 (&key)[ITEMS]) {
+    const size_t i0 = (size_t)tile * QSA_TOPK_TILE + (size_t)threadIdx.x * ITEMS;
+    const bool full = i0 + ITEMS <= n;
+    if (from_cache) {   // each thread reads back only the entries it cached itself: no barrier needed
+        if (full) {
+#pragma unroll
+            for (int c = 0; c < ITEMS / 4; ++c) {
+                const uint4 a = *reinterpret_cast<const uint4*>(cache + i0 + 4 * c);
+                key[4 * c] = a.x; key[4 * c + 1] = a.y; key[4 * c + 2] = a.z; key[4 * c + 3] = a.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) key[j] = i0 + j < n ? cache[i0 + j] : 0u;
+        }
+        return;
+    }
+    u32 bits[ITEMS];
+    qsd_load_bits(row, i0, n, vec, bits);
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) key[j] = qsd_order_key(bits[j]);
+    if (to_cache) {
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j)
+            if (i0 + j < n) cache[i0 + j] = key[j];
+    }
+}
+
+// Every warp, redundantly (no barrier to publish it): the digit of the 256 bin totals `tot` that holds rank `krem`
+// counted from the top, the entries in higher bins (`above`) and in the digit's bin (`bucket`), in every lane.
+// Needs 1 <= krem <= the total.
+__device__ __forceinline__ void qsd_choose_all(const u32* tot, u32 krem, u32& digit, u32& above, u32& bucket) {
+    const u32 lane = threadIdx.x & 31;
+    const uint4 a = *reinterpret_cast<const uint4*>(tot + 8 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(tot + 8 * lane + 4);
+    const u32 c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const u32 own = ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7]));
+    u32 suffix = own;   // inclusive: bins of lanes >= this one
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const u32 v = __shfl_down_sync(HSS_FULL_MASK, suffix, off);
+        if (lane + off < 32) suffix += v;
+    }
+    u32 before = suffix - own;
+    const bool mine = before < krem && krem <= suffix;   // exactly one lane
+    u32 d = 0u, ab = 0u, bk = 0u;
+    if (mine) {
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+            if (before + c[j] >= krem) {
+                d = 8 * lane + j;
+                ab = before;
+                bk = c[j];
+                break;
+            }
+            before += c[j];
+        }
+    }
+    const int src = __ffs(__ballot_sync(HSS_FULL_MASK, mine)) - 1;
+    digit = __shfl_sync(HSS_FULL_MASK, d, src);
+    above = __shfl_sync(HSS_FULL_MASK, ab, src);
+    bucket = __shfl_sync(HSS_FULL_MASK, bk, src);
+}
+
+// qsd_topk_select for a CTA of THREADS threads, QSA_TOPK_TILE / THREADS consecutive blocks each. The radix passes
+// count into QSA_TOPK_FAST_COPIES copies of the 256-bin histogram, lane l adding to copy l % COPIES with a plain
+// shared atomic (so at most 32 / COPIES lanes of a warp ever meet on one address or bank, whatever the scores: equal
+// scores cost what distinct ones do); after a barrier each thread sums and clears its WPT words of the copies, the
+// threads of one bin combine by shuffles into its total, and after a second barrier every warp scans the 256 totals
+// itself (two barriers a pass, no third to publish the choice).
+template <int THREADS>
+__device__ __forceinline__ void qsd_topk_select_fast(const float* __restrict__ row, u32 n, u32 k, u32 ratio,
+                                                     int* __restrict__ out,
+                                                     const u32 (&bits0)[QSA_TOPK_TILE / THREADS], bool vec,
+                                                     bool vec4, u32* cache) {
+    constexpr int ITEMS = QSA_TOPK_TILE / THREADS, C = QSA_TOPK_FAST_COPIES;
+    constexpr int WPT = 256 * C / THREADS;   // histogram words each thread sums and clears
+    constexpr int TPB = C / WPT;             // threads per bin
+    static_assert(ITEMS * THREADS == QSA_TOPK_TILE && ITEMS % 4 == 0 && 32 % C == 0, "tile and copies");
+    static_assert(WPT % 4 == 0 && C % WPT == 0 && TPB <= 32, "each thread sums whole uint4s of one bin");
+    __shared__ __align__(16) u32 hist[256 * C];   // copy c of bin b at b * C + c
+    __shared__ __align__(16) u32 tot[256];
+    __shared__ u32 wsum[2][32];
+    __shared__ u32 tile_total[2];
+    const u32 tid = threadIdx.x;
+    u32* const copy = hist + tid % C;   // this lane's copy: bin b at copy[b * C]
+    uint4* const mine = reinterpret_cast<uint4*>(hist + tid * WPT);   // the words this thread sums and clears
+    const u32 n_tiles = (n + QSA_TOPK_TILE - 1) / QSA_TOPK_TILE;
+    const bool cached = n_tiles > 1 && 4ull * n <= qsa_dynamic_smem_bytes();
+#pragma unroll
+    for (int c = 0; c < WPT / 4; ++c) mine[c] = make_uint4(0u, 0u, 0u, 0u);
+
+    u32 key[ITEMS];   // tile 0's keys, kept for the whole selection when the row is one tile
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) key[j] = qsd_order_key(bits0[j]);
+    if (cached) {
+        const size_t i0 = (size_t)tid * ITEMS;
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j)
+            if (i0 + j < n) cache[i0 + j] = key[j];
+    }
+    __syncthreads();   // histogram cleared
+
+    // Radix select (as qsd_topk_select): after pass d, the keys whose bits under `mask` equal `prefix` hold the
+    // threshold, krem of them still to be taken; the ones above the prefix are all taken.
+    u32 prefix = 0u, mask = 0u, krem = k;
+    for (int pass = 0; pass < 4; ++pass) {
+        const int shift = 24 - 8 * pass;
+        for (u32 t = 0; t < n_tiles; ++t) {
+            if (n_tiles > 1 && (t > 0 || pass > 0))
+                qsd_tile_keys(row, n, t, vec, cache, cached && pass > 0, cached && pass == 0, key);
+            const size_t i0 = (size_t)t * QSA_TOPK_TILE + (size_t)tid * ITEMS;
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j)
+                if (i0 + j < n && (key[j] & mask) == prefix) atomicAdd(copy + ((key[j] >> shift) & 0xffu) * C, 1u);
+        }
+        __syncthreads();   // every copy complete
+        u32 sum = 0u;
+#pragma unroll
+        for (int c = 0; c < WPT / 4; ++c) {
+            const uint4 v = mine[c];
+            sum += (v.x + v.y) + (v.z + v.w);
+            mine[c] = make_uint4(0u, 0u, 0u, 0u);   // for the next pass (its adds come after the barrier below)
+        }
+#pragma unroll
+        for (int off = 1; off < TPB; off <<= 1) sum += __shfl_xor_sync(HSS_FULL_MASK, sum, off);
+        if (tid % TPB == 0) tot[tid / TPB] = sum;
+        __syncthreads();   // totals complete (the last reads of the previous ones were before the barrier above)
+        u32 digit, above, bucket;
+        qsd_choose_all(tot, krem, digit, above, bucket);
+        krem -= above;
+        prefix |= digit << shift;
+        mask |= 0xffu << shift;
+        if (bucket == krem) break;   // the threshold bucket is taken whole (uniform: every warp chose the same)
+    }
+
+    // Stable compaction, as qsd_topk_select's.
+    u32 run_gt = 0u, run_eq = 0u;
+    for (u32 t = 0; t < n_tiles; ++t) {
+        if (n_tiles > 1) qsd_tile_keys(row, n, t, vec, cache, cached, false, key);
+        const size_t i0 = (size_t)t * QSA_TOPK_TILE + (size_t)tid * ITEMS;
+        u32 n_gt = 0u, n_eq = 0u;
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+            if (i0 + j < n) {
+                const u32 km = key[j] & mask;
+                n_gt += km > prefix;
+                n_eq += km == prefix;
+            }
+        }
+        const u32 before = qsd_block_scan<THREADS / 32>(n_gt | (n_eq << 16), wsum[t & 1], &tile_total[t & 1]);
+        const u32 total = tile_total[t & 1];
+        u32 gt = run_gt + (before & 0xffffu), eq = run_eq + (before >> 16);
+        if (gt + min(eq, krem) < k) {
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) {
+                if (i0 + j < n) {
+                    const u32 km = key[j] & mask;
+                    if (km > prefix) {
+                        qsd_emit(out, gt + min(eq, krem), (u32)(i0 + j), ratio, vec4);
+                        ++gt;
+                    } else if (km == prefix) {
+                        if (eq < krem) qsd_emit(out, gt + eq, (u32)(i0 + j), ratio, vec4);
+                        ++eq;
+                    }
+                }
+            }
+        }
+        run_gt += total & 0xffffu;
+        run_eq += total >> 16;
+    }
+}
+
+// The row step of qsa_dev_topk (THREADS and the selection aside, the same code).
+extern "C" __global__ void __launch_bounds__(QSA_TOPK_FAST_THREADS)
+    qsa_dev_topk_fast(const float* __restrict__ scores, int* pos, const int* __restrict__ slots,
+                      int* __restrict__ tokens, int* __restrict__ counts, u32 score_stride, u32 k_blocks, u32 ratio,
+                      u32 sel_cap, u32 max_tokens) {
+    extern __shared__ __align__(16) u32 key_cache[];
+    constexpr int THREADS = QSA_TOPK_FAST_THREADS;
+    if (blockDim.x != THREADS || blockDim.y != 1 || blockDim.z != 1 || gridDim.y != 1 || gridDim.z != 1 ||
+        ratio == 0 || max_tokens > 0x7fffffffu || (u64)score_stride < max_tokens / ratio ||
+        (u64)sel_cap + 1 < ((u64)k_blocks + 1) * ratio)
+        return;
+    const u32 r = blockIdx.x, tid = threadIdx.x;
+    const float* row = scores + (size_t)r * score_stride;
+    const bool vec = (reinterpret_cast<uintptr_t>(row) & 15) == 0;
+    u32 bits0[QSA_TOPK_FAST_ITEMS];   // tile 0 of the row, loaded while the slot and position arrive
+    qsd_load_bits(row, (size_t)tid * QSA_TOPK_FAST_ITEMS, score_stride, vec, bits0);
+    int slot;
+    u32 p;
+    if (!qsd_row(slots, pos, r, slot, p) || p >= max_tokens) {
+        if (tid == 0) counts[r] = 0;
+        return;
+    }
+    const u32 visible = p + 1, complete = visible / ratio, tail = visible - complete * ratio;
+    int* out = tokens + (size_t)r * sel_cap;
+    if (complete <= k_blocks) {   // inert: every visible token
+        for (u32 i = tid; i < visible; i += THREADS) out[i] = (int)i;
+        if (tid == 0) counts[r] = (int)visible;
+    } else {
+        if (k_blocks > 0) {
+            const bool vec4 = ratio == 4 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+            qsd_topk_select_fast<THREADS>(row, complete, k_blocks, ratio, out, bits0, vec, vec4, key_cache);
+        }
+        const u32 sel = k_blocks * ratio;
+        for (u32 i = tid; i < tail; i += THREADS) out[sel + i] = (int)(complete * ratio + i);
+        if (tid == 0) counts[r] = (int)(sel + tail);
+    }
+    __syncthreads();   // every thread has read p
+    if (tid == 0) pos[slot] = (int)visible;
+}
+
+// ------------------------------------------------------------------------------------------------
+// qsa_sparse_attn_fused: qsa_sparse_attn and qsa_sparse_merge in one launch (opt-in)
+// ------------------------------------------------------------------------------------------------
+// out[r, h] of the G heads h of kv head g from their first ns partials, exactly qsa_sparse_merge's arithmetic (the
+// weights w_s and the sum L of one head do not depend on the dim: computed once per head, the same bits). The
+// partials go to shared memory (the attention's, free again) nb heads at a time by cp.async from L2 (other CTAs wrote
+// them); a head whose ns partials do not fit is folded straight from global memory, as qsa_sparse_merge does.
+template <int HD>
+__device__ __forceinline__ void qsd_fold_heads(const float* __restrict__ part_ml, const float* __restrict__ part_o,
+                                               __nv_bfloat16* __restrict__ out, size_t qrow, u32 G, u32 splits,
+                                               u32 ns, unsigned char* smem) {
+    constexpr u32 Q4 = HD / 4;   // float4s per row
+    const u32 tid = threadIdx.x;
+    const float ninf = hss_neg_inf();
+    const size_t per_head = (size_t)ns * (HD * 4 + 12) + 8;   // o [ns][HD], (m, l) [ns], w [ns], (M, L)
+    const u32 nb = (u32)min((size_t)G, (size_t)QsdAttnSmem<HD>::BYTES / per_head);
+    if (nb == 0) {   // too many splits for shared memory: qsa_sparse_merge's loop
+        for (u32 i = tid; i < G * HD; i += QSA_ATTN_THREADS) {
+            const u32 h = i / HD, d = i - h * HD;
+            const float* ml = part_ml + (qrow + h) * splits * 2;
+            const float* po = part_o + (qrow + h) * splits * HD;
+            float big = ninf;
+            for (u32 s = 0; s < ns; ++s) big = fmaxf(big, __ldcg(ml + 2 * s));
+            float res = 0.f;
+            if (big != ninf) {
+                float l = 0.f, o = 0.f;
+                for (u32 s = 0; s < ns; ++s) {
+                    const float w = exp2f(__ldcg(ml + 2 * s) - big);
+                    l = fmaf(__ldcg(ml + 2 * s + 1), w, l);
+                    o = fmaf(__ldcg(po + (size_t)s * HD + d), w, o);
+                }
+                res = l > 0.f ? o / l : 0.f;
+            }
+            out[(qrow + h) * HD + d] = __float2bfloat16_rn(res);
+        }
+        return;
+    }
+    for (u32 h0 = 0; h0 < G; h0 += nb) {
+        const u32 hn = min(nb, G - h0);
+        float* so = reinterpret_cast<float*>(smem);              // [hn][ns][HD]
+        float2* sml = reinterpret_cast<float2*>(so + (size_t)hn * ns * HD);   // [hn][ns] (m, l)
+        float2* shl = sml + (size_t)hn * ns;                     // [hn] (M, L)
+        float* sw = reinterpret_cast<float*>(shl + hn);          // [hn][ns] w
+        for (u32 h = 0; h < hn; ++h) {   // a head's ns partial rows are contiguous
+            const float* src = part_o + (qrow + h0 + h) * splits * HD;
+            float* dst = so + (size_t)h * ns * HD;
+            for (u32 c = tid; c < ns * Q4; c += QSA_ATTN_THREADS) hss_cp_async16(dst + 4 * c, src + 4 * c);
+        }
+        hss_cp_commit();
+        for (u32 h = 0; h < hn; ++h) {
+            const float2* src = reinterpret_cast<const float2*>(part_ml + (qrow + h0 + h) * splits * 2);
+            for (u32 s = tid; s < ns; s += QSA_ATTN_THREADS) sml[(size_t)h * ns + s] = __ldcg(src + s);
+        }
+        __syncthreads();   // (m, l) staged
+        if (tid < hn) {    // M, w_s, L of one head: qsa_sparse_merge's per-thread values
+            const float2* ml = sml + (size_t)tid * ns;
+            float big = ninf;
+            for (u32 s = 0; s < ns; ++s) big = fmaxf(big, ml[s].x);
+            float l = 0.f;
+            for (u32 s = 0; s < ns; ++s) {
+                const float w = exp2f(ml[s].x - big);
+                sw[(size_t)tid * ns + s] = w;
+                l = fmaf(ml[s].y, w, l);
+            }
+            shl[tid] = make_float2(big, l);
+        }
+        hss_cp_wait<0>();
+        __syncthreads();   // o staged (every thread's copies), weights ready
+        for (u32 i = tid; i < hn * Q4; i += QSA_ATTN_THREADS) {
+            const u32 h = i / Q4, d = (i - h * Q4) * 4;
+            const float2 ML = shl[h];
+            const float* w = sw + (size_t)h * ns;
+            const float* src = so + (size_t)h * ns * HD + d;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (u32 s = 0; s < ns; ++s) {
+                const float4 x = *reinterpret_cast<const float4*>(src + (size_t)s * HD);
+                const float ws = w[s];
+                o.x = fmaf(x.x, ws, o.x);
+                o.y = fmaf(x.y, ws, o.y);
+                o.z = fmaf(x.z, ws, o.z);
+                o.w = fmaf(x.w, ws, o.w);
+            }
+            const bool live = ML.x != ninf && ML.y > 0.f;
+            __nv_bfloat16* dst = out + (qrow + h0 + h) * HD + d;
+            dst[0] = __float2bfloat16_rn(live ? o.x / ML.y : 0.f);
+            dst[1] = __float2bfloat16_rn(live ? o.y / ML.y : 0.f);
+            dst[2] = __float2bfloat16_rn(live ? o.z / ML.y : 0.f);
+            dst[3] = __float2bfloat16_rn(live ? o.w / ML.y : 0.f);
+        }
+        __syncthreads();   // shared memory free for the next heads
+    }
+}
+
+// One CTA of qsa_sparse_attn_fused: its split's partials (qsa_sparse_attn's code), then the count of (r, g)'s
+// finished splits; the CTA that finishes last folds them (paged_decode_attn_tiled's protocol: each thread's partials
+// fenced device-wide before the count, the last CTA fenced after it, then reading through L2 only).
+template <int HD>
+__device__ __forceinline__ void qsd_sparse_attn_fused_cta(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool, const __nv_bfloat16* __restrict__ v_pool,
+    const int* __restrict__ block_tables, const int* __restrict__ tokens, u32 n_total, float* __restrict__ part_ml,
+    float* __restrict__ part_o, __nv_bfloat16* __restrict__ out, u32* __restrict__ count, u32 max_pages, u32 sel_cap,
+    u32 bs, u32 nq, u32 nkv, u32 G, u32 splits, float scale, unsigned char* smem) {
+    __shared__ u32 last;
+    qsd_sparse_attn_body<HD>(q, k_pool, v_pool, block_tables, tokens, n_total, part_ml, part_o, max_pages, sel_cap, bs,
+                             nq, nkv, G, splits, scale, smem);
+    const u32 ns = (n_total + QSA_SPLIT - 1) / QSA_SPLIT;
+    __threadfence();   // this thread's partials are visible device-wide before the CTA counts its split
+    __syncthreads();   // every thread's (and the body's shared memory is free)
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u32 done = atomicAdd(count, 1u) + 1u;
+        last = done == ns;
+        if (last) {
+            __threadfence();   // the other splits' partials are read after their counts
+            *count = 0u;       // zero for the next launch (every split of this launch has counted)
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    qsd_fold_heads<HD>(part_ml, part_o, out, (size_t)blockIdx.x * nq + (size_t)blockIdx.y * G, G, splits, ns, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(QSA_ATTN_THREADS) qsa_sparse_attn_fused(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool, const __nv_bfloat16* __restrict__ v_pool,
+    const int* __restrict__ block_tables, const int* __restrict__ tokens, const int* __restrict__ counts,
+    float* __restrict__ part_ml, float* __restrict__ part_o, __nv_bfloat16* __restrict__ out,
+    u32* __restrict__ merge_count, u32 max_pages, u32 sel_cap, u32 block_size, u32 nq, u32 nkv, u32 hd,
+    float scale) {
+    extern __shared__ __align__(16) unsigned char qsd_attn_smem[];
+    const u32 splits = (sel_cap + QSA_SPLIT - 1) / QSA_SPLIT;
+    const uintptr_t any = reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k_pool) |
+                          reinterpret_cast<uintptr_t>(v_pool) | reinterpret_cast<uintptr_t>(part_o);
+    if (blockDim.x != QSA_ATTN_THREADS || blockDim.y != 1 || blockDim.z != 1 || nkv == 0 || nq % nkv != 0 ||
+        nq / nkv == 0 || nq / nkv > QSA_ATTN_MAX_G || gridDim.y != nkv || sel_cap == 0 || gridDim.z != splits ||
+        block_size == 0 || hd == 0 || (hd & 31) || hd > QSA_ATTN_MAX_HD || (any & 15) ||
+        (reinterpret_cast<uintptr_t>(part_ml) & 7) || (reinterpret_cast<uintptr_t>(out) & 1) ||
+        (reinterpret_cast<uintptr_t>(merge_count) & 3))
+        return;
+    const u32 G = nq / nkv;
+    bool fits = false;
+#define QSD_FITS_CASE(HD) \
+    case HD: fits = qsa_dynamic_smem_bytes() >= QsdAttnSmem<HD>::BYTES; break;
+    switch (hd) {
+        QSD_FITS_CASE(32) QSD_FITS_CASE(64) QSD_FITS_CASE(96) QSD_FITS_CASE(128)
+        QSD_FITS_CASE(160) QSD_FITS_CASE(192) QSD_FITS_CASE(224) QSD_FITS_CASE(256)
+        default: break;
+    }
+#undef QSD_FITS_CASE
+    if (!fits) return;   // (uniform: nothing written, the counters untouched)
+    const int cnt = counts[blockIdx.x];
+    const u32 n_total = cnt <= 0 ? 0u : min((u32)cnt, sel_cap);
+    if (n_total == 0) {   // no token: qsa_sparse_merge's zeros, from split 0's CTA, without counting
+        if (blockIdx.z == 0) {
+            __nv_bfloat16* dst = out + ((size_t)blockIdx.x * nq + (size_t)blockIdx.y * G) * hd;
+            for (u32 i = threadIdx.x; i < G * hd; i += QSA_ATTN_THREADS) dst[i] = __float2bfloat16_rn(0.f);
+        }
+        return;
+    }
+    if (blockIdx.z * QSA_SPLIT >= n_total) return;   // an empty split: not counted (the fold needs ns of them)
+    u32* count = merge_count + (size_t)blockIdx.x * nkv + blockIdx.y;
+#define QSD_FUSED_CASE(HD)                                                                                        \
+    case HD:                                                                                                      \
+        qsd_sparse_attn_fused_cta<HD>(q, k_pool, v_pool, block_tables, tokens, n_total, part_ml, part_o, out,     \
+                                      count, max_pages, sel_cap, block_size, nq, nkv, G, splits, scale,           \
+                                      qsd_attn_smem);                                                             \
+        break;
+    switch (hd) {
+        QSD_FUSED_CASE(32) QSD_FUSED_CASE(64) QSD_FUSED_CASE(96) QSD_FUSED_CASE(128)
+        QSD_FUSED_CASE(160) QSD_FUSED_CASE(192) QSD_FUSED_CASE(224) QSD_FUSED_CASE(256)
+        default: break;
+    }
+#undef QSD_FUSED_CASE
 }
