@@ -123,9 +123,6 @@ MIRRORS = [
     ("QSA_TOPK_THREADS", qsa_device.TOPK_THREADS),
     ("QSA_TOPK_ITEMS", qsa_device.TOPK_ITEMS),
     ("QSA_TOPK_TILE", qsa_device.TOPK_TILE),
-    ("QSA_TOPK_FAST_THREADS", qsa_device.TOPK_FAST_THREADS),
-    ("QSA_TOPK_FAST_ITEMS", qsa_device.TOPK_FAST_ITEMS),
-    ("QSA_TOPK_FAST_COPIES", qsa_device.TOPK_FAST_COPIES),
     ("QSA_SPLIT", qsa_device.SPLIT),
     ("QSA_ATTN_THREADS", qsa_device.ATTN_THREADS),
     ("QSA_ATTN_MAX_G", qsa_device.ATTN_MAX_GROUP),
@@ -155,8 +152,6 @@ BLOCKS = {
     "qsa_dev_score": qsa_device.score_geometry(1, 1, 1, 128).block[0],
     "qsa_dev_topk": qsa_device.topk_geometry(1, 1).block[0],
     "qsa_sparse_attn": qsa_device.attn_geometry(1, 1, 1, 128).block[0],
-    "qsa_dev_topk_fast": qsa_device.topk_fast_geometry(1, 1).block[0],
-    "qsa_sparse_attn_fused": qsa_device.attn_geometry(1, 1, 1, 128).block[0],
 }
 
 

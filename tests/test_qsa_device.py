@@ -1,8 +1,7 @@
 """The batched device decode (issue 12; SPEC §17.2-§17.4): ``QsaIndexer.decode_select_batch`` and
 ``sparse_decode_attention`` against the single-sequence host path and the float64 references, graph capture and
 replay (``begin_capture`` / ``end_capture``; ``torch.cuda.graph`` on a GPU), the device positions behind every host
-path, and every argument error (raised before any device work); the opt-in kernel variant (``device_kernels="fast"``,
-env ``HSS_QSA_DEVICE_KERNELS``) against the default one, bit for bit, eagerly and replayed from a graph.
+path, and every argument error (raised before any device work).
 
 Dims: on the emulator small ones (hidden 64, indexer 2 x 32, ratio 4, budget 16: inert bound 19) so CI stays fast;
 on a GPU Qwen3.8's (hidden 2560, indexer 4 x 128, ratio 4, budget 2048: inert bound 2051; attention 24 q / 2 kv x
@@ -252,16 +251,15 @@ def near_tie(idx, st, r: int, got: np.ndarray, pos: int, stream) -> None:
 
 
 # -- sparse attention vs the float64 reference ---------------------------------------------------------------------
-@pytest.mark.parametrize("kernels", device.KERNEL_VARIANTS)
 @pytest.mark.parametrize("nq, nkv, hd", [(24, 2, 256), (32, 8, 128)])
-def test_sparse_attention_matches_the_float64_reference(gpu, stream, rng, layer, nq, nkv, hd, kernels):
+def test_sparse_attention_matches_the_float64_reference(gpu, stream, rng, layer, nq, nkv, hd):
     lengths = [3, BOUND + 2, 2 * BUDGET + 5] if not ON_GPU else [100, BOUND + 2, 5000]
     R = len(lengths)
     max_pages = -(-D["max_tokens"] // BS)
     cache = kv_cache(rng, R, max_pages, stream, nkv, hd)
     cache.tables[1, 0] = -1          # a negative page id: its tokens contribute nothing
     cm.copy_h_to_d_async(cache.dev[2], cache.tables, cache.tables.nbytes, stream)
-    with layer.indexer(gpu, nkv_attn=nkv, hd_attn=hd, device_kernels=kernels) as idx:
+    with layer.indexer(gpu, nkv_attn=nkv, hd_attn=hd) as idx:
         states, rows = start(idx, lengths, rng, stream)
         x = upload(np.stack([rows[r][lengths[r]] for r in range(R)]), stream)
         qh = rng.standard_normal((R, nq, hd)).astype(BF16)
@@ -344,20 +342,14 @@ def step_inputs(rng, n_layers: int, R: int, stream) -> tuple[list, list]:
     return normed, q
 
 
-@pytest.mark.parametrize("kernels", device.KERNEL_VARIANTS)
-def test_graph_replays_equal_eager_steps(gpu, stream, rng, kernels):
-    """50 replays of a captured 3-layer step equal 50 eager steps of the default kernels: the same selections and
-    output bits (with ``kernels="fast"`` the graph holds the opt-in variants, so this also shows them equal to the
-    default ones, step by step)."""
+def test_graph_replays_equal_eager_steps(gpu, stream, rng):
     n_layers, steps = 3, 50
     layers = [make_layer(rng, stream) for _ in range(n_layers)]
     cm.stream_sync(stream)     # the weights are read on another stream
     lengths = [1, BOUND - 20, BOUND - 2, BOUND + 9] if not ON_GPU else [1, BOUND - 20, BOUND - 2, 4000]
     lengths = [max(n, 0) for n in lengths]
     s = cm.CudaStream()
-    eager = World(gpu, layers, lengths, s, 5, nq_attn=D["nq"])
-    graphed = World(gpu, layers, lengths, s, 5, nq_attn=D["nq"], device_kernels=kernels)
-    assert [idx.device_kernels for idx in graphed.idx] == [kernels] * n_layers
+    eager, graphed = (World(gpu, layers, lengths, s, 5, nq_attn=D["nq"]) for _ in range(2))
     inputs = [step_inputs(rng, n_layers, len(lengths), s) for _ in range(steps)]
     graphed.feed(*inputs[0])
     cm.begin_capture(s)
@@ -508,63 +500,6 @@ def test_torch_graph_capture(gpu, rng):
             b.close()
 
 
-# -- kernel variants -------------------------------------------------------------------------------------------
-def test_device_kernels_selector(gpu, stream, rng, layer, monkeypatch):
-    """``device_kernels=`` (else env HSS_QSA_DEVICE_KERNELS, read at construction) picks the variant: "fast" runs
-    qsa_dev_topk_fast and one fused attention launch (its counters zeroed once), with the default's selections and
-    output bits; a bad value raises before any device work."""
-    monkeypatch.delenv("HSS_QSA_DEVICE_KERNELS", raising=False)
-    lengths = [3, BOUND + 5, 2 * BUDGET + 1] if not ON_GPU else [3, BOUND + 5, 5000]
-    R, nq, hd = len(lengths), D["nq"], D["hd_attn"]
-    cache = kv_cache(rng, R, -(-D["max_tokens"] // BS), stream)
-    qh = rng.standard_normal((R, nq, hd)).astype(BF16)
-    q, out = upload(qh, stream), cm.DeviceBuffer(R * nq * hd * 2)
-    results = {}
-    for kernels, env in (("default", ""), ("fast", "fast"), ("fast", None)):
-        if env is None:
-            monkeypatch.delenv("HSS_QSA_DEVICE_KERNELS")
-            idx = layer.indexer(gpu, device_kernels="fast")
-        else:
-            monkeypatch.setenv("HSS_QSA_DEVICE_KERNELS", env)
-            idx = layer.indexer(gpu)
-        with idx:
-            assert idx.device_kernels == kernels and (idx._dev.merge_count != 0) == (kernels == "fast")
-            states, rows = start(idx, lengths, np.random.default_rng(3), stream)
-            x = upload(np.stack([rows[r][lengths[r]] for r in range(R)]), stream)
-            sel = idx.decode_select_batch(states, x, table_view(cache), BS, stream)
-            idx.sparse_decode_attention(q.view("bf16", (R, nq, hd)), *cache.dev[:2], None, sel, out, stream)
-            with driver_work() as calls:
-                idx.sparse_decode_attention(q.view("bf16", (R, nq, hd)), *cache.dev[:2], None, sel, out, stream)
-            assert calls == ["cuLaunchKernel"] * (1 if kernels == "fast" else 2), calls
-            got = (selected(sel, stream), download(out, (R * nq * hd,), np.uint16, stream))
-            if kernels == "fast":
-                assert not download(idx._dev.merge_count, (8 * D["nkv"],), np.int32, stream).any()
-            results.setdefault(kernels, []).append(got)
-            for st in states:
-                idx.release_seq_state(st)
-            x.close()
-    (want_t, want_o), = results["default"]
-    for got_t, got_o in results["fast"]:
-        assert all(np.array_equal(a, b) for a, b in zip(want_t, got_t)), "fast top-k: other selections"
-        assert np.array_equal(want_o, got_o), "fused attention: other output bits"
-    for kw, env, exc, match in [(dict(device_kernels="turbo"), None, HssError, "device_kernels='turbo'"),
-                                (dict(device_kernels=1), None, TypeError, "device_kernels must be a str"),
-                                (dict(), "Fast", HssError, "HSS_QSA_DEVICE_KERNELS='Fast' names no kernel variant")]:
-        if env is None:
-            monkeypatch.delenv("HSS_QSA_DEVICE_KERNELS", raising=False)
-        else:
-            monkeypatch.setenv("HSS_QSA_DEVICE_KERNELS", env)
-        rec = Recording(gpu)
-        with pytest.raises(exc, match=match):
-            layer.indexer(rec, **kw)
-        assert rec.calls == []
-    monkeypatch.setenv("HSS_QSA_DEVICE_KERNELS", "fast")
-    with layer.indexer(gpu, device_kernels="default") as idx:   # the argument wins over the environment
-        assert idx.device_kernels == "default" and not idx._dev.merge_count
-    for b in (q, out, *cache.dev):
-        b.close()
-
-
 # -- hostile input ---------------------------------------------------------------------------------------------
 def test_bad_arguments_raise_before_any_device_work(gpu, stream, rng, layer):
     rec = Recording(gpu)
@@ -696,9 +631,6 @@ def test_bench_smoke():
     from hss.bench import qsa_device as bench
     rows = bench.run(bench.parse_args(["--smoke"]))
     assert [(r["visible"], r["batch"]) for r in rows] == [(40, 1), (40, 3), (72, 1), (72, 3)]
-    assert all(r[f"{k}_us"] > 0 for r in rows for k in (*bench.STAGES, *bench.FAST_STAGES, "step", "step_fast"))
+    assert all(r[f"{k}_us"] > 0 for r in rows for k in bench.STAGES)
     text = bench.table(rows)
     assert "graph wall/token" in text and "Targets" in text and "NOT met" not in text
-    assert "top-k fast" in text and "attn+merge fused" in text and "step fast" in text
-    one = bench.run(bench.parse_args(["--smoke", "--contexts", "40", "--batches", "1", "--variant", "default"]))
-    assert one[0]["topk_fast_us"] is None and "—" in bench.table(one)

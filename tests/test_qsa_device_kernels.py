@@ -10,9 +10,6 @@
 * ``qsa_sparse_attn`` + ``qsa_sparse_merge``: a float64 reference over the same token set under the bf16 rule
   (|err| <= 2^-7 |ref| + 1e-5 max|ref| per (row, head)); dropping the heaviest token breaks it; the bits of a request
   do not depend on R.
-* the opt-in variants: ``qsa_dev_topk_fast`` runs every top-k test of ``qsa_dev_topk`` (the same exact lists);
-  ``qsa_sparse_attn_fused`` runs the attention tests and gives the bits of ``qsa_sparse_attn`` + ``qsa_sparse_merge``
-  (bit for bit: on the emulator by construction, on a GPU for real), leaving its split counters zero.
 Every bound is shown to bite. Outputs are poisoned (0xFF) before each launch.
 """
 from __future__ import annotations
@@ -38,11 +35,7 @@ from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 
 THETA, EPS = 1e7, 1e-6
 POISON = -1   # 0xFFFFFFFF as i32
-NAMES = ("qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge", "qsa_dev_topk_fast",
-         "qsa_sparse_attn_fused")
-TOPK = [kd.QSA_DEV_TOPK, kd.QSA_DEV_TOPK_FAST]   # every top-k test runs both (the same contract and result)
-TOPK_GEOMETRY = {kd.QSA_DEV_TOPK.name: kd.topk_geometry, kd.QSA_DEV_TOPK_FAST.name: kd.topk_fast_geometry}
-topk_variants = pytest.mark.parametrize("topk", TOPK, ids=lambda d: d.name)
+NAMES = ("qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +101,8 @@ class TopkCase:
     """Device buffers of one batch: scores [R, stride], pos [max_seqs], slots [R], tokens/counts (poisoned)."""
 
     def __init__(self, stream, scores: np.ndarray, pos: np.ndarray, slots: np.ndarray, k_blocks: int, ratio: int,
-                 max_tokens: int, sel_cap: int | None = None, decl=kd.QSA_DEV_TOPK) -> None:
-        self.stream, self.k, self.ratio, self.max_tokens, self.decl = stream, k_blocks, ratio, max_tokens, decl
+                 max_tokens: int, sel_cap: int | None = None) -> None:
+        self.stream, self.k, self.ratio, self.max_tokens = stream, k_blocks, ratio, max_tokens
         self.scores = np.ascontiguousarray(scores, np.float32)
         self.rows, self.stride = self.scores.shape
         self.sel_cap = sel_cap if sel_cap is not None else (k_blocks + 1) * ratio
@@ -123,10 +116,10 @@ class TopkCase:
         self.counts = self.es.enter_context(poisoned(4 * self.rows, stream))
 
     def launch(self, fns, shared: int | None = None) -> None:
-        g = TOPK_GEOMETRY[self.decl.name](self.rows, self.stride)
+        g = kd.topk_geometry(self.rows, self.stride)
         if shared is not None:
             g = kd.Geometry(g.grid, g.block, shared)
-        launch(fns, self.decl, g, self.stream, scores=self.d_scores, pos=self.d_pos, slots=self.d_slots,
+        launch(fns, kd.QSA_DEV_TOPK, g, self.stream, scores=self.d_scores, pos=self.d_pos, slots=self.d_slots,
                tokens=self.tokens, counts=self.counts, score_stride=self.stride, k_blocks=self.k, ratio=self.ratio,
                sel_cap=self.sel_cap, max_tokens=self.max_tokens)
 
@@ -157,15 +150,14 @@ class TopkCase:
         self.es.close()
 
 
-def run_one(fns, stream, topk, scores: np.ndarray, k: int, ratio: int, visible: int, extra_tokens: int = 0) -> None:
+def run_one(fns, stream, scores: np.ndarray, k: int, ratio: int, visible: int, extra_tokens: int = 0) -> None:
     """One row at position visible - 1 (its slot 1 of 2); entries past `complete` are +inf (never read)."""
     complete = visible // ratio
     max_tokens = visible + extra_tokens
     stride = max_tokens // ratio
     row = np.full(stride, np.inf, np.float32)
     row[:complete] = scores[:complete]
-    case = TopkCase(stream, row[None], np.array([77, visible - 1], np.int32), np.array([1]), k, ratio, max_tokens,
-                    decl=topk)
+    case = TopkCase(stream, row[None], np.array([77, visible - 1], np.int32), np.array([1]), k, ratio, max_tokens)
     try:
         case.launch(fns)
         tokens, counts, pos = case.read()
@@ -179,39 +171,35 @@ SIZES = st.one_of(st.integers(1, 3000), st.sampled_from([8191, 8192, 8193, 16385
                   st.integers(1, 262_144))
 
 
-@topk_variants
 @given(n=SIZES, kind=st.sampled_from(KINDS), ratio=st.sampled_from([1, 2, 4]), data=st.data())
-def test_topk_equals_select_tokens(fns, stream, topk, n, kind, ratio, data):
+def test_topk_equals_select_tokens(fns, stream, n, kind, ratio, data):
     k = data.draw(st.one_of(st.integers(1, n), st.sampled_from(sorted({1, min(512, n), max(1, n - 1), n}))))
     tail = data.draw(st.integers(0, ratio - 1))
     seed = data.draw(st.integers(0, 2**32 - 1))
-    run_one(fns, stream, topk, make_scores(np.random.default_rng(seed), kind, n), k, ratio, n * ratio + tail,
+    run_one(fns, stream, make_scores(np.random.default_rng(seed), kind, n), k, ratio, n * ratio + tail,
             extra_tokens=data.draw(st.integers(0, 9)))
 
 
-@topk_variants
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n, k", [(8192, 512), (513, 512), (8193, 8192), (20000, 512), (100, 37)])
-def test_topk_production_shapes(fns, stream, rng, topk, kind, n, k):
-    run_one(fns, stream, topk, make_scores(rng, kind, n), k, 4, n * 4 + 3)
+def test_topk_production_shapes(fns, stream, rng, kind, n, k):
+    run_one(fns, stream, make_scores(rng, kind, n), k, 4, n * 4 + 3)
 
 
-@topk_variants
 @pytest.mark.parametrize("n, k", [(262_144, 512), (262_144, 262_143), (262_144, 131_072)])
-def test_topk_largest_rows(fns, stream, rng, topk, n, k):
+def test_topk_largest_rows(fns, stream, rng, n, k):
     """N = 262,144 blocks (1M tokens): past the shared-memory key cache, so every pass re-reads the scores."""
-    run_one(fns, stream, topk, make_scores(rng, "mixed", n), k, 4, n * 4 + 1)
+    run_one(fns, stream, make_scores(rng, "mixed", n), k, 4, n * 4 + 1)
 
 
-@topk_variants
-def test_topk_cache_and_global_paths_agree(fns, stream, rng, topk):
+def test_topk_cache_and_global_paths_agree(fns, stream, rng):
     """A multi-tile row with the key cache (topk_smem_bytes) and without it (no dynamic smem): the same list."""
     n, k, ratio = 30_000, 700, 4
     visible = n * ratio + 2
     scores = make_scores(rng, "ties", n)[None]
     results = []
     for shared in (None, 0):
-        case = TopkCase(stream, scores, np.array([visible - 1]), np.array([0]), k, ratio, visible, decl=topk)
+        case = TopkCase(stream, scores, np.array([visible - 1]), np.array([0]), k, ratio, visible)
         try:
             assert kd.topk_geometry(1, case.stride).shared == 4 * case.stride   # the cache fits
             case.launch(fns, shared)
@@ -223,8 +211,7 @@ def test_topk_cache_and_global_paths_agree(fns, stream, rng, topk):
     assert np.array_equal(results[0], results[1])
 
 
-@topk_variants
-def test_topk_batch_ragged_rows(fns, stream, rng, topk):
+def test_topk_batch_ragged_rows(fns, stream, rng):
     """Rows of a batch on permuted slots: selective, inert, a full-size tie row, a position at max_tokens (count 0,
     no advance), a negative slot (count 0); pos of slots outside the batch untouched."""
     k, ratio, max_tokens = 64, 4, 4 * 300
@@ -233,7 +220,7 @@ def test_topk_batch_ragged_rows(fns, stream, rng, topk):
     scores = np.stack([make_scores(rng, kind, stride) for kind in kinds])
     pos = np.array([1000, 40, max_tokens, 259, 4 * 65 - 1, 4 * 65 - 2, 5, 1199], np.int32)  # by slot
     slots = np.array([4, 0, 2, -1, 5, 7, 1])
-    case = TopkCase(stream, scores, pos, slots, k, ratio, max_tokens, decl=topk)
+    case = TopkCase(stream, scores, pos, slots, k, ratio, max_tokens)
     try:
         case.launch(fns)
         tokens, counts, after = case.read()
@@ -251,14 +238,13 @@ def test_topk_batch_ragged_rows(fns, stream, rng, topk):
         case.close()
 
 
-@topk_variants
-def test_topk_repeated_steps_cross_the_inert_bound(fns, stream, rng, topk):
+def test_topk_repeated_steps_cross_the_inert_bound(fns, stream, rng):
     """Launched again and again on the same buffers, the step follows the device position: p, p + 1, ... (across
     the inert bound and across block boundaries), re-poisoned each time."""
     k, ratio, max_tokens = 8, 4, 80
     scores = make_scores(rng, "ties", max_tokens // ratio)[None]
     p0 = (k + 1) * ratio - 3
-    case = TopkCase(stream, scores, np.array([p0]), np.array([0]), k, ratio, max_tokens, decl=topk)
+    case = TopkCase(stream, scores, np.array([p0]), np.array([0]), k, ratio, max_tokens)
     try:
         for i in range(7):
             case.poison()
@@ -275,14 +261,13 @@ def test_topk_repeated_steps_cross_the_inert_bound(fns, stream, rng, topk):
         case.close()
 
 
-@topk_variants
-def test_topk_replayed_from_a_graph_follows_the_device_position(fns, stream, rng, topk):
+def test_topk_replayed_from_a_graph_follows_the_device_position(fns, stream, rng):
     """A captured (poison + top-k) step, replayed: each replay reads the position the previous one left, across the
     inert bound (the selection is read on the host only between replays)."""
     k, ratio, max_tokens = 8, 4, 80
     p0 = (k + 1) * ratio - 3
     case = TopkCase(stream, make_scores(rng, "relu", max_tokens // ratio)[None], np.array([p0]), np.array([0]), k,
-                    ratio, max_tokens, decl=topk)
+                    ratio, max_tokens)
     try:
         cm.stream_sync(stream)
         cm.begin_capture(stream)
@@ -299,10 +284,8 @@ def test_topk_replayed_from_a_graph_follows_the_device_position(fns, stream, rng
         case.close()
 
 
-@topk_variants
-def test_topk_k_zero_selects_the_tail_only(fns, stream, rng, topk):
-    case = TopkCase(stream, make_scores(rng, "relu", 10)[None], np.array([41]), np.array([0]), 0, 4, 42, sel_cap=3,
-                    decl=topk)
+def test_topk_k_zero_selects_the_tail_only(fns, stream, rng):
+    case = TopkCase(stream, make_scores(rng, "relu", 10)[None], np.array([41]), np.array([0]), 0, 4, 42, sel_cap=3)
     try:
         case.launch(fns)
         tokens, counts, pos = case.read()
@@ -550,10 +533,8 @@ class AttnCase:
         w = np.exp(x - x.max(axis=0))
         return int(np.argmax((w / w.sum(axis=0)).max(axis=1)))
 
-    def run(self, fns, stream, rows=None, fused: bool = False, launches: int = 1) -> np.ndarray:
-        """out bf16 [R', nq, hd] of the requests ``rows`` (all by default) as one batch: qsa_sparse_attn +
-        qsa_sparse_merge, or (``fused``) qsa_sparse_attn_fused ``launches`` times on one counter buffer, which must
-        be zero after each launch."""
+    def run(self, fns, stream, rows=None) -> np.ndarray:
+        """out bf16 [R', nq, hd] of the requests ``rows`` (all by default) as one batch."""
         rows = list(range(self.R)) if rows is None else list(rows)
         R, nq, hd, cap = len(rows), self.nq, self.hd, self.sel_cap
         with contextlib.ExitStack() as es:
@@ -563,25 +544,13 @@ class AttnCase:
             ml = es.enter_context(poisoned(kd.part_ml_bytes(R, nq, cap), stream))
             po = es.enter_context(poisoned(kd.part_o_bytes(R, nq, cap, hd), stream))
             out = es.enter_context(poisoned(2 * R * nq * hd, stream))
-            args = dict(q=d["q"], k_pool=d["k"], v_pool=d["v"], block_tables=d["tables"], tokens=d["tokens"],
-                        counts=d["counts"], part_ml=ml, part_o=po, max_pages=self.max_pages, sel_cap=cap,
-                        block_size=self.bs, nq=nq, nkv=self.nkv, hd=hd, scale=self.scale)
-            geom = kd.attn_geometry(R, self.nkv, cap, hd)
-            if not fused:
-                launch(fns, kd.QSA_SPARSE_ATTN, geom, stream, **args)
-                launch(fns, kd.QSA_SPARSE_MERGE, kd.merge_geometry(R, nq, hd), stream, part_ml=ml, part_o=po,
-                       counts=d["counts"], out=out, sel_cap=cap, nq=nq, hd=hd)
-                return download(out, (R, nq, hd), BF16, stream)
-            count = es.enter_context(upload(np.zeros(R * self.nkv, np.int32), stream))
-            outs = []
-            for _ in range(launches):
-                cm.memset_d8_async(out, 0xFF, out.bytes, stream)
-                launch(fns, kd.QSA_SPARSE_ATTN_FUSED, geom, stream, **args, out=out, merge_count=count)
-                outs.append(download(out, (R, nq, hd), BF16, stream))
-                assert not download(count, (R * self.nkv,), np.int32, stream).any(), "the counters must end at zero"
-            for again in outs[1:]:
-                assert again.view(np.uint16).tobytes() == outs[0].view(np.uint16).tobytes(), "relaunch: other bits"
-            return outs[0]
+            launch(fns, kd.QSA_SPARSE_ATTN, kd.attn_geometry(R, self.nkv, cap, hd), stream, q=d["q"], k_pool=d["k"],
+                   v_pool=d["v"], block_tables=d["tables"], tokens=d["tokens"], counts=d["counts"], part_ml=ml,
+                   part_o=po, max_pages=self.max_pages, sel_cap=cap, block_size=self.bs, nq=nq, nkv=self.nkv, hd=hd,
+                   scale=self.scale)
+            launch(fns, kd.QSA_SPARSE_MERGE, kd.merge_geometry(R, nq, hd), stream, part_ml=ml, part_o=po,
+                   counts=d["counts"], out=out, sel_cap=cap, nq=nq, hd=hd)
+            return download(out, (R, nq, hd), BF16, stream)
 
     def check(self, got: np.ndarray) -> None:
         for r in range(self.R):
@@ -611,8 +580,7 @@ def test_sparse_attention(fns, stream, rng, scale, nq, nkv, hd, bs, counts, max_
     case.check(case.run(fns, stream))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["attn+merge", "fused"])
-def test_sparse_attention_skips_invalid_tokens(fns, stream, rng, fused):
+def test_sparse_attention_skips_invalid_tokens(fns, stream, rng):
     """A negative page id, a token past the page table and a negative token contribute nothing; a split whose tokens
     are all invalid is an empty partial; a request with only invalid tokens gives zeros."""
     case = AttnCase(rng, 8, 2, 128, 16, [300, 200, 5], 20, 520)
@@ -620,7 +588,7 @@ def test_sparse_attention_skips_invalid_tokens(fns, stream, rng, fused):
     case.tokens[0, 10] = 20 * 16 + 5                              # past request 0's table (still ascending? no matter)
     case.tokens[1, 128:200] = -3                                  # request 1's second split: nothing valid
     case.tables[2, :] = -1                                        # request 2: nothing at all
-    got = case.run(fns, stream, fused=fused)
+    got = case.run(fns, stream)
     for r in range(2):
         assert_close(got[r].astype(np.float32), case.want(r), "bf16", (1,), f"request {r}")
     valid = dref.page_rows(case.tokens[0, :300], case.tables[0], 16)[2]
@@ -628,34 +596,14 @@ def test_sparse_attention_skips_invalid_tokens(fns, stream, rng, fused):
     assert (got[2].astype(np.float32) == 0).all()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["attn+merge", "fused"])
-def test_sparse_attention_bits_do_not_depend_on_the_batch(fns, stream, rng, fused):
+def test_sparse_attention_bits_do_not_depend_on_the_batch(fns, stream, rng):
     case = AttnCase(rng, 24, 2, 256, 16, [2051, 700, 0, 1500], 300, 2052)
-    batch = case.run(fns, stream, fused=fused)
+    batch = case.run(fns, stream)
     for r in (0, 1, 3):
-        alone = case.run(fns, stream, rows=[r], fused=fused)
+        alone = case.run(fns, stream, rows=[r])
         assert alone.view(np.uint16).tobytes() == batch[r:r + 1].view(np.uint16).tobytes(), f"request {r}"
-    again = case.run(fns, stream, rows=[3, 1, 0], fused=fused)
+    again = case.run(fns, stream, rows=[3, 1, 0])
     assert again.view(np.uint16).tobytes() == batch[[3, 1, 0]].view(np.uint16).tobytes()
-
-
-FUSED_CASES = [*ATTN_CASES,
-               (2, 1, 32, 16, [28_800, 5], 1800, 28_800)]   # 225 splits of hd 32: more than shared memory holds
-
-
-@pytest.mark.parametrize("nq, nkv, hd, bs, counts, max_pages, sel_cap", FUSED_CASES)
-def test_fused_attention_has_the_bits_of_attn_and_merge(fns, stream, rng, nq, nkv, hd, bs, counts, max_pages,
-                                                        sel_cap):
-    """qsa_sparse_attn_fused = qsa_sparse_attn + qsa_sparse_merge bit for bit (the same partials, folded in the same
-    order by the last CTA of each (request, kv head): staged in shared memory, several batches of heads at 24q/2kv x
-    256, straight from global memory past 224 splits of hd 32), twice on the same counters; within the bound."""
-    case = AttnCase(rng, nq, nkv, hd, bs, counts, max_pages, sel_cap)
-    want = case.run(fns, stream)
-    got = case.run(fns, stream, fused=True, launches=2)
-    assert got.view(np.uint16).tobytes() == want.view(np.uint16).tobytes(), \
-        f"fused differs at {np.argwhere(got.view(np.uint16) != want.view(np.uint16))[:4].tolist()}"
-    if hd == 32 and max(counts) > 28_000:
-        case.check(got)
 
 
 def test_split_reference_equals_the_direct_one(rng):
@@ -732,30 +680,6 @@ def test_contracts_are_enforced(fns, stream, rng):
         with pytest.raises(EmulatorError, match="block"):
             launch(fns, kd.QSA_SPARSE_MERGE, kd.Geometry((1, 8, 1), (64, 1, 1), 0), stream, part_ml=bufs[3],
                    part_o=bufs[3], counts=bufs[2], out=bufs[0], sel_cap=128, nq=8, hd=128)
-    # the opt-in variants: the fast top-k's own block; the fused attention's alignment and its zero counters
-    case = TopkCase(stream, make_scores(rng, "relu", 50)[None], np.array([199]), np.array([0]), 8, 4, 200)
-    with pytest.raises(EmulatorError, match=rf"needs block \({kd.TOPK_FAST_THREADS}, 1, 1\)"):
-        launch(fns, kd.QSA_DEV_TOPK_FAST, kd.topk_geometry(1, 50), stream, **{**args, "tokens": case.tokens,
-               "counts": case.counts, "scores": case.d_scores, "pos": case.d_pos, "slots": case.d_slots})
-    case.close()
-    att = AttnCase(rng, 8, 2, 128, 16, [40], 4, 128)
-    with contextlib.ExitStack() as es:
-        d = {n: es.enter_context(upload(np.ascontiguousarray(x), stream)) for n, x in
-             (("q", att.q), ("k", att.k), ("v", att.v), ("tables", att.tables), ("tokens", att.tokens),
-              ("counts", att.counts))}
-        ml = es.enter_context(poisoned(kd.part_ml_bytes(1, 8, 128), stream))
-        po = es.enter_context(poisoned(kd.part_o_bytes(1, 8, 128, 128) + 16, stream))
-        out = es.enter_context(poisoned(2 * 8 * 128, stream))
-        count = es.enter_context(upload(np.array([0, 3], np.int32), stream))
-        fused = dict(q=d["q"], k_pool=d["k"], v_pool=d["v"], block_tables=d["tables"], tokens=d["tokens"],
-                     counts=d["counts"], part_ml=ml, part_o=po, out=out, merge_count=count, max_pages=4, sel_cap=128,
-                     block_size=16, nq=8, nkv=2, hd=128, scale=att.scale)
-        g = kd.attn_geometry(1, 2, 128, 128)
-        with pytest.raises(EmulatorError, match="part_o must be 16-byte aligned"):
-            launch(fns, kd.QSA_SPARSE_ATTN_FUSED, g, stream, **{**fused, "part_o": po.ptr + 8})
-        launch(fns, kd.QSA_SPARSE_ATTN_FUSED, g, stream, **fused)   # counter [0, 1] = 3: a broken contract
-        with pytest.raises(EmulatorError, match=r"merge_count: entry \[0, 1\] is 3"):
-            cm.stream_sync(stream)
 
 
 def test_geometry_helpers():
@@ -768,8 +692,6 @@ def test_geometry_helpers():
     assert kd.attn_hd_problem(256) is None and "multiples of 32" in kd.attn_hd_problem(48)
     assert kd.attn_geometry(3, 2, 2052, 256) == kd.Geometry((3, 2, 17), (256, 1, 1), 153_360)
     assert kd.prep_geometry(5, 4, 128) == kd.Geometry((5, 6, 1), (128, 1, 1), 640)
-    assert kd.topk_fast_geometry(3, 30_000) == kd.Geometry((3, 1, 1), (512, 1, 1), 120_000)
-    assert kd.TOPK_FAST_THREADS * kd.TOPK_FAST_ITEMS == kd.TOPK_TILE and kd.merge_count_bytes(64, 2) == 512
     assert math.isclose(dref.LOG2E, 1 / math.log(2))
     if ON_GPU:
         assert kd.attn_smem_bytes(256) <= 227 * 1024

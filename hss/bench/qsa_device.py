@@ -2,7 +2,6 @@
 512K visible tokens, batch 1, 8, 32 and 64, against the host path and PyTorch, in the same run.
 
     python -m hss.bench.qsa_device [--contexts 8192,32768,131072,524288] [--batches 1,8,32,64] [--layers 12]
-                                   [--variant both|default|fast]
     python -m hss.bench.qsa_device --smoke      tiny dims on any driver (numbers meaningless)
 
 Dims are Qwen3.8-Flash-Next's: hidden 2560, indexer 4 heads x 128, ratio 4, budget 2048, rot 64, theta 1e7;
@@ -15,10 +14,6 @@ attention 24 q / 2 kv heads x 256, page size 16. Every sequence of a batch holds
 * ``eager host``: host µs per eager step (the two calls, nothing synchronised); ``12-layer``: a graph of 12 layers'
   steps (12 indexers with their own states; the pools are shared): host µs per ``CudaGraph.launch`` and wall µs per
   token of back-to-back replays;
-* the opt-in kernel variant (``QsaIndexer(device_kernels="fast")``; ``--variant both``, the default, measures it in
-  the same run on the same indexers, switched between measurements): ``top-k fast`` (``qsa_dev_topk_fast``),
-  ``attn+merge fused`` (``qsa_sparse_attn_fused``: one launch for the two columns before it), ``step fast`` and the
-  12-layer ``graph wall/token fast``;
 * peers: the hss host path (``decode_select`` per sequence: blocking D2H, host top-k, gather; then dense attention
   over the gathered scratch through ``TiledAttention``), PyTorch eager doing the same math (GEMV, norm / rope, block
   pool, bf16 score matmul, ``torch.topk``, sort, token expansion, gather through the page tables, SDPA), ``torch.topk``
@@ -52,8 +47,6 @@ CONTEXTS, BATCHES, LAYERS, MARGIN = (8192, 32768, 131072, 524288), (1, 8, 32, 64
 SMOKE = dict(contexts=(40, 72), batches=(1, 3), layers=2, margin=96)
 SLAB = 2048           # distinct hidden rows, reused cyclically by the prefill
 STAGES = ("gemm", "prep", "score", "topk", "attn", "merge")
-FAST_STAGES = ("topk_fast", "attn_fused")     # the opt-in variant's replacements of topk and attn + merge
-VARIANTS = ("both", "default", "fast")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     p.add_argument("--layers", type=int, default=LAYERS, help="QSA layers in the replayed graph")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
-    p.add_argument("--variant", choices=VARIANTS, default="both",
-                   help="device kernels to measure: the default ones, the opt-in fast ones, or both (default)")
     p.add_argument("--smoke", action="store_true", help="tiny dims on any driver (numbers meaningless)")
     args = p.parse_args(argv)
     args.contexts = tuple(int(c) for c in args.contexts.split(","))
@@ -209,39 +200,20 @@ class _Context:
             obj.close()
 
 
-def _use(c: _Context, kernels: str) -> None:
-    """Every layer's indexer runs the ``kernels`` variant from its next step on, every state back at the prefilled
-    context (the next step at position n - 1: each variant is measured from the same length, whatever ran before;
-    the keys past it are rewritten by the steps)."""
-    ratio = c.d["ratio"]
-    for idx, states in c.layers:
-        idx._dev.select_kernels(kernels)
-        for st in states:
-            st.ingested, st.pooled = c.n - 1, (c.n - 1) // ratio
-            idx._dev.store_pos(st, c.s)
-    cm.stream_sync(c.s)
-
-
-def _stages(c: _Context, R: int, gpu_t: _Gpu, kernels: str) -> dict[str, float]:
-    """GPU µs of each stage of the ``kernels`` variant at batch R (after a real step, so every pack holds this
-    batch's values)."""
+def _stages(c: _Context, R: int, gpu_t: _Gpu) -> dict[str, float]:
+    """GPU µs of each stage at batch R (after a real step, so every pack holds this batch's values)."""
     idx, states = c.layers[0]
-    _use(c, kernels)
     c.step(R)()
     dev, s, d = idx._dev, c.s, c.d
     x = c.normed.ptr
-    if kernels == "fast":
-        out = {"topk_fast": gpu_t.us(lambda: dev.run_topk_fast(s, R)),
-               "attn_fused": gpu_t.us(lambda: dev.run_fused(s, R, d["nkv"], dev.splits))}
-    else:
-        out = {
-            "gemm": gpu_t.us(lambda: idx._gemm(x, R, s)),
-            "prep": gpu_t.us(lambda: dev.run_prep(s, R, d["n_heads"] + 2)),
-            "score": gpu_t.us(lambda: dev.run_score(s, dev.score_gx, R)),
-            "topk": gpu_t.us(lambda: dev.run_topk(s, R)),
-            "attn": gpu_t.us(lambda: dev.run_attn(s, R, d["nkv"], dev.splits)),
-            "merge": gpu_t.us(lambda: dev.run_merge(s, R, d["nq"])),
-        }
+    out = {
+        "gemm": gpu_t.us(lambda: idx._gemm(x, R, s)),
+        "prep": gpu_t.us(lambda: dev.run_prep(s, R, d["n_heads"] + 2)),
+        "score": gpu_t.us(lambda: dev.run_score(s, dev.score_gx, R)),
+        "topk": gpu_t.us(lambda: dev.run_topk(s, R)),
+        "attn": gpu_t.us(lambda: dev.run_attn(s, R, d["nkv"], dev.splits)),
+        "merge": gpu_t.us(lambda: dev.run_merge(s, R, d["nq"])),
+    }
     for st in states[:R]:   # the top-k launches advanced the device positions: put them back
         dev.store_pos(st, s)
     cm.stream_sync(s)
@@ -291,43 +263,26 @@ def _host_path(c: _Context, R: int, steps: int) -> float:
         counts.close()
 
 
-def _device(c: _Context, R: int, layers: int, gpu_t: _Gpu, smoke: bool, kernels: str) -> dict[str, float]:
-    """The ``kernels`` variant at batch R: its stages, the one-layer step and the 12-layer graph (keys suffixed
-    ``_fast`` for the fast variant)."""
-    s, tag = c.s, "_fast" if kernels == "fast" else ""
-    row = {f"{k}_us": v for k, v in _stages(c, R, gpu_t, kernels).items()}
+def _row(c: _Context, R: int, layers: int, gpu_t: _Gpu, smoke: bool, torch_ok: bool, notes: list) -> dict:
+    s = c.s
+    row: dict[str, Any] = {"visible": c.n, "batch": R}
+    row.update({f"{k}_us": v for k, v in _stages(c, R, gpu_t).items()})
     g1 = _graph(c, R, 1)
-    row[f"step{tag}_us"] = gpu_t.us(lambda: g1.launch(s))
+    row["step_us"] = gpu_t.us(lambda: g1.launch(s))
     g1.close()
     n_host = (2, 1) if smoke else (20, 5)
-    row[f"eager_host{tag}_us"] = host_us({"eager": Case(c.step(R), lambda: cm.stream_sync(s))}, batch=n_host[0],
-                                         batches=n_host[1], warmup=2)["eager"].us
-    g = _graph(c, R, layers)
-    t = host_us({"launch": Case(lambda: g.launch(s), lambda: cm.stream_sync(s))}, batch=n_host[0],
-                batches=n_host[1], warmup=2)
-    row[f"graph_host{tag}_us"] = t["launch"].us
-    row[f"graph_wall{tag}_us"] = host_us({"wall": Case(lambda: g.launch(s), lambda: cm.stream_sync(s))},
-                                         batch=n_host[0], batches=n_host[1], warmup=1, timed_sync=True)["wall"].us
-    g.close()
-    return row
-
-
-def _row(c: _Context, R: int, layers: int, gpu_t: _Gpu, smoke: bool, torch_ok: bool, variant: str,
-         notes: list) -> dict:
-    row: dict[str, Any] = {"visible": c.n, "batch": R, **dict.fromkeys(
-        [f"{k}_us" for k in (*STAGES, *FAST_STAGES)] + [f"{k}{t}_us" for k in ("step", "eager_host", "graph_host",
-                                                                               "graph_wall") for t in ("", "_fast")])}
+    row["eager_host_us"] = host_us({"eager": Case(c.step(R), lambda: cm.stream_sync(s))}, batch=n_host[0],
+                                   batches=n_host[1], warmup=2)["eager"].us
     row["layers"] = used = min(layers, c.max_layers)
     if used < layers:
         notes.append(f"{c.n} tokens, batch {R}: the graph holds {used} layers, not {layers} (device memory)")
-    fast_ok = c.layers[0][0]._dev.fast_ok
-    missing = "the fast kernels are not in the PTX (run python build_ptx.py): fast columns skipped"
-    if variant != "default" and not fast_ok and missing not in notes:
-        notes.append(missing)
-    for kernels in ("default", "fast"):
-        if variant in (kernels, "both") and (kernels == "default" or fast_ok):
-            row.update(_device(c, R, used, gpu_t, smoke, kernels))
-    _use(c, "default")
+    g = _graph(c, R, used)
+    t = host_us({"launch": Case(lambda: g.launch(s), lambda: cm.stream_sync(s))}, batch=n_host[0],
+                batches=n_host[1], warmup=2)
+    row["graph_host_us"] = t["launch"].us
+    row["graph_wall_us"] = host_us({"wall": Case(lambda: g.launch(s), lambda: cm.stream_sync(s))},
+                                   batch=n_host[0], batches=n_host[1], warmup=1, timed_sync=True)["wall"].us
+    g.close()
     row["host_path_us"] = _host_path(c, R, 2 if smoke else max(3, 40 // R))
     row.update(torch_peers(c, R, gpu_t, notes) if torch_ok else {})
     return row
@@ -486,7 +441,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             try:
                 for R in args.batches:
                     try:
-                        rows.append(_row(c, R, args.layers, gpu_t, args.smoke, torch_ok, args.variant, notes))
+                        rows.append(_row(c, R, args.layers, gpu_t, args.smoke, torch_ok, notes))
                     except (CudaError, HssError) as exc:
                         notes.append(f"{n} tokens, batch {R} skipped: {type(exc).__name__}: {str(exc)[:160]}")
             finally:
@@ -514,31 +469,18 @@ def table(rows: list[dict[str, Any]]) -> str:
            "graph layers | graph host/replay | graph wall/token |",
            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['visible']} | {r['batch']} | " + " | ".join(_f(r.get(f'{k}_us')) for k in STAGES) +
-                   f" | {_f(r.get('step_us'))} | {_f(r.get('eager_host_us'))} | {r['layers']} | "
-                   f"{_f(r.get('graph_host_us'))} | {_f(r.get('graph_wall_us'))} |")
-    out += ["", "Opt-in variant (device_kernels=\"fast\") against the default, same run:", "",
-            "| visible | batch | top-k | top-k fast | attn + merge | attn+merge fused | step (graph) | "
-            "step fast (graph) | eager host/step fast | graph host/replay fast | graph wall/token | "
-            "graph wall/token fast |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        pair = None if r.get("attn_us") is None else r["attn_us"] + r["merge_us"]
-        out.append(f"| {r['visible']} | {r['batch']} | {_f(r.get('topk_us'))} | {_f(r.get('topk_fast_us'))} | "
-                   f"{_f(pair)} | {_f(r.get('attn_fused_us'))} | {_f(r.get('step_us'))} | "
-                   f"{_f(r.get('step_fast_us'))} | {_f(r.get('eager_host_fast_us'))} | "
-                   f"{_f(r.get('graph_host_fast_us'))} | {_f(r.get('graph_wall_us'))} | "
-                   f"{_f(r.get('graph_wall_fast_us'))} |")
+        out.append(f"| {r['visible']} | {r['batch']} | " + " | ".join(_f(r[f'{k}_us']) for k in STAGES) +
+                   f" | {_f(r['step_us'])} | {_f(r['eager_host_us'])} | {r['layers']} | {_f(r['graph_host_us'])} | "
+                   f"{_f(r['graph_wall_us'])} |")
     out += ["", "| visible | batch | hss device step | hss host path/step | torch eager/step | torch.topk | "
-                "device top-k | device top-k fast | dense SDPA |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "device top-k | dense SDPA |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['visible']} | {r['batch']} | {_f(r.get('step_us'))} | {_f(r['host_path_us'])} | "
-                   f"{_f(r.get('torch_step_us'))} | {_f(r.get('torch_topk_us'))} | {_f(r.get('topk_us'))} | "
-                   f"{_f(r.get('topk_fast_us'))} | {_f(r.get('sdpa_dense_us'))} |")
+        out.append(f"| {r['visible']} | {r['batch']} | {_f(r['step_us'])} | {_f(r['host_path_us'])} | "
+                   f"{_f(r.get('torch_step_us'))} | {_f(r.get('torch_topk_us'))} | {_f(r['topk_us'])} | "
+                   f"{_f(r.get('sdpa_dense_us'))} |")
     out.append("\nµs. Stage columns, step (graph), torch.topk, device top-k and dense SDPA: GPU time (CUDA events, "
                "back to back behind a blocker); eager host: host µs per step (two calls); graph host: host µs per "
-               "CudaGraph.launch; graph wall, host path, torch eager: wall µs per step of back-to-back steps. "
-               "attn + merge: the sum of the two default launches; attn+merge fused: the one launch replacing them.")
+               "CudaGraph.launch; graph wall, host path, torch eager: wall µs per step of back-to-back steps.")
     out.append("\n" + "\n".join(_targets(rows)))
     for note in rows[0].get("notes", []) if rows else []:
         out.append(f"\n{note}")
@@ -553,24 +495,20 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
     def line(text: str, value: Any, ok: bool | None) -> None:
         lines.append(f"- {text}: {_verdict(ok)} ({value})")
 
-    for tag, name in (("", "default kernels"), ("_fast", "fast kernels")):
-        topk = "topk_fast_us" if tag else "topk_us"
-        if b32 and b32.get(topk) is not None:
-            tk, tt = b32[topk], b32.get("torch_topk_us")
-            line(f"device top-k at 32K <= 10 µs ({name})", f"{tk:.1f} µs", tk <= 10)
-            line(f"device top-k >= 5x faster than torch.topk at 32K ({name})",
-                 "—" if tt is None else f"{tt / tk:.1f}x", None if tt is None else tt >= 5 * tk)
-        step, wall = f"step{tag}_us", f"graph_wall{tag}_us"
-        if b32 and b32.get(step) is not None:
-            line(f"one layer's step <= 30 µs GPU at 32K ({name})", f"{b32[step]:.1f} µs", b32[step] <= 30)
-            full = b32["layers"] == 12
-            line(f"12-layer graph replay <= 0.45 ms per token at 32K ({name})", f"{b32[wall]:.0f} µs wall, "
-                 f"{b32['layers']} layers", b32[wall] <= 450 if full else None)
-        if b128 and b128.get(step) is not None:
-            line(f"one layer's step <= 40 µs GPU at 128K ({name})", f"{b128[step]:.1f} µs", b128[step] <= 40)
-        if b32 and b64 and b32.get(step) is not None and b64.get(step) is not None:
-            line(f"batch 64 at 32K <= 8x batch 1's step ({name})", f"{b64[step] / b32[step]:.1f}x",
-                 b64[step] <= 8 * b32[step])
+    if b32:
+        tk, tt = b32["topk_us"], b32.get("torch_topk_us")
+        line("device top-k at 32K <= 10 µs", f"{tk:.1f} µs", tk <= 10)
+        line("device top-k >= 5x faster than torch.topk at 32K", "—" if tt is None else f"{tt / tk:.1f}x",
+             None if tt is None else tt >= 5 * tk)
+        line("one layer's step <= 30 µs GPU at 32K", f"{b32['step_us']:.1f} µs", b32["step_us"] <= 30)
+        full = b32["layers"] == 12
+        line("12-layer graph replay <= 0.45 ms per token at 32K", f"{b32['graph_wall_us']:.0f} µs wall, "
+             f"{b32['layers']} layers", b32["graph_wall_us"] <= 450 if full else None)
+    if b128:
+        line("one layer's step <= 40 µs GPU at 128K", f"{b128['step_us']:.1f} µs", b128["step_us"] <= 40)
+    if b32 and b64:
+        line("batch 64 at 32K <= 8x batch 1's step", f"{b64['step_us'] / b32['step_us']:.1f}x",
+             b64["step_us"] <= 8 * b32["step_us"])
     if len(lines) == 1:
         lines.append("- (no 32K / 128K rows in this run)")
     return lines

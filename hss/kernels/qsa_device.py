@@ -18,16 +18,6 @@ on a broken contract):
   ``attn_smem_bytes(hd)`` (past 48 KiB for hd >= 96: the function needs ``set_max_dynamic_shared``);
 * ``qsa_sparse_merge``: grid (R, nq), block (``merge_threads(hd)``), no shared memory.
 (``*_geometry`` give each as a ``Geometry(grid, block, shared)``.)
-
-Opt-in speed variants (not yet measured on a GPU; ``QsaIndexer(device_kernels="fast")`` selects them), each the
-same result as what it replaces, so their emulations are the same references:
-
-* ``qsa_dev_topk_fast``: ``qsa_dev_topk``'s contract and exact selection with a block of ``TOPK_FAST_THREADS``
-  (``topk_fast_geometry``; the same tiles and key cache, so the same ``topk_smem_bytes``);
-* ``qsa_sparse_attn_fused``: ``qsa_sparse_attn`` + ``qsa_sparse_merge`` in one launch (``attn_geometry``), the last
-  CTA of each (row, kv head) folding its heads' partials into ``out``; the same partials and output bits. It counts
-  finished splits in ``merge_count`` u32 ``[R, nkv]`` (``merge_count_bytes``), which must be zero between launches
-  (the last CTA puts its counter back to zero: allocate it zeroed once).
 """
 from __future__ import annotations
 
@@ -48,8 +38,7 @@ __all__ = ["MODULE", "SCORE_THREADS", "SCORE_STEPS", "SCORE_MAX_CTAS", "TOPK_THR
            "TOPK_CACHE_MAX", "SPLIT", "ATTN_THREADS", "ATTN_MAX_GROUP", "ATTN_MAX_HD", "Geometry", "prep_smem_bytes",
            "prep_geometry", "score_smem_bytes", "score_grid", "score_geometry", "topk_smem_bytes", "topk_geometry",
            "splits", "attn_hd_problem", "attn_smem_bytes", "attn_geometry", "merge_threads", "merge_geometry",
-           "part_ml_bytes", "part_o_bytes", "TOPK_FAST_THREADS", "TOPK_FAST_ITEMS", "TOPK_FAST_COPIES",
-           "topk_fast_geometry", "merge_count_bytes"]
+           "part_ml_bytes", "part_o_bytes"]
 
 BF16 = ml_dtypes.bfloat16
 MODULE = "qsa_device"
@@ -59,9 +48,6 @@ TOPK_THREADS = 1024        # QSA_TOPK_THREADS
 TOPK_ITEMS = 8             # QSA_TOPK_ITEMS: consecutive blocks per thread
 TOPK_TILE = TOPK_THREADS * TOPK_ITEMS   # QSA_TOPK_TILE: rows of at most this many blocks stay in registers
 TOPK_CACHE_MAX = 192 * 1024             # the largest key cache topk_smem_bytes asks for (48K blocks)
-TOPK_FAST_THREADS = 512    # QSA_TOPK_FAST_THREADS: qsa_dev_topk_fast's block
-TOPK_FAST_ITEMS = TOPK_TILE // TOPK_FAST_THREADS   # QSA_TOPK_FAST_ITEMS: its blocks per thread (the same tiles)
-TOPK_FAST_COPIES = 16      # QSA_TOPK_FAST_COPIES: its histogram copies
 SPLIT = 128                # QSA_SPLIT: tokens per split of qsa_sparse_attn (fixed: the bits depend on it)
 ATTN_THREADS = 256         # QSA_ATTN_THREADS
 ATTN_MAX_GROUP = 16        # QSA_ATTN_MAX_G: query heads per kv head
@@ -112,11 +98,6 @@ def topk_geometry(rows: int, max_blocks: int) -> Geometry:
     return Geometry((rows, 1, 1), (TOPK_THREADS, 1, 1), topk_smem_bytes(max_blocks))
 
 
-def topk_fast_geometry(rows: int, max_blocks: int) -> Geometry:
-    """``qsa_dev_topk_fast``: one CTA of ``TOPK_FAST_THREADS`` per row (the same key cache as ``qsa_dev_topk``)."""
-    return Geometry((rows, 1, 1), (TOPK_FAST_THREADS, 1, 1), topk_smem_bytes(max_blocks))
-
-
 def splits(sel_cap: int) -> int:
     """Splits of a selection of up to ``sel_cap`` tokens: ceil(sel_cap / SPLIT) (grid.z of qsa_sparse_attn)."""
     return _cdiv(sel_cap, SPLIT)
@@ -160,11 +141,6 @@ def part_ml_bytes(rows: int, nq: int, sel_cap: int) -> int:
 def part_o_bytes(rows: int, nq: int, sel_cap: int, hd: int) -> int:
     """Bytes of ``part_o`` f32 [rows, nq, splits, hd] (per split: the unnormalised weighted sum of V)."""
     return 4 * rows * nq * splits(sel_cap) * hd
-
-
-def merge_count_bytes(rows: int, nkv: int) -> int:
-    """Bytes of ``qsa_sparse_attn_fused``'s counters u32 ``[rows, nkv]`` (zero between launches)."""
-    return 4 * rows * nkv
 
 
 # -- device memory ------------------------------------------------------------------------------------------
@@ -335,7 +311,7 @@ def _emulate_topk(a: SimpleNamespace, launch: Launch) -> None:
         _i32(a.pos)[slot] = p + 1
 
 
-def _check_topk(a: SimpleNamespace, launch: Launch, threads: int = TOPK_THREADS) -> str | None:
+def _check_topk(a: SimpleNamespace, launch: Launch) -> str | None:
     if a.ratio <= 0:
         return "ratio must be >= 1"
     if a.max_tokens > 2**31 - 1:
@@ -345,18 +321,19 @@ def _check_topk(a: SimpleNamespace, launch: Launch, threads: int = TOPK_THREADS)
     if a.sel_cap < (a.k_blocks + 1) * a.ratio - 1:
         return (f"sel_cap ({a.sel_cap}) must hold (k_blocks + 1) * ratio - 1 = {(a.k_blocks + 1) * a.ratio - 1} "
                 "tokens (the largest inert selection)")
-    if launch.block != (threads, 1, 1) or launch.grid[1:] != (1, 1):
-        return f"needs block ({threads}, 1, 1) and grid (R, 1, 1)"
+    if launch.block != (TOPK_THREADS, 1, 1) or launch.grid[1:] != (1, 1):
+        return f"needs block ({TOPK_THREADS}, 1, 1) and grid (R, 1, 1)"
     return None
 
 
-TOPK_SIGNATURE = ("ptr scores, ptr pos, ptr slots, ptr tokens, ptr counts, u32 score_stride, u32 k_blocks, u32 ratio, "
-                  "u32 sel_cap, u32 max_tokens")
-TOPK_EXTENTS = dict(
+QSA_DEV_TOPK = declare(
+    MODULE, TOPK,
+    "ptr scores, ptr pos, ptr slots, ptr tokens, ptr counts, u32 score_stride, u32 k_blocks, u32 ratio, "
+    "u32 sel_cap, u32 max_tokens",
     reads={"scores": lambda a: 4 * a.grid[0] * a.score_stride, "pos": lambda a: None,
            "slots": lambda a: 4 * a.grid[0]},
-    writes={"pos": lambda a: None, "tokens": lambda a: 4 * a.grid[0] * a.sel_cap, "counts": lambda a: 4 * a.grid[0]})
-QSA_DEV_TOPK = declare(MODULE, TOPK, TOPK_SIGNATURE, **TOPK_EXTENTS, emulate=_emulate_topk, check=_check_topk)
+    writes={"pos": lambda a: None, "tokens": lambda a: 4 * a.grid[0] * a.sel_cap, "counts": lambda a: 4 * a.grid[0]},
+    emulate=_emulate_topk, check=_check_topk)
 
 
 # -- qsa_sparse_attn / qsa_sparse_merge -------------------------------------------------------------------
@@ -426,15 +403,15 @@ def _parts(a: SimpleNamespace, per: int) -> int:
     return 4 * a.grid[0] * a.nq * splits(a.sel_cap) * per
 
 
-ATTN_READS = {"q": lambda a: 2 * a.grid[0] * a.nq * a.hd, "k_pool": lambda a: None, "v_pool": lambda a: None,
-              "block_tables": lambda a: 4 * a.grid[0] * a.max_pages, "tokens": lambda a: 4 * a.grid[0] * a.sel_cap,
-              "counts": lambda a: 4 * a.grid[0]}
-ATTN_WRITES = {"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, a.hd)}
 QSA_SPARSE_ATTN = declare(
     MODULE, ATTN,
     "ptr q, ptr k_pool, ptr v_pool, ptr block_tables, ptr tokens, ptr counts, ptr part_ml, ptr part_o, "
     "u32 max_pages, u32 sel_cap, u32 block_size, u32 nq, u32 nkv, u32 hd, f32 scale",
-    reads=ATTN_READS, writes=ATTN_WRITES, emulate=_emulate_attn, check=_check_attn)
+    reads={"q": lambda a: 2 * a.grid[0] * a.nq * a.hd, "k_pool": lambda a: None, "v_pool": lambda a: None,
+           "block_tables": lambda a: 4 * a.grid[0] * a.max_pages, "tokens": lambda a: 4 * a.grid[0] * a.sel_cap,
+           "counts": lambda a: 4 * a.grid[0]},
+    writes={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, a.hd)},
+    emulate=_emulate_attn, check=_check_attn)
 
 
 MERGE = "qsa_sparse_merge"
@@ -467,43 +444,3 @@ QSA_SPARSE_MERGE = declare(
     reads={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, a.hd), "counts": lambda a: 4 * a.grid[0]},
     writes={"out": lambda a: 2 * a.grid[0] * a.nq * a.hd},
     emulate=_emulate_merge, check=_check_merge)
-
-
-# -- opt-in variants (same results: the same emulations) --------------------------------------------------
-TOPK_FAST = "qsa_dev_topk_fast"
-QSA_DEV_TOPK_FAST = declare(MODULE, TOPK_FAST, TOPK_SIGNATURE, **TOPK_EXTENTS, emulate=_emulate_topk,
-                            check=lambda a, launch: _check_topk(a, launch, TOPK_FAST_THREADS))
-
-
-ATTN_FUSED = "qsa_sparse_attn_fused"
-
-
-def _emulate_attn_fused(a: SimpleNamespace, launch: Launch) -> None:
-    """qsa_sparse_attn then qsa_sparse_merge; the counters must be (and stay) zero."""
-    busy = np.flatnonzero(_i32(a.merge_count)[:launch.grid[0] * a.nkv])
-    if busy.size:
-        i = int(busy[0])
-        raise EmulatorError(f"{ATTN_FUSED} parameter merge_count: entry [{i // a.nkv}, {i % a.nkv}] is "
-                            f"{int(_i32(a.merge_count)[i])}; the counters must be zero between launches (allocate "
-                            "them zeroed once: each launch leaves them zero)")
-    _emulate_attn(a, launch)
-    _emulate_merge(a, launch)
-
-
-def _check_attn_fused(a: SimpleNamespace, launch: Launch) -> str | None:
-    problem = _check_attn(a, launch)
-    if problem:
-        return problem
-    if a.part_o % 16 or a.part_ml % 8 or a.out % 2 or a.merge_count % 4:
-        return "part_o must be 16-byte aligned, part_ml 8-byte, out 2-byte and merge_count 4-byte aligned"
-    return None
-
-
-QSA_SPARSE_ATTN_FUSED = declare(
-    MODULE, ATTN_FUSED,
-    "ptr q, ptr k_pool, ptr v_pool, ptr block_tables, ptr tokens, ptr counts, ptr part_ml, ptr part_o, ptr out, "
-    "ptr merge_count, u32 max_pages, u32 sel_cap, u32 block_size, u32 nq, u32 nkv, u32 hd, f32 scale",
-    reads={**ATTN_READS, "merge_count": lambda a: merge_count_bytes(a.grid[0], a.nkv)},
-    writes={**ATTN_WRITES, "out": lambda a: 2 * a.grid[0] * a.nq * a.hd,
-            "merge_count": lambda a: merge_count_bytes(a.grid[0], a.nkv)},
-    emulate=_emulate_attn_fused, check=_check_attn_fused)

@@ -21,18 +21,11 @@ reading the mirrors.
 The step never reads the device on the host, so it captures into CUDA graphs: the mirror update ("every state
 advanced by one") is registered with :func:`hss._launch.on_replay`, which runs it at once when eager and at each
 :meth:`hss.cuda_min.CudaGraph.launch` when captured.
-
-Kernel variants (``QsaIndexer(device_kernels=...)``, default from env ``HSS_QSA_DEVICE_KERNELS``, read once at
-construction): ``"default"`` runs ``qsa_dev_topk`` and ``qsa_sparse_attn`` + ``qsa_sparse_merge``; ``"fast"`` (opt-in,
-not yet measured on a GPU) runs ``qsa_dev_topk_fast`` and ``qsa_sparse_attn_fused`` (one launch; its split counters
-``merge_count`` u32 ``[max_seqs, nkv_attn]`` are allocated zeroed here and left zero by every launch). Both give the
-same selections and the same output bits.
 """
 from __future__ import annotations
 
 import collections
 import math
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,8 +41,7 @@ from hss.kernels import qsa_device as kd
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer, QsaSeqState
 
-__all__ = ["QsaDeviceSelection", "DeviceState", "MAX_SEQS", "DEFAULT_MAX_SEQS", "COMPOSITIONS", "KERNEL_VARIANTS",
-           "kernels_setting"]
+__all__ = ["QsaDeviceSelection", "DeviceState", "MAX_SEQS", "DEFAULT_MAX_SEQS", "COMPOSITIONS"]
 
 DEFAULT_MAX_SEQS = 64
 MAX_SEQS = 2048            # the qk GEMM writes one qk_scratch row per sequence (INGEST_SLAB rows)
@@ -57,27 +49,6 @@ COMPOSITIONS = 256         # batch compositions cached (pinned slot lists)
 _RESERVE = 32              # entries eager steps leave free, so that a capture always finds one
 _I32 = 2**31 - 1
 _SHARED_DEFAULT = 48 * 1024   # dynamic shared memory a launch may use without the opt-in attribute
-KERNEL_VARIANTS = ("default", "fast")
-_VARIANT_KERNELS = {"default": ("qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge"),
-                    "fast": ("qsa_dev_topk_fast", "qsa_sparse_attn_fused")}
-
-
-def kernels_setting(device_kernels: str | None) -> str:
-    """``device_kernels`` if given, else env ``HSS_QSA_DEVICE_KERNELS`` ("" / unset: "default"): one of
-    ``KERNEL_VARIANTS``."""
-    if device_kernels is None:
-        raw = os.environ.get("HSS_QSA_DEVICE_KERNELS", "").strip()
-        if raw in KERNEL_VARIANTS or raw == "":
-            return raw or "default"
-        raise HssError(f"HSS_QSA_DEVICE_KERNELS={raw!r} names no kernel variant; set it to one of "
-                       f"{', '.join(KERNEL_VARIANTS)} (or unset it for the default)")
-    if not isinstance(device_kernels, str):
-        raise TypeError(f"QsaIndexer: device_kernels must be a str ({' or '.join(map(repr, KERNEL_VARIANTS))}) or "
-                        f"None, got {type(device_kernels).__name__}")
-    if device_kernels not in KERNEL_VARIANTS:
-        raise HssError(f"QsaIndexer: device_kernels={device_kernels!r}; pass one of "
-                       f"{', '.join(map(repr, KERNEL_VARIANTS))}")
-    return device_kernels
 
 
 @dataclass(frozen=True)
@@ -125,7 +96,7 @@ class DeviceState:
     """The device-resident part of one :class:`QsaIndexer`: slots, positions, descriptors, the batched step's
     buffers and prepared launches. Its buffers are the indexer's (freed by ``QsaIndexer.close``)."""
 
-    def __init__(self, idx: QsaIndexer, max_seqs: int, nq_attn: int | None, kernels: str = "default") -> None:
+    def __init__(self, idx: QsaIndexer, max_seqs: int, nq_attn: int | None) -> None:
         self.idx = weakref.proxy(idx)
         self.idx_ref = weakref.ref(idx)   # what a selection names as its owner
         gpu = idx.gpu
@@ -145,9 +116,6 @@ class DeviceState:
         self.scores_b = alloc(max_seqs * self.max_blocks * 4)
         self.part_nq = 0
         self.part_ml = self.part_o = DevicePtr(0)
-        self.merge_count = DevicePtr(0)   # qsa_sparse_attn_fused's counters (allocated with the fast kernels)
-        self.kernels = kernels
-        self.fused = False
         # pinned: the descriptors' host mirror, the composition pool, a word for QsaSeqState.sync
         desc_bytes, pool_bytes = max_seqs * 16, COMPOSITIONS * max_seqs * 4
         self.pinned = cm.PinnedBuffer(desc_bytes + pool_bytes + 16, getattr(gpu, "ctx", None))
@@ -161,12 +129,12 @@ class DeviceState:
         self.init_stream: cm.CudaStream | None = None
         try:
             self.init_stream = cm.CudaStream(getattr(gpu, "ctx", None))
-            self._prepare(idx, nq_attn, kernels)
+            self._prepare(idx, nq_attn)
         except BaseException:
             self.close()
             raise
 
-    def _prepare(self, idx: QsaIndexer, nq_attn: int | None, kernels: str) -> None:
+    def _prepare(self, idx: QsaIndexer, nq_attn: int | None) -> None:
         self.normed_arg = _args.pointer_arg("normed", None, 2, "bf16",
                                             what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
         # the sparse attention loads q and K/V rows in 16-byte vectors
@@ -179,22 +147,16 @@ class DeviceState:
         pool = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16, 16-byte aligned: at least one page"
         self.k_pool_arg = _args.pointer_arg("k_pool", None, 16, "bf16", what=pool)
         self.v_pool_arg = _args.pointer_arg("v_pool", None, 16, "bf16", what=pool)
-        self._kernels(idx, kernels)
-        if self.ready:
-            self.select_kernels(kernels)
+        self._kernels(idx)
         if nq_attn is not None:
             self.ensure_partials(nq_attn, None)
 
     # -- kernels and prepared launches ----------------------------------------------------------------
-    def _kernels(self, idx: QsaIndexer, kernels: str) -> None:
+    def _kernels(self, idx: QsaIndexer) -> None:
         gpu = self.gpu
-        names = ("qsa_dev_prep", "qsa_dev_score", *_VARIANT_KERNELS["default"])
+        names = ("qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
         handles = [gpu.try_kernel(kd.MODULE, n) for n in names]
-        fast = {n: gpu.try_kernel(kd.MODULE, n) for n in _VARIANT_KERNELS["fast"]}
         self.missing = [n for n, h in zip(names, handles) if not h]
-        if kernels == "fast":
-            self.missing += [n for n, h in fast.items() if not h]
-        self.fast_ok = all(fast.values())
         self.attn_ok = False
         self.ready = not self.missing
         if not self.ready:
@@ -208,19 +170,19 @@ class DeviceState:
         self.score_pack = score.pack(q_post=self.q_post_b, desc=self.desc_dev, pos=self.pos_dev, slots=self.slots_dev,
                                      scores=self.scores_b, score_stride=self.max_blocks, n_heads=n_heads, hd=hd,
                                      ratio=ratio, k_blocks=idx.block_topk)
-        topk_args = dict(scores=self.scores_b, pos=self.pos_dev, slots=self.slots_dev, tokens=self.tokens_dev,
-                         counts=self.counts_dev, score_stride=self.max_blocks, k_blocks=idx.block_topk, ratio=ratio,
-                         sel_cap=idx.sel_cap, max_tokens=idx.max_tokens)
-        self.topk_pack = topk.pack(**topk_args)
-        attn_args = dict(q=0, k_pool=0, v_pool=0, block_tables=0, tokens=self.tokens_dev, counts=self.counts_dev,
-                         part_ml=0, part_o=0, max_pages=1, sel_cap=idx.sel_cap, block_size=8, nq=idx.nkv_attn,
-                         nkv=idx.nkv_attn, hd=idx.hd_attn, scale=1.0)
-        self.attn_pack = attn.pack(**attn_args)
+        self.topk_pack = topk.pack(scores=self.scores_b, pos=self.pos_dev, slots=self.slots_dev,
+                                   tokens=self.tokens_dev, counts=self.counts_dev, score_stride=self.max_blocks,
+                                   k_blocks=idx.block_topk, ratio=ratio, sel_cap=idx.sel_cap,
+                                   max_tokens=idx.max_tokens)
+        self.attn_pack = attn.pack(q=0, k_pool=0, v_pool=0, block_tables=0, tokens=self.tokens_dev,
+                                   counts=self.counts_dev, part_ml=0, part_o=0, max_pages=1, sel_cap=idx.sel_cap,
+                                   block_size=8, nq=idx.nkv_attn, nkv=idx.nkv_attn, hd=idx.hd_attn, scale=1.0)
         self.merge_pack = merge.pack(part_ml=0, part_o=0, counts=self.counts_dev, out=0, sel_cap=idx.sel_cap,
                                      nq=idx.nkv_attn, hd=idx.hd_attn)
-        slot_names = ("q", "k_pool", "v_pool", "block_tables", "max_pages", "block_size", "nq", "scale")
-        self.default_slots = (*(self.attn_pack.slot(n) for n in slot_names), self.merge_pack.slot("out"))
-        self.merge_nq = self.merge_pack.slot("nq")
+        a, m = self.attn_pack, self.merge_pack
+        self.attn_slots = tuple(a.slot(n) for n in ("q", "k_pool", "v_pool", "block_tables", "max_pages",
+                                                    "block_size", "nq", "scale"))
+        self.merge_out, self.merge_nq = m.slot("out"), m.slot("nq")
         # geometry: the declarations' (the grids' R, and nq for the merge, are the only per-call parts)
         g_prep = kd.prep_geometry(1, n_heads, hd)
         g_score = kd.score_geometry(1, self.max_blocks, n_heads, hd)
@@ -228,44 +190,13 @@ class DeviceState:
         self.score_gx = g_score.grid[0]
         self.run_prep = launcher(gpu, prep, g_prep.block, g_prep.shared, self.prep_pack)
         self.run_score = launcher(gpu, score, g_score.block, g_score.shared, self.score_pack)
-        self.run_topk_default = launcher(gpu, _opt_in(topk, g_topk.shared), g_topk.block, g_topk.shared,
-                                         self.topk_pack)
+        self.run_topk = launcher(gpu, _opt_in(topk, g_topk.shared), g_topk.block, g_topk.shared, self.topk_pack)
         self.attn_ok = kd.attn_hd_problem(idx.hd_attn) is None
-        g_attn = kd.attn_geometry(1, idx.nkv_attn, idx.sel_cap, idx.hd_attn)
         if self.attn_ok:
+            g_attn = kd.attn_geometry(1, idx.nkv_attn, idx.sel_cap, idx.hd_attn)
             g_merge = kd.merge_geometry(1, 1, idx.hd_attn)
             self.run_attn = launcher(gpu, _opt_in(attn, g_attn.shared), g_attn.block, g_attn.shared, self.attn_pack)
             self.run_merge = launcher(gpu, merge, g_merge.block, g_merge.shared, self.merge_pack)
-        if self.fast_ok:   # the opt-in variants, prepared whenever present (the benchmark compares both)
-            topk_fast, fused = fast.values()
-            g_fast = kd.topk_fast_geometry(1, self.max_blocks)
-            self.topk_fast_pack = topk_fast.pack(**topk_args)
-            self.run_topk_fast = launcher(gpu, _opt_in(topk_fast, g_fast.shared), g_fast.block, g_fast.shared,
-                                          self.topk_fast_pack)
-            self.fused_pack = fused.pack(**attn_args, out=0, merge_count=0)
-            self.fused_slots = tuple(self.fused_pack.slot(n) for n in (*slot_names, "out"))
-            if self.attn_ok:
-                self.run_fused = launcher(gpu, _opt_in(fused, g_attn.shared), g_attn.block, g_attn.shared,
-                                          self.fused_pack)
-
-    def select_kernels(self, kernels: str) -> None:
-        """Run the ``kernels`` variant ("default" or "fast") from the next step on (eagerly: the fast variant's
-        counters are allocated, zeroed, at its first selection)."""
-        if kernels == "fast":
-            if not self.fast_ok:
-                raise HssError(f"QsaIndexer: device_kernels='fast' needs {', '.join(_VARIANT_KERNELS['fast'])} in PTX "
-                               f"module {kd.MODULE}; run `python build_ptx.py` (or reinstall hss)")
-            if not self.merge_count:
-                idx = self.idx
-                count = idx._alloc(kd.merge_count_bytes(self.max_seqs, idx.nkv_attn))
-                cm.memset_d32_async(int(count), 0, self.max_seqs * idx.nkv_attn, self.init_stream.handle)
-                cm.stream_sync(self.init_stream.handle)
-                self.merge_count = count
-                self.fused_pack.set("merge_count", count)
-            self.run_topk, self.attn_slots, self.fused = self.run_topk_fast, self.fused_slots, True
-        else:
-            self.run_topk, self.attn_slots, self.fused = self.run_topk_default, self.default_slots, False
-        self.kernels = kernels
 
     def require(self, what: str) -> None:
         """Raise unless the device-decode kernels were found."""
@@ -364,9 +295,10 @@ class DeviceState:
                 idx._release(old)
         self.part_ml, self.part_o, self.part_nq = ml, o, nq
         if self.ready:
-            for pack in (self.attn_pack, self.merge_pack, *((self.fused_pack,) if self.fast_ok else ())):
-                pack.set("part_ml", ml)
-                pack.set("part_o", o)
+            self.attn_pack.set("part_ml", ml)
+            self.attn_pack.set("part_o", o)
+            self.merge_pack.set("part_ml", ml)
+            self.merge_pack.set("part_o", o)
 
     def close(self) -> None:
         self.compositions.clear()
@@ -550,15 +482,12 @@ def sparse_attention(idx: QsaIndexer, q: Any, k_pool: Any, v_pool: Any, block_ta
     else:
         sc = idx._f32("scale", scale, positive=True)
     dev.ensure_partials(nq, s)
-    q_slot, k_slot, v_slot, t_slot, p_slot, b_slot, n_slot, s_slot, o_slot = dev.attn_slots
+    q_slot, k_slot, v_slot, t_slot, p_slot, b_slot, n_slot, s_slot = dev.attn_slots
     q_slot.value, k_slot.value, v_slot.value, t_slot.value = qp, kp, vp, table
-    p_slot.value, b_slot.value, n_slot.value, s_slot.value, o_slot.value = pages, selection.block_size, nq, sc, op
-    if dev.fused:
-        dev.run_fused(s, R, nkv, dev.splits)
-    else:
-        dev.merge_nq.value = nq
-        dev.run_attn(s, R, nkv, dev.splits)
-        dev.run_merge(s, R, nq)
+    p_slot.value, b_slot.value, n_slot.value, s_slot.value = pages, selection.block_size, nq, sc
+    dev.merge_out.value, dev.merge_nq.value = op, nq
+    dev.run_attn(s, R, nkv, dev.splits)
+    dev.run_merge(s, R, nq)
 
 
 def _heads_from(q: Any, R: int, hd: int) -> int:

@@ -184,18 +184,13 @@ class QsaIndexer:
     Steps: ``sel = idx.decode_select_batch(states, normed, block_tables, block_size, stream)``, then
     ``idx.sparse_decode_attention(q, k_pool, v_pool, None, sel, out, stream)``; both capture into CUDA graphs
     (``hss.cuda_min.begin_capture`` / ``end_capture``), whose replays advance the states' host mirrors.
-    ``device_kernels`` picks the step's kernel variant (default: env ``HSS_QSA_DEVICE_KERNELS``, else
-    ``"default"``; read once, here; ``device_kernels`` attribute): ``"default"`` = ``qsa_dev_topk`` and
-    ``qsa_sparse_attn`` + ``qsa_sparse_merge``; ``"fast"`` (opt-in, not yet measured on a GPU) =
-    ``qsa_dev_topk_fast`` and ``qsa_sparse_attn_fused`` (attention and merge in one launch). Both give the same
-    selections and the same output bits.
     """
 
     def __init__(self, qk_proj_w: Any, q_norm_w: Any, k_norm_w: Any, n_heads: int, hd: int, ratio: int,
                  budget: int, rot: int, theta: float, eps: float, hidden: int, nkv_attn: int, hd_attn: int,
                  gpu: GpuBackend, max_tokens: int | None = None, *, score_scalar: bool | None = None,
                  no_prefill_select: bool | None = None, max_seqs: int = device.DEFAULT_MAX_SEQS,
-                 nq_attn: int | None = None, device_kernels: str | None = None) -> None:
+                 nq_attn: int | None = None) -> None:
         self._closed = True   # until construction succeeds, close() has nothing of ours to free
         self._owned: list[DevicePtr] = []
         self._pinned: cm.PinnedBuffer | None = None
@@ -208,7 +203,6 @@ class QsaIndexer:
             nq_attn = _args.as_int("nq_attn", nq_attn, 1, _I32, why="the attention's query heads")
             if nq_attn % self.nkv_attn:
                 raise HssError(f"QsaIndexer: nq_attn ({nq_attn}) must be a multiple of nkv_attn ({self.nkv_attn})")
-        self._device_kernels = device.kernels_setting(device_kernels)
         score_scalar = env_flag("HSS_QSA_SCORE_SCALAR", score_scalar)
         self.prefill_select_enabled = not env_flag("HSS_QSA_NO_PREFILL_SELECT", no_prefill_select)
         hd, qkw = self.hd, self.qk_width
@@ -220,7 +214,7 @@ class QsaIndexer:
         self._closed = False
         try:
             self._prepare(score_scalar)
-            self._dev = device.DeviceState(self, self.max_seqs, nq_attn, self._device_kernels)
+            self._dev = device.DeviceState(self, self.max_seqs, nq_attn)
         except BaseException:
             self.close()
             raise
@@ -373,11 +367,6 @@ class QsaIndexer:
         self._closed = True
         if first is not None:
             raise first
-
-    @property
-    def device_kernels(self) -> str:
-        """The batched step's kernel variant: "default" or "fast" (the ``device_kernels=`` argument)."""
-        return self._dev.kernels if self._dev is not None else self._device_kernels
 
     @property
     def closed(self) -> bool:
@@ -606,10 +595,9 @@ class QsaIndexer:
         tokens per page. Every argument is checked before any device work or state change.
 
         Queues on ``stream``: the slots' copy, the qk GEMM (m = R), ``qsa_dev_prep``, ``qsa_dev_score``,
-        ``qsa_dev_topk`` (``qsa_dev_topk_fast`` with ``device_kernels="fast"``; it advances the device positions).
-        Nothing blocks or reads the device, so it can be captured; the host mirrors (``ingested``, ``pooled``)
-        advance by one now, or, inside an hss capture, at each replay of the graph (``torch.cuda.graph``: call
-        :meth:`QsaSeqState.sync` after replays). Returns a
+        ``qsa_dev_topk`` (which advances the device positions). Nothing blocks or reads the device, so it can be
+        captured; the host mirrors (``ingested``, ``pooled``) advance by one now, or, inside an hss capture, at
+        each replay of the graph (``torch.cuda.graph``: call :meth:`QsaSeqState.sync` after replays). Returns a
         :class:`QsaDeviceSelection` (``tokens_dev`` i32 ``[R, budget + ratio]``, ``counts_dev`` i32 ``[R]``), views
         of this indexer's buffers valid until its next ``decode_select_batch``.
 
@@ -632,8 +620,7 @@ class QsaIndexer:
         this indexer's latest :meth:`decode_select_batch` result; ``out`` bf16 ``[R, nq, hd_attn]`` (written; a
         sequence with no selected token gets zeros); ``scale``: default ``1 / sqrt(hd_attn)``. Two launches on
         ``stream`` (split-K partials of 128 tokens, then a log-sum-exp merge in split order: the bits depend only on
-        each sequence's token list; with ``device_kernels="fast"`` one launch doing both, the same bits); capturable.
-        Every argument is checked before any device work.
+        each sequence's token list); capturable. Every argument is checked before any device work.
         """
         device.sparse_attention(self, q, k_pool, v_pool, block_tables, selection, out, stream, scale, nq)
 
