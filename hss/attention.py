@@ -2,12 +2,14 @@
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
-A tile is split into fixed 1024-token units, each one's partial softmax state computed by one CTA (its 8
-warps each streaming their own rows, 4 query heads of a kv head sharing the staged K/V), then folded in unit
-order into the running state by the last CTA to finish, in the same launch (SPEC §0 allows split and
-merge). A tile's result depends only on its token list: the same pages in the same
-tiles give the same bits whatever the pool layout, ``tile_capacity`` or the other sequences; another split
-into tiles rounds differently (both exact attention within SPEC §0). Every call is asynchronous on the
+A tile is split into units (256 · 2^j tokens, chosen from the tile's token count and the launch's CTA count so
+that a launch fills the GPU, at most 64 per tile), each one's partial softmax state computed by one CTA on the
+tensor cores (its 8 warps each streaming their own 8-token steps; up to 16 query heads of a kv head share the
+staged K/V, so each kv head is read once), then folded in two levels (groups of 8 units, then the groups) by the
+last CTA to finish, in the same launch (SPEC §0 allows split and merge). A tile's result depends only on its
+token list and the number of sequences in the launch: the same pages in the same tiles give the same bits
+whatever the pool layout, ``tile_capacity``, grid.z or the other sequences' pages; another split into tiles
+rounds differently (both exact attention within SPEC §0). Every call is asynchronous on the
 given stream.
 
 Arguments are checked by :mod:`hss._args` before anything is queued (a bad one raises naming the parameter;
@@ -32,18 +34,18 @@ from hss.kernels.attention import (
     ATTENTION_FINALIZE,
     FINALIZE_THREADS,
     MAX_HEAD_DIM,
-    PAGED_DECODE_ATTN_TILED,
     STEP_THREADS,
-    UNIT_TOKENS,
+    counters,
     head_groups,
     max_units,
     padded_head_dim,
+    step_declaration,
     step_grid_z,
     step_shared_bytes,
 )
 from hss.ptx import load_module
 
-__all__ = ["TiledAttentionDims", "TiledAttention"]
+__all__ = ["TiledAttentionDims", "TiledAttention", "TileStep"]
 
 NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
 _I32_MAX = 2**31 - 1
@@ -83,14 +85,10 @@ class TiledAttentionDims:
                            "(the kernel's per-row limit)")
         if self.num_q_heads > 65535 or self.num_kv_heads * head_groups(self.gqa_ratio) > 65535:
             raise HssError(f"TiledAttentionDims.num_q_heads ({self.num_q_heads}) must be <= 65535, and num_kv_heads "
-                           f"* ceil(gqa_ratio/4) too (grid.y)")
+                           f"* ceil(gqa_ratio/16) too (grid.y)")
         if self.tile_capacity * self.block_size > _I32_MAX:
             raise HssError(f"TiledAttentionDims.tile_capacity * block_size ({self.tile_capacity} * {self.block_size}) "
                            f"must fit in int32: use smaller tiles")
-        if self.max_units > 65535:
-            raise HssError(f"TiledAttentionDims.tile_capacity * block_size ({self.tile_capacity} * {self.block_size}) "
-                           f"must be <= {65535 * UNIT_TOKENS} tokens (65535 units of {UNIT_TOKENS} on grid.z): use "
-                           "smaller tiles")
         if self.max_seqs > _I32_MAX:
             raise HssError(f"TiledAttentionDims.max_seqs ({self.max_seqs}) must be < 2^31 (grid.x)")
 
@@ -101,13 +99,13 @@ class TiledAttentionDims:
 
     @property
     def max_units(self) -> int:
-        """1024-token units (partial states per sequence and query head) of a full tile."""
+        """Units (partial states per sequence and query head) a tile can have: at most 64."""
         return max_units(self.tile_capacity, self.block_size)
 
     @property
     def merge_counters(self) -> int:
-        """Fold counters: one per (sequence, kv head, group of 4 query heads)."""
-        return self.max_seqs * self.num_kv_heads * head_groups(self.gqa_ratio)
+        """Fold counters: nine per (sequence, kv head, group of 16 query heads)."""
+        return counters(self.max_seqs, self.num_kv_heads, self.gqa_ratio)
 
     @property
     def workspace_bytes(self) -> int:
@@ -127,7 +125,7 @@ class TiledAttention:
     ``TiledAttention(ctx, dims)`` (or ``TiledAttention.new(dims)``, the original's name) loads the PTX and
     allocates the state (m, l: f32 [max_seqs*num_q_heads]; o: f32 [max_seqs*num_q_heads, head_dim]; not
     zeroed: ``begin_step`` initialises it) and the split workspace (``dims.workspace_bytes``: one partial
-    state per 1024-token unit of a full tile). ``ctx`` None uses the current device's primary context.
+    state per unit of a full tile, at most 64). ``ctx`` None uses the current device's primary context.
     ``close()`` (or leaving a ``with`` block) frees everything once.
 
     ``begin_step`` / ``begin_step_on_stream`` (and ``step_tile``, ``finalize``) are one method each under the
@@ -142,13 +140,14 @@ class TiledAttention:
         self._closed = True
         self._owned = contextlib.ExitStack()
         self._fresh = 0   # sequences begin_step initialised lazily: the next tile's merge writes their state
-        self._counts_zeroed = False
+        self._counts_zeroed = False   # the fold counters are zeroed once, on the stream of the first launch
+        self._begun = False           # tiles and finalize need a begin_step first
         own = self._owned.enter_context
         try:
-            self._step_fn = own(load_module("paged_decode_attn_tiled", ctx)).function(PAGED_DECODE_ATTN_TILED.name)
+            self._step_decl = step_declaration(dims.head_dim)
+            self._step_fn = own(load_module("paged_decode_attn_tiled", ctx)).function(self._step_decl.name)
             self._fin_fn = own(load_module("attention_finalize", ctx)).function(ATTENTION_FINALIZE.name)
             self._step_shared = step_shared_bytes(dims.head_dim)
-            self._sm_count = cm.multiprocessor_count(ctx)
             if self._step_shared > 48 * 1024:
                 self._step_fn.set_max_dynamic_shared(self._step_shared)
             rows = dims.max_seqs * dims.num_q_heads
@@ -167,7 +166,7 @@ class TiledAttention:
     def _prepare(self) -> None:
         """The hot paths' prepared state: packs (refilled by slot), launchers and pointer checks."""
         d = self.dims
-        self._step_pack = pack = PAGED_DECODE_ATTN_TILED.pack(
+        self._step_pack = pack = self._step_decl.pack(
             part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
             merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, num_kv_heads=d.num_kv_heads,
             head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity, gqa_ratio=d.gqa_ratio,
@@ -179,6 +178,7 @@ class TiledAttention:
                                          "fresh"))
         self._run_step = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack)
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
+        self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
         self._fin_pack = pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
                                                         head_dim=d.head_dim)
@@ -274,14 +274,31 @@ class TiledAttention:
         (Also ``begin_step_on_stream``.)"""
         if self._closed:
             self._live()
-        s = _args.stream(stream)
+        _args.stream(stream)   # checked (nothing is queued on it)
         n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
-        if n and not self._counts_zeroed:   # the merge leaves its counters at zero; they start there once
-            cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)
-            self._counts_zeroed = True
         self._fresh = n
+        self._begun = True
 
     begin_step_on_stream = begin_step
+
+    def begin_tiles(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, num_seqs: int, blk_stride: int,
+                    tok_stride: int, kvh_stride: int) -> TileStep:
+        """``begin_step`` plus what every tile of the step shares, checked once: returns a :class:`TileStep`
+        whose ``tile(tile_blocks, tile_block_counts, last_block_valid_slots, output=None)`` queues one tile with
+        one prepared launch, checking only the tile's own arguments. The same bits as ``step_tile`` with the same
+        arguments (it is the same launch)."""
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
+        blk, tok, kvh = self._strides(blk_stride, tok_stride, kvh_stride)
+        q_bytes = n * self._row_bytes
+        qp = self._q_arg(q, s, q_bytes)
+        pool_bytes = 2 * (self._pool_heads * kvh + self._head_dim)
+        kp = self._k_arg(k_pool, s, pool_bytes)
+        vp = self._v_arg(v_pool, s, pool_bytes)
+        self.begin_step(s, n)
+        return TileStep(self, s, n, qp, kp, vp, blk, tok, kvh)
 
     def _initialise(self, s: int) -> None:
         """Queue the initial state begin_step promised (when no step_tile writes it)."""
@@ -354,16 +371,22 @@ class TiledAttention:
         self._launch(s, 1, output)
 
     def _launch(self, s: int, n: int, out: int) -> None:
+        if not self._begun:
+            raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
+                           "begin_tiles) first: it sets the state the tiles fold into")
         if n == 0:
             return
+        if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
+            cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
+            self._counts_zeroed = True
         if self._fresh and self._fresh != n:
             self._initialise(s)
         self._out_slot.value = out
         self._fresh_slot.value = 1 if self._fresh else 0
         self._fresh = 0
         z = self._grid_z.get(n)
-        if z is None:   # about two CTAs per SM (self._sm_count, read here), any value giving the same bits
-            z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._sm_count)
+        if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
+            z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
         self._run_step(s, n, self._grid_y, z)
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
@@ -374,6 +397,8 @@ class TiledAttention:
         s = _args.stream(stream)
         n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
         out = self._out_arg(output, s, n * self._row_bytes)
+        if not self._begun:
+            raise HssError("TiledAttention.finalize before any begin_step; call begin_step(stream, num_seqs) first")
         if self._fresh:
             self._initialise(s)
         if n == 0:
@@ -382,3 +407,40 @@ class TiledAttention:
         self._run_fin(s, n, self.dims.num_q_heads)
 
     finalize_on_stream = finalize
+
+
+class TileStep:
+    """The tiles of one decode step at launch speed (:meth:`TiledAttention.begin_tiles`): the stream, q, the pools,
+    their strides and the sequence count were checked once; :meth:`tile` checks the tile's table and counts (device
+    arrays), ``last_block_valid_slots`` and the optional output, refills the prepared launch and queues it."""
+
+    __slots__ = ("_ta", "_s", "_n", "_q", "_k", "_v", "_blk", "_tok", "_kvh", "_table_bytes", "_row_bytes")
+
+    def __init__(self, ta: TiledAttention, s: int, n: int, q: int, k: int, v: int, blk: int, tok: int,
+                 kvh: int) -> None:
+        self._ta, self._s, self._n = ta, s, n
+        self._q, self._k, self._v, self._blk, self._tok, self._kvh = q, k, v, blk, tok, kvh
+        self._table_bytes, self._row_bytes = n * ta._table_bytes, n * ta._row_bytes
+
+    def tile(self, tile_blocks: Any, tile_block_counts: Any, last_block_valid_slots: int, output: Any = None) -> None:
+        """One tile: ``step_tile``'s ``tile_blocks``, ``tile_block_counts``, ``last_block_valid_slots`` and
+        ``output`` (the same meaning), on the step's stream."""
+        ta, s = self._ta, self._s
+        if ta._closed:
+            ta._live()
+        lbvs = last_block_valid_slots
+        if type(lbvs) is not int or not -2**31 <= lbvs <= _I32_MAX:
+            lbvs = ta._lbvs(lbvs)
+        tp = ta._table_arg(tile_blocks, s, self._table_bytes)
+        cp = ta._counts_arg(tile_block_counts, s, 4 * self._n)
+        out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
+        ta._q_slot.value = self._q
+        ta._k_slot.value = self._k
+        ta._v_slot.value = self._v
+        ta._blk_slot.value = self._blk
+        ta._tok_slot.value = self._tok
+        ta._kvh_slot.value = self._kvh
+        ta._table_slot.value = tp
+        ta._counts_slot.value = cp
+        ta._lbvs_slot.value = lbvs
+        ta._launch(s, self._n, out)

@@ -18,3 +18,20 @@ __device__ __forceinline__ void hss_mma1688(float (&d)[4], uint32_t a0, uint32_t
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(b));
 }
+
+// ldmatrix (sm_75+): four 8x8 b16 matrices from shared memory; lanes 8i .. 8i + 7 give the row addresses of matrix
+// i (16-byte aligned), and register i of lane l receives matrix i's row l / 4, elements 2(l % 4) .. +1 (.trans: its
+// column l / 4, rows 2(l % 4) .. +1).
+__device__ __forceinline__ void hss_ldsm_x4(uint32_t (&r)[4], const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void hss_ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}

@@ -1,22 +1,32 @@
 // paged_decode_attn_tiled.cu: one tile of streaming (online-softmax) decode attention (SPEC §6.3, restructured
-// as split + merge under SPEC §0).
+// as split + merge under SPEC §0), on the tensor cores, each kv head's K/V read once per tile whatever the GQA
+// ratio (up to ATT_HG = 16 query heads share a CTA: the 16 rows of the mma tiles).
 //
 // A tile's tokens (every slot of every listed page, except the last page's min(lbvs, bs) slots) are cut into
-// fixed units of ATT_UNIT = 1024 tokens counted from the tile's start, and each unit into 64-token chunks of 8
-// rows per warp: warp w of 8 takes rows 8w..8w+7 of every chunk. CTA z of one (sequence, kv head, group of 4
-// query heads) takes units z, z + gridDim.z, ...; each of its warps stages its own rows (a 2-deep cp.async
-// ring per warp, no block barrier inside a unit) and keeps an online-softmax state per query head:
-//   x_t = dot(q, K_t) * rsqrtf(head_dim);  per 8-row step: m' = max(m, max_t x_t), a = __expf(m - m'),
-//   p_t = __expf(x_t - m'), l' = l*a + p_t (per lane), o' = o*a + sum_t p_t*V_t    (f32 throughout).
-// At the end of a unit the 8 warp states are combined (warp order) into the unit's partial (m_u, l_u, o_u),
-// written to the workspace. The last CTA of a (sequence, kv head, head group) to finish (an atomic counter
-// that resets itself) folds the tile's units, in unit order, into the running state (m, l, o):
-//   M = max(m, m_0..m_{U-1});  l' = l*e^(m-M) + sum_u l_u*e^(m_u-M);  o' = o*e^(m-M) + sum_u o_u*e^(m_u-M)
-// and, when `out` is not null, also writes out = bf16(o' * (l' > 0 ? 1/l' : 0)) (what attention_finalize
-// writes from that state). Every unit is computed the same way whichever CTA runs it and however many units
-// the launch has room for, so a tile's result depends only on its token list: replaying the same pages in
-// the same tiles gives the same bits (pool layout, tile_capacity, the grid and the other sequences of the
-// launch do not matter). Splitting the pages into other tiles changes the rounding only.
+// units of U tokens counted from the tile's start, U = unit_tokens(n, ctas) (below): n the sequence's tokens in
+// this tile, ctas = gridDim.x * gridDim.y (sequences x CTA rows). CTA z of one (sequence, kv head, group of up
+// to 16 query heads) takes units z, z + gridDim.z, ...; in a unit, warp w of 8 takes the 8-token steps w, w + 8,
+// ... (tokens u*U + 8*(8i + w) ..), each staged by the warp alone (an ATT_STAGES-deep cp.async ring per warp, no
+// block barrier inside a unit), and keeps an online-softmax state per query head in log2 units:
+//   x_t = (q . K_t) * rsqrt(head_dim) * log2(e)   (bf16 mma m16n8k16, f32 accumulate in 4 chains over head_dim)
+//   per step: m' = max(m, max_t x_t), a = exp2(m - m'), p_t = exp2(x_t - m'), l' = l*a + sum_t p_t,
+//   o' = o*a + sum_t p_t*V_t   (p as bf16 hi + lo, >= 16 bits (SPEC §0); bf16 mma m16n8k8, f32 accumulate).
+// At a unit's end the 8 warp states are combined (warp order) into the unit's partial (m_u, l_u, o_u), written
+// to the workspace. Units fold in two levels, each by the last CTA to finish (atomic counters that reset
+// themselves): the units of each group of ATT_GROUP = 8 (unit order) into the group's first slot, then the
+// groups (group order) into the running state (m, l, o); a tile of at most 8 units folds its units straight
+// into the state. The fold is
+//   M = max(m, m_0..m_{k-1});  l' = l*2^(m-M) + sum_j l_j*2^(m_j-M);  o' = o*2^(m-M) + sum_j o_j*2^(m_j-M)
+// and, when `out` is not null, the state's fold also writes out = bf16(o' * (l' > 0 ? 1/l' : 0)) (what
+// attention_finalize writes from that state). Every unit is computed the same way whichever CTA runs it, so a
+// tile's result depends only on its token list and U: replaying the same pages in the same tiles with the same
+// number of sequences gives the same bits (pool layout, tile_capacity, gridDim.z and the other sequences' pages
+// do not matter). Splitting the pages into other tiles changes the rounding only.
+//
+// unit_tokens(n, ctas): want = min(ATT_MAX_UNITS, max(1, ceil(T / ctas))) units per (sequence, CTA row), T =
+//   the CTAs a launch aims at (Cfg<HDP>::TARGET: about one wave of the 132 SMs of an H100 / H200 at the CTAs per SM
+//   the shared memory allows); U = the smallest ATT_UNIT_MIN * 2^j >= ceil(n / want). So at most ATT_MAX_UNITS
+//   units per tile, and at most ceil(n / ATT_UNIT_MIN).
 //
 // paged_decode_attn_tiled(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out,
 //     merge_count, num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units,
@@ -29,49 +39,51 @@
 //   part_ml           f32 [num_seqs*num_q_heads, max_units, 2] (m_u, l_u), part_o f32 [num_seqs*num_q_heads,
 //                     max_units, HDP] (HDP = head_dim padded to 64, 128 or 256): the tile's units only
 //   m, l              f32 [num_seqs*num_q_heads], o f32 [num_seqs*num_q_heads, head_dim]: read then written
-//                     (fresh != 0: not read, taken as m = -inf, l = 0, o = 0, the state begin_step asks for)
+//                     (fresh != 0: not read, taken as m = -inf, l = 0, o = 0, the state begin_step asks for); m
+//                     is in log2 units (base-2 logits)
 //   out               bf16 [num_seqs, num_q_heads, head_dim] or null
-//   merge_count       u32 [num_seqs * num_kv_heads * ceil(gqa_ratio/4)], zero between launches
-//   max_units = ceil(tile_capacity*block_size / 1024) (the partial arrays' row stride).
-//   Launch: grid (num_seqs, num_kv_heads * ceil(gqa_ratio/4), Z), 1 <= Z <= max_units (any Z gives the same
-//   bits), block (256,1,1), dynamic shared memory Shape<HDP>::BYTES = 8*2*(2*8*HDP*2) + 1536 bytes (65.5 KiB at
-//   head_dim 128: the host raises the function's 48 KiB limit). A sequence whose tile has no tokens keeps its
-//   state (fresh: gets the initial state); CTA z = 0 writes it (and out).
+//   merge_count       u32 [num_seqs, num_kv_heads * ceil(gqa_ratio/16), ATT_COUNTERS], zero between launches
+//   max_units = min(ATT_MAX_UNITS, ceil(tile_capacity*block_size / ATT_UNIT_MIN)) (the partial arrays' row
+//   stride). Launch: grid (num_seqs, num_kv_heads * ceil(gqa_ratio/16), Z), 1 <= Z <= max_units (any Z gives the
+//   same bits), block (256,1,1), dynamic shared memory Cfg<HDP>::BYTES (hss.kernels.attention.step_shared_bytes:
+//   past 48 KiB, the host raises the function's limit). A sequence whose tile has no tokens keeps its state
+//   (fresh: gets the initial state); CTA z = 0 writes it (and out).
 // head_dim <= 256 (any value; rows are padded to 64, 128 or 256 in shared memory). Loads are 16-byte cp.async
 // when the pools, strides and head_dim allow it, else 2-byte loads; both stage the same values.
 #include "hss_async.cuh"
 #include "hss_common.cuh"
+#include "hss_mma.cuh"
 
 #define ATT_THREADS 256
 #define ATT_WARPS 8
-#define ATT_ROWS 8      // rows per warp per step (a chunk is ATT_WARPS * ATT_ROWS = 64 tokens)
-#ifndef ATT_UNIT
-#define ATT_UNIT 1024   // tokens per partial state (fixed: the result of a tile depends on it)
-#endif
-#define ATT_SPU (ATT_UNIT / (ATT_WARPS * ATT_ROWS))   // steps per warp per full unit
-#define ATT_HG 4        // query heads per CTA
+#define ATT_ROWS 8           // tokens per warp step (the n of the S tile, the k of the P.V mma)
+#define ATT_HG 16            // query heads per CTA (the m of every mma tile)
+#define ATT_UNIT_MIN 256     // the smallest unit, in tokens
+#define ATT_MAX_UNITS 64     // units of one tile at most
+#define ATT_GROUP 8          // units per first-level fold group
+#define ATT_COUNTERS 9       // fold counters per (sequence, CTA row): one per group, then the groups' own
 #define ATT_MAX_HD 256
-#ifndef ATT_STAGES
-#define ATT_STAGES 2    // steps staged per warp (the one computed and the next)
-#endif
 
 namespace {
 
-// Shared memory, in bytes: per warp a ring of ATT_STAGES steps (bf16 K [8][HDP] then V [8][HDP]); then the
-// per-warp p row (f32 [32]), the unit-end warp states (m, l: f32 [8][4] each) and each warp's o buffer index.
-// The fold of the last CTA reuses the stage area.
+// Shared memory of one CTA (bytes): Q bf16 [16][RS]; per warp a ring of STAGES steps (K bf16 [8][RS], then V);
+// the fold's staged (m, l) f32 [8][16][2] and the running state's (m, l) f32 [16][2]; the fold flag. At a unit's
+// end the rings hold every warp's o, f32 [8 warps][16][HDP]. RS = HDP + 8 makes every ldmatrix conflict-free.
 template <int HDP>
-struct Shape {
-    static constexpr int E = HDP / 32;                                // dims per lane
-    static constexpr int STEP = 2 * ATT_ROWS * HDP * 2;               // one staged step of one warp
-    static constexpr int WARP_RING = ATT_STAGES * STEP;
-    static constexpr int PS = ATT_WARPS * WARP_RING;                  // f32 [8][32]
-    static constexpr int MS = PS + ATT_WARPS * 32 * 4;                // f32 [8][4]
-    static constexpr int LS = MS + ATT_WARPS * ATT_HG * 4;            // f32 [8][4]
-    static constexpr int BS = LS + ATT_WARPS * ATT_HG * 4;            // i32 [8] o buffer of each warp, + flag
-    static constexpr int BYTES = BS + 256;
-    static_assert(BYTES == 8 * ATT_STAGES * (2 * 8 * HDP * 2) + 1536, "documented size");
-    static_assert(ATT_WARPS * ATT_HG * HDP * 4 + ATT_WARPS * ATT_HG * 4 * 2 <= PS, "fold scratch fits the rings");
+struct Cfg {
+    static constexpr int STAGES = HDP == 64 ? 4 : 3;
+    static constexpr int TARGET = HDP == 256 ? 128 : 256;   // CTAs a launch aims at (1 resp. 2 per SM, 132 SMs)
+    static constexpr int RS = HDP + 8;
+    static constexpr int STEP = 2 * ATT_ROWS * RS * 2;
+    static constexpr int RING = STAGES * STEP;
+    static constexpr int Q = 0;
+    static constexpr int RINGS = Q + ATT_HG * RS * 2;
+    static constexpr int FOLD = RINGS + ATT_WARPS * RING;          // f32 [8][16][2]
+    static constexpr int OLD = FOLD + ATT_GROUP * ATT_HG * 2 * 4;  // f32 [16][2]
+    static constexpr int FLAG = OLD + ATT_HG * 2 * 4;
+    static constexpr int BYTES = FLAG + 16;
+    static_assert(ATT_WARPS * ATT_HG * HDP * 4 <= ATT_WARPS * RING, "every warp's unit-end o fits the rings");
+    static_assert(ATT_WARPS == ATT_GROUP, "the unit-end warp states and the fold share one (m, l) area");
     static_assert(BYTES <= 227 * 1024, "shared memory per CTA");
 };
 
@@ -87,35 +99,13 @@ __device__ __forceinline__ int tile_tokens(const int* __restrict__ counts, int s
     return n_blocks == 0 ? 0 : (n_blocks - 1) * bs + last_slots;
 }
 
-// E consecutive bf16 values at p (4*E-byte aligned) as f32.
-template <int E>
-__device__ __forceinline__ void load_row(const unsigned short* p, float (&f)[E]) {
-    if constexpr (E == 2) {
-        const unsigned w = *reinterpret_cast<const unsigned*>(p);
-        f[0] = hss_bf16_lo(w); f[1] = hss_bf16_hi(w);
-    } else if constexpr (E == 4) {
-        const uint2 w = *reinterpret_cast<const uint2*>(p);
-        f[0] = hss_bf16_lo(w.x); f[1] = hss_bf16_hi(w.x); f[2] = hss_bf16_lo(w.y); f[3] = hss_bf16_hi(w.y);
-    } else {
-        const uint4 w = *reinterpret_cast<const uint4*>(p);
-        f[0] = hss_bf16_lo(w.x); f[1] = hss_bf16_hi(w.x); f[2] = hss_bf16_lo(w.y); f[3] = hss_bf16_hi(w.y);
-        f[4] = hss_bf16_lo(w.z); f[5] = hss_bf16_hi(w.z); f[6] = hss_bf16_lo(w.w); f[7] = hss_bf16_hi(w.w);
-    }
-}
-
-// Transposing butterfly: 2*OFF partial sums per lane in, after the steps OFF, OFF/2, .., 1 lane L holds in v[0]
-// the full sum (over all 32 lanes) of value index L. Each step keeps half of the values (the upper half on lanes
-// with that bit set) and adds the partner's matching half.
-template <int OFF>
-__device__ __forceinline__ void butterfly(float (&v)[32], int lane) {
-    const bool up = lane & OFF;
-#pragma unroll
-    for (int i = 0; i < OFF; ++i) {
-        const float send = up ? v[i] : v[i + OFF];
-        const float keep = up ? v[i + OFF] : v[i];
-        v[i] = keep + __shfl_xor_sync(HSS_FULL_MASK, send, OFF);
-    }
-    if constexpr (OFF > 1) butterfly<OFF / 2>(v, lane);
+// The unit size for a tile of n >= 1 tokens in a launch of `ctas` CTAs per unit index (see the header).
+__device__ __forceinline__ long long unit_tokens(int n, int ctas, int target) {
+    const int want = min(ATT_MAX_UNITS, max(1, (target + ctas - 1) / ctas));
+    const long long need = ((long long)n + want - 1) / want;
+    long long u = ATT_UNIT_MIN;
+    while (u < need) u <<= 1;
+    return u;
 }
 
 struct Args {
@@ -127,25 +117,26 @@ struct Args {
     float* part_o;
     float *m, *l, *o;          // running state, row of the first query head
     unsigned short* out;       // or null
-    unsigned* count;
+    unsigned* count;           // this (sequence, CTA row)'s ATT_COUNTERS counters
     long long blk, tok, row_ml, row_o;
-    int hd, bs, hg, n_tok, n_units;
+    int hd, bs, hg, n_tok, n_units, unit;
     bool vec, fresh;
 };
 
-// Stage warp step (unit u, step j) of warp w: rows t0..t0+7, t0 = u*UNIT + (j*8 + w)*8 (one cp.async group per
-// lane; the caller commits). Rows past the tile and dims >= head_dim are zero.
+// Stage the warp step of tokens t0 .. t0 + n - 1 (n <= 8) into ks (K rows) and ks + 8*RS (V rows); rows past n
+// and dims >= head_dim are zero (finite for the mma: a zero V row times p = 0 adds nothing). One cp.async group
+// per lane; the caller commits.
 template <int HDP>
-__device__ __forceinline__ void stage(const Args& a, int t0, unsigned short* ks, int lane) {
+__device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned short* ks, int lane) {
+    constexpr int RS = Cfg<HDP>::RS;
     constexpr int PPR = HDP / 8;   // 16-byte pieces per row
-    unsigned short* vs = ks + ATT_ROWS * HDP;
-    const int n = min(ATT_ROWS, a.n_tok - t0);
+    unsigned short* vs = ks + ATT_ROWS * RS;
     if (a.vec) {
 #pragma unroll
         for (int p = lane; p < ATT_ROWS * PPR; p += 32) {
             const int r = p / PPR, pc = p % PPR;
-            uint4* dk = reinterpret_cast<uint4*>(ks + r * HDP + pc * 8);
-            uint4* dv = reinterpret_cast<uint4*>(vs + r * HDP + pc * 8);
+            uint4* dk = reinterpret_cast<uint4*>(ks + r * RS + pc * 8);
+            uint4* dv = reinterpret_cast<uint4*>(vs + r * RS + pc * 8);
             if (r < n && pc * 8 < a.hd) {
                 const int t = t0 + r;
                 const long long off =
@@ -167,321 +158,292 @@ __device__ __forceinline__ void stage(const Args& a, int t0, unsigned short* ks,
                 xk = __ldg(a.k + off);
                 xv = __ldg(a.v + off);
             }
-            ks[r * HDP + d] = xk;
-            vs[r * HDP + d] = xv;
+            ks[r * RS + d] = xk;
+            vs[r * RS + d] = xv;
         }
     }
 }
 
-// Warp state: running max m (lane L: head L%4), per-lane sum l, o[h][e] for dims lane*E + e.
-template <int E>
-struct WarpState {
-    float m, l, o[ATT_HG][E];
-    __device__ __forceinline__ void reset() {
-        m = hss_neg_inf();
-        l = 0.0f;
-#pragma unroll
-        for (int h = 0; h < ATT_HG; ++h)
-#pragma unroll
-            for (int e = 0; e < E; ++e) o[h][e] = 0.0f;
-    }
-};
-
-// One 8-row step of one warp: rows [t0, t0 + n) staged in ks (K) and ks + 8*HDP (V).
+// One warp step over the n (1..8) staged tokens in ks: lane (g = lane/4, c = lane%4) holds the state of query
+// heads g (m0, l0) and g + 8 (m1, l1) and o[j] = the mma C fragment of dims 8j .. 8j + 7 (rows g, g + 8).
 template <int HDP>
-__device__ __forceinline__ void step(const float (&q)[ATT_HG][HDP / 32], const unsigned short* ks, int n,
-                                     float scale, WarpState<HDP / 32>& st, float* ps, int lane) {
-    constexpr int E = HDP / 32;
-    const unsigned short* vs = ks + ATT_ROWS * HDP;
-    // Logits: lane holds dims [E*lane, E*lane+E) of each row; 32 partial dots (8 rows x 4 heads) summed across
-    // lanes by the transposing butterfly, after which lane L holds the dot of row L/4, head L%4.
-    float v[32];
+__device__ __forceinline__ void step(const unsigned short* qs, const unsigned short* ks, int n, float sl2, float& m0,
+                                     float& m1, float& l0, float& l1, float (&o)[HDP / 8][4], int lane) {
+    constexpr int RS = Cfg<HDP>::RS;
+    const unsigned short* vs = ks + ATT_ROWS * RS;
+    const int c = lane & 3;
+    // S = Q K^T, 16 heads x 8 tokens: A = Q (ldmatrix x4 per 16 dims), B = K rows (x4: two 16-dim k-steps).
+    const int arow = (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+    const int krow = lane & 7, kcol = (lane >> 3) * 8;
+    float acc[4][4];
 #pragma unroll
-    for (int r = 0; r < ATT_ROWS; ++r) {
-        float kf[E];
-        load_row<E>(ks + r * HDP + lane * E, kf);
+    for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
-        for (int h = 0; h < ATT_HG; ++h) {
-            float dot = 0.0f;
+    for (int kk = 0; kk < HDP / 32; ++kk) {
+        uint32_t b[4], a0[4], a1[4];
+        hss_ldsm_x4(b, ks + krow * RS + kk * 32 + kcol);
+        hss_ldsm_x4(a0, qs + arow * RS + kk * 32 + acol);
+        hss_ldsm_x4(a1, qs + arow * RS + kk * 32 + 16 + acol);
+        hss_mma16816(acc[(2 * kk) & 3], a0, b[0], b[1]);
+        hss_mma16816(acc[(2 * kk + 1) & 3], a1, b[2], b[3]);
+    }
+    const float ninf = hss_neg_inf();
+    float x[4];
 #pragma unroll
-            for (int e = 0; e < E; ++e) dot = fmaf(q[h][e], kf[e], dot);
-            v[r * ATT_HG + h] = dot;
+    for (int e = 0; e < 4; ++e) x[e] = ((acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e])) * sl2;
+    if (2 * c >= n) x[0] = x[2] = ninf;       // tokens 2c, 2c + 1 of the step
+    if (2 * c + 1 >= n) x[1] = x[3] = ninf;
+    float mx0 = fmaxf(x[0], x[1]), mx1 = fmaxf(x[2], x[3]);
+    mx0 = fmaxf(mx0, __shfl_xor_sync(HSS_FULL_MASK, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(HSS_FULL_MASK, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(HSS_FULL_MASK, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(HSS_FULL_MASK, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);   // finite: token 0 of a step is always there
+    const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);  // m = -inf (nothing yet): 0
+    const float p0 = exp2f(x[0] - mn0), p1 = exp2f(x[1] - mn0), p2 = exp2f(x[2] - mn1), p3 = exp2f(x[3] - mn1);
+    l0 = fmaf(l0, al0, p0 + p1);
+    l1 = fmaf(l1, al1, p2 + p3);
+    m0 = mn0;
+    m1 = mn1;
+    uint32_t h0, lo0, h1, lo1;   // P as the m16n8k8 A fragment: rows g (h0) and g + 8 (h1), tokens 2c, 2c + 1
+    hss_bf16_split2(p0, p1, h0, lo0);
+    hss_bf16_split2(p2, p3, h1, lo1);
+    // O = O * a + P V: B = V rows (ldmatrix x4 .trans: four 8-dim n-tiles)
+    const int vrow = lane & 7, vcol = (lane >> 3) * 8;
+#pragma unroll
+    for (int j = 0; j < HDP / 32; ++j) {
+        uint32_t b[4];
+        hss_ldsm_x4_trans(b, vs + vrow * RS + j * 32 + vcol);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            float(&d)[4] = o[4 * j + t];
+            d[0] *= al0;
+            d[1] *= al0;
+            d[2] *= al1;
+            d[3] *= al1;
+            hss_mma1688(d, h0, h1, b[t]);
+            hss_mma1688(d, lo0, lo1, b[t]);
         }
     }
-    butterfly<16>(v, lane);
-    const float x = (lane >> 2) < n ? v[0] * scale : hss_neg_inf();
-    float mx = fmaxf(x, __shfl_xor_sync(HSS_FULL_MASK, x, 4));
-    mx = fmaxf(mx, __shfl_xor_sync(HSS_FULL_MASK, mx, 8));
-    mx = fmaxf(mx, __shfl_xor_sync(HSS_FULL_MASK, mx, 16));
-    const float m_new = fmaxf(st.m, mx);               // finite: row 0 of a step is always a token
-    const float alpha = __expf(st.m - m_new);          // st.m = -inf (nothing yet): 0
-    const float p = __expf(x - m_new);                 // x = -inf (no token): 0
-    st.l = fmaf(st.l, alpha, p);
-    st.m = m_new;
-    ps[lane] = p;
-    float al[ATT_HG];
-#pragma unroll
-    for (int h = 0; h < ATT_HG; ++h) al[h] = __shfl_sync(HSS_FULL_MASK, alpha, h);
-    __syncwarp();
-#pragma unroll
-    for (int h = 0; h < ATT_HG; ++h)
-#pragma unroll
-        for (int e = 0; e < E; ++e) st.o[h][e] *= al[h];
-#pragma unroll
-    for (int r = 0; r < ATT_ROWS; ++r) {
-        const float4 pr = *reinterpret_cast<const float4*>(ps + r * ATT_HG);
-        const float pv[ATT_HG] = {pr.x, pr.y, pr.z, pr.w};
-        float vf[E];
-        load_row<E>(vs + r * HDP + lane * E, vf);
-#pragma unroll
-        for (int h = 0; h < ATT_HG; ++h)
-#pragma unroll
-            for (int e = 0; e < E; ++e) st.o[h][e] = fmaf(pv[h], vf[e], st.o[h][e]);
-    }
-    __syncwarp();   // ps and this stage are rewritten next
 }
 
-// Steps of warp w in unit u (a prefix of 0..SPU-1: only the tile's last unit is short).
-__device__ __forceinline__ int warp_steps(const Args& a, int u, int w) {
-    const int rows = min(ATT_UNIT, a.n_tok - u * ATT_UNIT);               // tokens of the unit
-    const int groups = (rows + ATT_ROWS - 1) / ATT_ROWS;                  // 8-row groups; group g -> warp g % 8
-    return groups > w ? (groups - w + ATT_WARPS - 1) / ATT_WARPS : 0;
-}
-
-// Fold the tile's units (in unit order) into the running state, write it (and out): one CTA.
+// Fold `cnt` partials (slots first, first + stride, ... in that order) of this CTA row: into the running state
+// (to_state: m, l, o read unless fresh; out written when present) or into slot `first`. cnt == 0 (to_state
+// only): the state as it is. All threads; barriers inside.
 template <int HDP>
-__device__ __forceinline__ void fold(const Args& a, unsigned char* smem) {
-    using S = Shape<HDP>;
-    constexpr int E = S::E;                     // float4s per lane
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float* red = reinterpret_cast<float*>(smem);                           // f32 [8][4*HDP]
-    float* mxs = red + ATT_WARPS * ATT_HG * HDP;                          // f32 [8][4]
-    float* lsum = mxs + ATT_WARPS * ATT_HG;                               // f32 [8][4]
-    const int nu = a.n_units;
-    // M_h = max(m_old, max_u m_u)
-#pragma unroll
-    for (int h = 0; h < ATT_HG; ++h) {
-        float mx = hss_neg_inf();
-        if (h < a.hg)
-            for (int u = tid; u < nu; u += ATT_THREADS) mx = fmaxf(mx, __ldcg(a.part_ml + h * a.row_ml + 2 * u));
-        mx = hss_warp_max(mx);
-        if (lane == 0) mxs[warp * ATT_HG + h] = mx;
+__device__ __forceinline__ void fold(const Args& a, int first, int stride, int cnt, bool to_state,
+                                     unsigned char* smem) {
+    using C = Cfg<HDP>;
+    const int tid = threadIdx.x;
+    float2* fst = reinterpret_cast<float2*>(smem + C::FOLD);   // [j][16] (m_j, l_j)
+    float2* old = reinterpret_cast<float2*>(smem + C::OLD);    // [16] (m, l) of the state
+    const float ninf = hss_neg_inf();
+    __syncthreads();   // the (m, l) areas are free
+    for (int i = tid; i < cnt * ATT_HG; i += ATT_THREADS) {
+        const int j = i / ATT_HG, r = i % ATT_HG;
+        fst[i] = r < a.hg ? __ldcg(reinterpret_cast<const float2*>(a.part_ml + r * a.row_ml + 2LL * (first + j * stride)))
+                          : make_float2(ninf, 0.f);
+    }
+    if (tid < ATT_HG) {
+        const bool keep = to_state && !a.fresh && tid < a.hg;
+        old[tid] = keep ? make_float2(a.m[tid], a.l[tid]) : make_float2(ninf, 0.f);
     }
     __syncthreads();
-    float M[ATT_HG], m_old[ATT_HG], l_old[ATT_HG];   // read before anything is written (barrier below)
-#pragma unroll
-    for (int h = 0; h < ATT_HG; ++h) {
-        m_old[h] = (a.fresh || h >= a.hg) ? hss_neg_inf() : a.m[h];
-        l_old[h] = (a.fresh || h >= a.hg) ? 0.0f : a.l[h];
-        float mx = m_old[h];
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, mxs[w * ATT_HG + h]);
-        M[h] = mx;
-    }
-    // warp w folds units w, w+8, ...; lane's float4 k covers flat (head, dim) 4*(lane + 32k) of [4][HDP]
-    float4 acc[E];
-    float lacc[ATT_HG];
-#pragma unroll
-    for (int k = 0; k < E; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int h = 0; h < ATT_HG; ++h) lacc[h] = 0.0f;
-    for (int u = warp; u < nu; u += ATT_WARPS) {
-        float wgt[ATT_HG];
-#pragma unroll
-        for (int h = 0; h < ATT_HG; ++h) {
-            if (h < a.hg) {
-                const float2 ml = __ldcg(reinterpret_cast<const float2*>(a.part_ml + h * a.row_ml + 2 * u));
-                wgt[h] = __expf(ml.x - M[h]);
-                lacc[h] = fmaf(ml.y, wgt[h], lacc[h]);
-            } else {
-                wgt[h] = 0.0f;
-            }
+    for (int e = tid; e < a.hg * HDP; e += ATT_THREADS) {
+        const int r = e / HDP, d = e % HDP;
+        const float2 st = old[r];
+        float M = st.x;
+        for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + r].x);
+        float acc = 0.f, lacc = 0.f;
+        for (int j = 0; j < cnt; ++j) {
+            const float2 ml = fst[j * ATT_HG + r];
+            const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
+            acc = fmaf(__ldcg(a.part_o + r * a.row_o + (long long)(first + j * stride) * HDP + d), w, acc);
+            lacc = fmaf(ml.y, w, lacc);
         }
-#pragma unroll
-        for (int k = 0; k < E; ++k) {
-            const int f = 4 * (lane + 32 * k), h = f / HDP, d = f % HDP;
-            if (h < a.hg) {
-                const float* src = a.part_o + h * a.row_o + (long long)u * HDP + d;
-                const float4 x = __ldcg(reinterpret_cast<const float4*>(src));
-                acc[k].x = fmaf(x.x, wgt[h], acc[k].x);
-                acc[k].y = fmaf(x.y, wgt[h], acc[k].y);
-                acc[k].z = fmaf(x.z, wgt[h], acc[k].z);
-                acc[k].w = fmaf(x.w, wgt[h], acc[k].w);
-            }
+        if (!to_state) {
+            a.part_o[r * a.row_o + (long long)first * HDP + d] = acc;
+            if (d == 0) *reinterpret_cast<float2*>(a.part_ml + r * a.row_ml + 2LL * first) = make_float2(M, lacc);
+            continue;
         }
-    }
-#pragma unroll
-    for (int k = 0; k < E; ++k)
-        *reinterpret_cast<float4*>(red + warp * ATT_HG * HDP + 4 * (lane + 32 * k)) = acc[k];
-    if (lane == 0)
-#pragma unroll
-        for (int h = 0; h < ATT_HG; ++h) lsum[warp * ATT_HG + h] = lacc[h];
-    __syncthreads();
-    for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
-        const int h = i / HDP, d = i % HDP;
-        if (h >= a.hg || d >= a.hd) continue;
-        float tot = 0.0f, ltot = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) {
-            tot += red[w * ATT_HG * HDP + i];
-            ltot += lsum[w * ATT_HG + h];
+        if (d >= a.hd) continue;
+        const float o_old = a.fresh ? 0.f : a.o[r * a.hd + d];
+        float m2 = st.x, l2 = st.y, o2 = o_old;   // nothing attended: the state as it is (fresh: the initial one)
+        if (cnt > 0) {
+            const float s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
+            m2 = M;
+            l2 = fmaf(st.y, s_old, lacc);
+            o2 = fmaf(o_old, s_old, acc);
         }
-        float m2, l2, o2;
-        const float o_old = a.fresh ? 0.0f : a.o[h * a.hd + d];
-        if (nu == 0) {   // nothing attended: the state as it is (fresh: the initial state)
-            m2 = m_old[h];
-            l2 = l_old[h];
-            o2 = o_old;
-        } else {
-            const float s_old = __expf(m_old[h] - M[h]);   // m_old = -inf (fresh state): 0
-            m2 = M[h];
-            l2 = fmaf(l_old[h], s_old, ltot);
-            o2 = fmaf(o_old, s_old, tot);
-        }
-        a.o[h * a.hd + d] = o2;
+        a.o[r * a.hd + d] = o2;
         if (d == 0) {
-            a.m[h] = m2;
-            a.l[h] = l2;
+            a.m[r] = m2;
+            a.l[r] = l2;
         }
         if (a.out) {
-            const float inv = l2 > 0.0f ? 1.0f / l2 : 0.0f;
-            a.out[h * a.hd + d] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
+            const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
+            a.out[r * a.hd + d] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
         }
     }
+    __threadfence();   // a group's slot is visible device-wide before the group is counted
+    __syncthreads();
+}
+
+// One unit u: the warps' steps, the unit's partial, its count and the folds it completes.
+template <int HDP>
+__device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) {
+    using C = Cfg<HDP>;
+    constexpr int E = HDP / 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const unsigned short* qs = reinterpret_cast<const unsigned short*>(smem + C::Q);
+    unsigned short* ring = reinterpret_cast<unsigned short*>(smem + C::RINGS + warp * C::RING);
+    const int u0 = u * a.unit, uend = min(u0 + a.unit, a.n_tok);
+    const int groups = (uend - u0 + ATT_ROWS - 1) / ATT_ROWS;               // 8-token steps; step s -> warp s % 8
+    const int ns = groups > warp ? (groups - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
+    auto t0_of = [&](int i) { return u0 + (i * ATT_WARPS + warp) * ATT_ROWS; };
+    auto buffer = [&](int i) { return ring + (i % C::STAGES) * (C::STEP / 2); };
+    auto issue = [&](int i) {
+        if (i < ns) stage<HDP>(a, t0_of(i), min(ATT_ROWS, uend - t0_of(i)), buffer(i), lane);
+        hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step i has landed"
+    };
+#pragma unroll
+    for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
+    const float sl2 = rsqrtf((float)a.hd) * 1.4426950408889634f;
+    float m0 = hss_neg_inf(), m1 = hss_neg_inf(), l0 = 0.f, l1 = 0.f;
+    float o[E][4];
+#pragma unroll
+    for (int j = 0; j < E; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int i = 0; i < ns; ++i) {
+        issue(i + C::STAGES - 1);
+        hss_cp_wait<C::STAGES - 1>();
+        __syncwarp();
+        step<HDP>(qs, buffer(i), min(ATT_ROWS, uend - t0_of(i)), sl2, m0, m1, l0, l1, o, lane);
+        __syncwarp();   // this stage is refilled next
+    }
+    hss_cp_wait<0>();
+    l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 1);
+    l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 1);
+    l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 2);
+    l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 2);
+    float2* wst = reinterpret_cast<float2*>(smem + C::FOLD);   // [warp][16] (m, l)
+    float* ow = reinterpret_cast<float*>(smem + C::RINGS);     // [warp][16][HDP]
+    __syncthreads();   // every ring has been read: they take the warps' o now
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        float* row0 = ow + (warp * ATT_HG + g) * HDP + 8 * j + 2 * c;
+        *reinterpret_cast<float2*>(row0) = make_float2(o[j][0], o[j][1]);
+        *reinterpret_cast<float2*>(row0 + 8 * HDP) = make_float2(o[j][2], o[j][3]);
+    }
+    if (c == 0) {
+        wst[warp * ATT_HG + g] = make_float2(ns > 0 ? m0 : hss_neg_inf(), l0);
+        wst[warp * ATT_HG + g + 8] = make_float2(ns > 0 ? m1 : hss_neg_inf(), l1);
+    }
+    __syncthreads();
+    // The unit's partial: the warps' states combined in warp order.
+    for (int e = tid; e < a.hg * HDP; e += ATT_THREADS) {
+        const int r = e / HDP, d = e % HDP;
+        float M = hss_neg_inf();
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wst[w * ATT_HG + r].x);
+        float acc = 0.f, lacc = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float2 ml = wst[w * ATT_HG + r];
+            if (ml.x == hss_neg_inf()) continue;   // a warp with no step in this unit
+            const float wt = exp2f(ml.x - M);
+            acc = fmaf(ow[(w * ATT_HG + r) * HDP + d], wt, acc);
+            lacc = fmaf(ml.y, wt, lacc);
+        }
+        a.part_o[r * a.row_o + (long long)u * HDP + d] = acc;   // dims >= head_dim: 0
+        if (d == 0) *reinterpret_cast<float2*>(a.part_ml + r * a.row_ml + 2LL * u) = make_float2(M, lacc);
+    }
+    __threadfence();   // the partial is visible device-wide before this CTA counts it
+    __syncthreads();
+    // Count it; the last unit of a group folds the group, the last group the groups.
+    int* flag = reinterpret_cast<int*>(smem + C::FLAG);
+    const int grp = u / ATT_GROUP, n_groups = (a.n_units + ATT_GROUP - 1) / ATT_GROUP;
+    const int gs = min(ATT_GROUP, a.n_units - grp * ATT_GROUP);
+    if (tid == 0) {
+        const bool last = atomicAdd(a.count + grp, 1u) + 1u == (unsigned)gs;
+        if (last) {
+            __threadfence();
+            a.count[grp] = 0u;
+        }
+        *flag = last ? (n_groups == 1 ? 2 : 1) : 0;
+    }
+    __syncthreads();
+    const int what = *flag;
+    if (what == 2) {
+        fold<HDP>(a, 0, 1, a.n_units, true, smem);
+    } else if (what == 1) {
+        fold<HDP>(a, grp * ATT_GROUP, 1, gs, false, smem);
+        if (tid == 0) {
+            const bool last = atomicAdd(a.count + ATT_GROUP, 1u) + 1u == (unsigned)n_groups;
+            if (last) {
+                __threadfence();
+                a.count[ATT_GROUP] = 0u;
+            }
+            *flag = last ? 3 : 0;
+        }
+        __syncthreads();
+        if (*flag == 3) fold<HDP>(a, 0, ATT_GROUP, n_groups, true, smem);
+    }
+    __syncthreads();   // the rings, (m, l) areas and flag are reused by the next unit
 }
 
 template <int HDP>
 __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
-    using S = Shape<HDP>;
-    constexpr int E = S::E;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int z = blockIdx.z, Z = gridDim.z;
-    float* ps = reinterpret_cast<float*>(smem + S::PS) + warp * 32;
-    float* ms = reinterpret_cast<float*>(smem + S::MS);
-    float* ls = reinterpret_cast<float*>(smem + S::LS);
-    int* bufs = reinterpret_cast<int*>(smem + S::BS);
-    unsigned short* ring = reinterpret_cast<unsigned short*>(smem + warp * S::WARP_RING);
-    auto buffer = [&](int it) { return ring + (it % ATT_STAGES) * (S::STEP / 2); };
-
-    if (z < a.n_units) {
-        // Query heads (zero past the group and head_dim), dims lane*E .. lane*E+E-1.
-        float q[ATT_HG][E];
-#pragma unroll
-        for (int h = 0; h < ATT_HG; ++h)
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const int d = lane * E + e;
-                q[h][e] = (h < a.hg && d < a.hd) ? hss_bf16_lo(__ldg(a.q + h * a.hd + d)) : 0.0f;
-            }
-        const float scale = rsqrtf((float)a.hd);
-
-        // This warp's steps, in order over the CTA's units: a flat index it -> (unit z + (it / SPU) * Z, step
-        // it % SPU); steps past the tile's end are skipped (they are the last unit's tail).
-        auto t0_of = [&](int it) {
-            return (z + (it / ATT_SPU) * Z) * ATT_UNIT + ((it % ATT_SPU) * ATT_WARPS + warp) * ATT_ROWS;
-        };
-        auto stage_or_skip = [&](int it) {
-            const int u = z + (it / ATT_SPU) * Z;
-            if (u < a.n_units && (it % ATT_SPU) < warp_steps(a, u, warp)) stage<HDP>(a, t0_of(it), buffer(it), lane);
-            hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step it has landed"
-        };
-#pragma unroll
-        for (int i = 0; i < ATT_STAGES - 1; ++i) stage_or_skip(i);
-        WarpState<E> st;
-        const int n_mine = (a.n_units - z + Z - 1) / Z;   // units of this CTA
-        for (int k = 0; k < n_mine; ++k) {
-            const int u = z + k * Z;
-            const int ns = warp_steps(a, u, warp);
-            st.reset();
-            for (int j = 0; j < ns; ++j) {
-                const int it = k * ATT_SPU + j;
-                stage_or_skip(it + ATT_STAGES - 1);
-                hss_cp_wait<ATT_STAGES - 1>();
-                __syncwarp();
-                step<HDP>(q, buffer(it), min(ATT_ROWS, a.n_tok - t0_of(it)), scale, st, ps, lane);
-            }
-            // This warp's state: l summed over the lanes of each head; o into the buffer of the step just
-            // consumed (refilled only after the unit's second barrier).
-            st.l += __shfl_xor_sync(HSS_FULL_MASK, st.l, 4);
-            st.l += __shfl_xor_sync(HSS_FULL_MASK, st.l, 8);
-            st.l += __shfl_xor_sync(HSS_FULL_MASK, st.l, 16);
-            float* ob = reinterpret_cast<float*>(buffer(k * ATT_SPU + max(ns, 1) - 1));
-            if (ns > 0) {
-#pragma unroll
-                for (int h = 0; h < ATT_HG; ++h)
-#pragma unroll
-                    for (int e = 0; e < E; ++e) ob[h * HDP + lane * E + e] = st.o[h][e];
-            }
-            if (lane < ATT_HG) {
-                ms[warp * ATT_HG + lane] = ns > 0 ? st.m : hss_neg_inf();
-                ls[warp * ATT_HG + lane] = st.l;
-            }
-            if (lane == 0) bufs[warp] = (int)((reinterpret_cast<unsigned char*>(ob) - smem) / 4);
-            __syncthreads();
-            // The unit's partial: the warps' states combined in warp order.
-            for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
-                const int h = i / HDP, d = i % HDP;
-                if (h >= a.hg) continue;
-                float M = hss_neg_inf();
-#pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, ms[w * ATT_HG + h]);
-                float o = 0.0f, l = 0.0f;
-#pragma unroll
-                for (int w = 0; w < ATT_WARPS; ++w) {
-                    const float mw = ms[w * ATT_HG + h];
-                    if (mw == hss_neg_inf()) continue;   // a warp with no row in this unit
-                    const float e = __expf(mw - M);
-                    o = fmaf(reinterpret_cast<const float*>(smem)[bufs[w] + h * HDP + d], e, o);
-                    l = fmaf(ls[w * ATT_HG + h], e, l);
-                }
-                a.part_o[h * a.row_o + (long long)u * HDP + d] = o;   // dims >= head_dim: 0
-                if (d == 0) *reinterpret_cast<float2*>(a.part_ml + h * a.row_ml + 2 * u) = make_float2(M, l);
-            }
-            __threadfence();   // the partials are visible device-wide before this CTA counts its units
-            __syncthreads();   // the o buffers are refilled next
-        }
-        hss_cp_wait<0>();
-        // The last CTA of this (sequence, kv head, head group) folds the units.
-        __shared__ bool last;
-        if (tid == 0) {
-            __threadfence();
-            const unsigned done = atomicAdd(a.count, (unsigned)n_mine) + (unsigned)n_mine;
-            last = done == (unsigned)a.n_units;
-            if (last) {
-                __threadfence();
-                *a.count = 0u;
-            }
-        }
-        __syncthreads();
-        if (!last) return;
-    } else if (!(a.n_units == 0 && z == 0)) {
-        return;   // no unit for this CTA (z = 0 of an empty tile writes the state)
+    using C = Cfg<HDP>;
+    const int tid = threadIdx.x, z = blockIdx.z;
+    if (a.n_units == 0) {   // an empty tile: CTA 0 writes the state as it is (fresh: the initial one)
+        if (z == 0) fold<HDP>(a, 0, 1, 0, true, smem);
+        return;
     }
-    fold<HDP>(a, smem);
+    if (z >= a.n_units) return;
+    // Query heads (rows past the group and dims past head_dim zero).
+    unsigned short* qs = reinterpret_cast<unsigned short*>(smem + C::Q);
+    for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
+        const int r = i / HDP, d = i % HDP;
+        qs[r * C::RS + d] = (r < a.hg && d < a.hd) ? __ldg(a.q + r * a.hd + d) : (unsigned short)0;
+    }
+    __syncthreads();
+    for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP>(a, u, smem);
 }
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
-paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+template <int HDP>
+__device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
                         const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks,
                         const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
                         float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
                         float* __restrict__ o, __nv_bfloat16* __restrict__ out,
                         unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads, int head_dim,
                         int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
-                        long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
-    extern __shared__ __align__(16) unsigned char att_smem[];
+                        long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, unsigned char* smem) {
     const int seq = blockIdx.x;
-    if (head_dim <= 0 || head_dim > ATT_MAX_HD || gqa_ratio <= 0 || num_kv_heads <= 0) return;
+    if (head_dim <= 0 || head_dim > ATT_MAX_HD || gqa_ratio <= 0 || num_kv_heads <= 0 || max_units <= 0 ||
+        blockDim.x != ATT_THREADS || blockDim.y != 1 || blockDim.z != 1)
+        return;
     const int groups = (gqa_ratio + ATT_HG - 1) / ATT_HG;
     const int kh = blockIdx.y / groups, h0 = (blockIdx.y % groups) * ATT_HG;
     if (kh >= num_kv_heads) return;
+    constexpr int hdp = HDP;
+    if (hdp_of(head_dim) != HDP) return;
+    unsigned have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (unsigned)Cfg<HDP>::BYTES) return;
+    const int target = Cfg<HDP>::TARGET;
     const int n_tok = tile_tokens(tile_block_counts, seq, tile_capacity, block_size, last_block_valid_slots);
     Args a;
     a.n_tok = n_tok;
-    a.n_units = min((n_tok + ATT_UNIT - 1) / ATT_UNIT, max_units);
-    const int hdp = hdp_of(head_dim);
+    a.unit = 0;
+    a.n_units = 0;
+    if (n_tok > 0) {
+        const long long u = unit_tokens(n_tok, (int)(gridDim.x * gridDim.y), target);
+        const long long nu = (n_tok + u - 1) / u;
+        if (nu > max_units) return;   // max_units does not cover the tile (a broken launch contract)
+        a.unit = (int)u;
+        a.n_units = (int)nu;
+    }
     const long long row0 = (long long)seq * num_q_heads + (long long)kh * gqa_ratio + h0;   // first q head's row
     a.q = reinterpret_cast<const unsigned short*>(q) + row0 * head_dim;
     a.k = reinterpret_cast<const unsigned short*>(k_pool) + kh * kvh_stride;
@@ -495,7 +457,7 @@ paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     a.l = l + row0;
     a.o = o + row0 * head_dim;
     a.out = out ? reinterpret_cast<unsigned short*>(out) + row0 * head_dim : nullptr;
-    a.count = merge_count + (long long)seq * num_kv_heads * groups + blockIdx.y;
+    a.count = merge_count + ((long long)seq * gridDim.y + blockIdx.y) * ATT_COUNTERS;
     a.blk = blk_stride;
     a.tok = tok_stride;
     a.hd = head_dim;
@@ -505,9 +467,49 @@ paged_decode_attn_tiled(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16
     a.vec = (head_dim & 7) == 0 &&
             ((reinterpret_cast<unsigned long long>(a.k) | reinterpret_cast<unsigned long long>(a.v)) & 15) == 0 &&
             ((blk_stride | tok_stride) & 7) == 0;
-    switch (hdp) {
-        case 64: run<64>(a, att_smem); break;
-        case 128: run<128>(a, att_smem); break;
-        default: run<256>(a, att_smem); break;
-    }
+    run<HDP>(a, smem);
+}
+
+}  // namespace
+
+// One entry point per padded head dim (the host picks it: hss.kernels.attention.step_kernel_name), each with
+// its own register budget: HDP 256 one CTA per SM, HDP 64 and 128 two. Same parameters, same contract.
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_64(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts,
+    float* __restrict__ part_ml, float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
+    float* __restrict__ o, __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads,
+    int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
+    long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    entry<64>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+               num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+               tok_stride, kvh_stride, last_block_valid_slots, fresh, att_smem);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_128(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts,
+    float* __restrict__ part_ml, float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
+    float* __restrict__ o, __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads,
+    int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
+    long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    entry<128>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+               num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+               tok_stride, kvh_stride, last_block_valid_slots, fresh, att_smem);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_tiled_256(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts,
+    float* __restrict__ part_ml, float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
+    float* __restrict__ o, __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads,
+    int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
+    long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    entry<256>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+               num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+               tok_stride, kvh_stride, last_block_valid_slots, fresh, att_smem);
 }

@@ -177,7 +177,6 @@ def same_bits(a: Result, b: Result, what: str) -> None:
     ("num_kv_heads", 6, r"num_q_heads \(32\) must be a multiple of num_kv_heads \(6\)"),
     ("head_dim", 257, r"head_dim \(257\) must be <= 256"), ("max_seqs", 0, r"max_seqs must be > 0"),
     ("block_size", -1, r"block_size must be > 0"), ("tile_capacity", 0, r"tile_capacity must be > 0"),
-    ("tile_capacity", 5_000_000, r"must be <= 67107840 tokens \(65535 units"),
     ("num_q_heads", 65536 * 8, "grid.y"), ("tile_capacity", 2**28, "must fit in int32")])
 def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
     with pytest.raises(HssError, match=words):
@@ -187,10 +186,12 @@ def test_dims_validate_rejects(field: str, value: int, words: str) -> None:
 def test_dims_types_and_ratio() -> None:
     ORIGINAL.validate()
     assert ORIGINAL.gqa_ratio == 4 and ORIGINAL.stripe_bytes == 4096
-    assert ORIGINAL.max_units == 1 and ORIGINAL.workspace_bytes == 4 * (32 * 1 * (128 + 2) + 8)
-    assert replace(ORIGINAL, tile_capacity=100, block_size=13).max_units == 2            # ceil(1300 / 1024)
-    assert replace(ORIGINAL, num_kv_heads=2).merge_counters == 2 * 4                      # 16 q heads per kv head
-    assert replace(ORIGINAL, head_dim=72).workspace_bytes == 4 * (32 * (128 + 2) + 8)     # rows padded to 128
+    assert ORIGINAL.max_units == 1 and ORIGINAL.workspace_bytes == 4 * (32 * 1 * (128 + 2) + 8 * 9)
+    assert replace(ORIGINAL, tile_capacity=100, block_size=13).max_units == 6            # ceil(1300 / 256)
+    assert replace(ORIGINAL, tile_capacity=10**6).max_units == 64                         # at most 64 units
+    assert replace(ORIGINAL, num_kv_heads=2).merge_counters == 2 * 9                      # 16 q heads: one CTA row
+    assert replace(ORIGINAL, num_kv_heads=1).merge_counters == 2 * 9                      # 32: two CTA rows
+    assert replace(ORIGINAL, head_dim=72).workspace_bytes == 4 * (32 * (128 + 2) + 8 * 9)  # rows padded to 128
 
 
 @pytest.mark.parametrize("field", ["max_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size",
@@ -206,8 +207,8 @@ def test_dims_numpy_ints_become_python_ints() -> None:
     assert all(type(getattr(d, f)) is int for f in d.__dataclass_fields__)
     d.validate()
     assert d == replace(ORIGINAL, max_seqs=4, tile_capacity=1 << 16)
-    assert d.max_units == 1024 and type(d.workspace_bytes) is int
-    assert d.workspace_bytes == 4 * (4 * 32 * 1024 * (128 + 2) + 4 * 8)   # 68 MB: no int32 arithmetic
+    assert d.max_units == 64 and type(d.workspace_bytes) is int
+    assert d.workspace_bytes == 4 * (4 * 32 * 64 * (128 + 2) + 4 * 8 * 9)   # at most 64 units
 
 
 def test_strides(ctx) -> None:
@@ -315,8 +316,8 @@ def test_bad_arguments_raise_before_any_launch(ctx, stream, launches: list) -> N
         step(num_seqs=0)
         ta.finalize(stream, out, 0)
         assert launches == []
-        step()                              # the control: the same call with good arguments launches
-        assert launches == [ta._step_fn.handle]
+        step()                              # the control: the same call with good arguments launches (after the
+        assert launches == ["cuMemsetD32Async", ta._step_fn.handle]   # counters' one-time reset, on its stream)
 
 
 BAD_INTS = [1.0, float("nan"), True, np.bool_(True), "1", None, np.float64(1)]
@@ -459,6 +460,63 @@ def test_the_two_names_and_next_tile(ctx, stream, rng) -> None:
     check(res, q, pool, consumed(sched, 1, 16), 1, "step_tile then _next_tile")
     for x in (*outs, *(t for tb, cn, _ in tables for t in (tb, cn)), ta, pool):
         x.close()
+
+
+def test_tile_step_gives_step_tile_bits(ctx, stream, rng) -> None:
+    """``begin_tiles`` + ``TileStep.tile`` (checked once per step) is the same launch as ``begin_step`` +
+    ``step_tile``: the same bits, at Qwen3.8's 24 q / 2 kv heads x 256 (12 query heads of a kv head in one CTA)."""
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=24, num_kv_heads=2, head_dim=256, block_size=16,
+                              tile_capacity=8)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 40, "small")
+    pages = [rng.permutation(40)[:n] for n in (30, 17)]
+    sched = schedule(pages, 8, 8, 16, 11)
+    tables = [(upload(b, stream), upload(c, stream), lbvs) for b, c, lbvs in sched]
+    outs = [poisoned(2 * 2 * 24 * 256, stream) for _ in range(2)]
+    ta.begin_step(stream, 2)
+    for i, (tb, cn, lbvs) in enumerate(tables):
+        ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, 2, *pool.strides, lbvs,
+                     output=outs[0] if i == len(tables) - 1 else None)
+    step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+    for i, (tb, cn, lbvs) in enumerate(tables):
+        step.tile(tb, cn, lbvs, output=outs[1] if i == len(tables) - 1 else None)
+    a, b = (download(o, (2, 24, 256), BF16, stream) for o in outs)
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    check(Result(a, *(np.zeros(0, np.float32) for _ in range(3))), q, pool, consumed(sched, 2, 16), 2, "tiles")
+    with pytest.raises(HssError, match="tile_blocks holds 16 bytes but 64 are needed"):
+        step.tile(cm.DeviceBuffer(16), tables[0][1], 16)
+    with pytest.raises(TypeError, match="last_block_valid_slots"):
+        step.tile(tables[0][0], tables[0][1], 1.5)
+    with pytest.raises(HssError, match="blk_stride"):
+        ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, -1, 0, 0)
+    for x in (*outs, *(t for tb, cn, _ in tables for t in (tb, cn)), ta, pool):
+        x.close()
+
+
+def test_tiles_need_begin_step_and_counters_reset_on_the_tile_stream(ctx, stream, launches: list) -> None:
+    """A fresh TiledAttention refuses tiles and finalize before any begin_step (they would fold into an
+    uninitialised state); the fold counters' one-time reset is queued on the stream of the first tile, not on
+    begin_step's (a tile on another stream would not be ordered after it)."""
+    d = replace(ORIGINAL, max_seqs=1, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta:
+        q, pool = cm.DeviceBuffer(2 * 32 * 128), cm.DeviceBuffer(1 << 16)
+        tb, cn, out = cm.DeviceBuffer(16), cm.DeviceBuffer(4), cm.DeviceBuffer(2 * 32 * 128)
+        args = (q, pool, pool, tb, cn, 1, *ta.paged_strides(), 16)
+        with pytest.raises(HssError, match="a tile before any begin_step"):
+            ta.step_tile(stream, *args)
+        with pytest.raises(HssError, match="finalize before any begin_step"):
+            ta.finalize(stream, out, 1)
+        assert launches == []
+        other = cm.CudaStream()
+        memsets = []
+        real = _driver.api.cuMemsetD32Async
+        _driver.api.cuMemsetD32Async = lambda *a: (memsets.append(int(a[-1])), real(*a))[1]
+        try:
+            ta.begin_step(stream, 1)
+            ta.step_tile(other, *args)
+        finally:
+            _driver.api.cuMemsetD32Async = real
+        assert memsets == [other.handle] and launches[-1] == ta._step_fn.handle
+        other.close()
 
 
 # -- the kernels against the reference ---------------------------------------------------------
@@ -637,7 +695,7 @@ def test_shapes(ctx, stream, rng, case: dict) -> None:
     # bits per sequence
     wide = replace(dims, tile_capacity=2 * cap)
     with TiledAttention(ctx, wide) as ta2:
-        ta2._sm_count = 1   # one CTA per (sequence, kv head, head group) walks every unit: any grid.z, same bits
+        ta2._grid_z[ns] = 1   # one CTA per (sequence, kv head, head group) walks every unit: any grid.z, same bits
         rev = schedule(pages[::-1], case["tile"], 2 * cap, dims.block_size, case["last_valid"])
         q_rev = upload(np.ascontiguousarray(q[:ns][::-1]), stream)
         again = run(ta2, stream, q_rev, pool, rev, ns)
@@ -698,4 +756,7 @@ def test_emulator_faults_on_a_page_outside_the_pool(ctx, stream, rng) -> None:
 def test_bench_smoke() -> None:
     from hss.bench import attention as bench
     rows = bench.run(bench.parse_args(["--smoke"]))
-    assert rows and {"variant", "us", "GB/s"} <= set(rows[0])
+    assert [(r["batch"], r["tiles"]) for r in rows] == [(1, 1), (2, 1), (1, 1), (1, 2)]
+    assert all({"hss_us", "hss_GBs", "host_us"} <= set(r) for r in rows) and "copy_us" in rows[0]
+    text = bench.table(rows)
+    assert "| 4/2/64 | 2 × 32 |" in text and "| 4/2/64 | 64 | 2 |" in text

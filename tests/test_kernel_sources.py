@@ -103,9 +103,12 @@ def test_declaration_matches_source_signature(name):
 # (#define or an expression over them, the Python value that mirrors it)
 MIRRORS = [
     ("ATT_THREADS", attention.STEP_THREADS),
-    ("ATT_UNIT", attention.UNIT_TOKENS),
-    ("ATT_STAGES", attention.STAGES),
+    ("ATT_ROWS", attention.STEP_ROWS),
     ("ATT_HG", attention.HEAD_GROUP),
+    ("ATT_UNIT_MIN", attention.UNIT_MIN),
+    ("ATT_MAX_UNITS", attention.MAX_UNITS),
+    ("ATT_GROUP", attention.FOLD_GROUP),
+    ("ATT_COUNTERS", attention.COUNTERS),
     ("ATT_MAX_HD", attention.MAX_HEAD_DIM),
     ("HSS_LR_ROWS", predictor.LOWRANK_ROWS),
     ("HSS_LR_HEAD_DIM", predictor.LOWRANK_HEAD_DIM),
@@ -142,7 +145,7 @@ def test_masked_score_matches_reference():
 
 # kernel -> the block size (threads) the Python side launches it with; a block above __launch_bounds__ fails
 BLOCKS = {
-    "paged_decode_attn_tiled": attention.STEP_THREADS,
+    **{attention.step_kernel_name(hdp): attention.STEP_THREADS for hdp in attention.PADDED_HEAD_DIMS},
     "attention_finalize": attention.FINALIZE_THREADS,
     "qsa_score": qsa.SCORE_THREADS,
     "qsa_score_rows": qsa_prefill.score_rows_geometry(1, 1).block[0],
@@ -179,4 +182,4 @@ def test_parser_sees_every_kernel_and_override():
     """The regexes above found what they should (a silent parse failure would pass the tests vacuously)."""
     text = "".join(code(p) for p in SOURCES)
     assert len(source_kernels()) == len(re.findall(r'extern\s+"C"\s+__global__', text)) == len(DECLARATIONS)
-    assert re.search(r"#ifndef ATT_UNIT\s+#define ATT_UNIT 1024\s", text) and defines()["ATT_UNIT"] == "1024"
+    assert defines()["ATT_UNIT_MIN"] == "256"

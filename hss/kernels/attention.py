@@ -1,4 +1,5 @@
-"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` (split, per-unit partials and the fold, one launch) and
+"""Declarations of ``ptx/paged_decode_attn_tiled.cu`` (split, per-unit partials and a two-level fold, one launch; an
+entry point per padded head dim) and
 ``ptx/attention_finalize.cu``, their geometry, and their emulation through :mod:`hss.reference.attention`.
 
 The pools are addressed through page ids that live in device memory, so their extents are declared "to
@@ -12,15 +13,19 @@ import ml_dtypes
 import numpy as np
 
 from hss.errors import MemoryFault
-from hss.kernels._decl import Launch, declare, f32
+from hss.kernels._decl import KernelDecl, Launch, declare, f32
 from hss.reference import attention as ref
 
-STEP_THREADS = 256       # block of paged_decode_attn_tiled (ptx/paged_decode_attn_tiled.cu)
+STEP_THREADS = 256       # block of paged_decode_attn_tiled_* (ptx/paged_decode_attn_tiled.cu)
 FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
-UNIT_TOKENS = 1024       # ATT_UNIT: tokens per partial state (fixed: a tile's bits depend on it)
-STAGES = 2               # ATT_STAGES: staged 8-row steps per warp
-HEAD_GROUP = 4           # ATT_HG: query heads per CTA
+STEP_ROWS = 8            # ATT_ROWS: tokens per warp step
+HEAD_GROUP = 16          # ATT_HG: query heads per CTA (the mma tiles' 16 rows)
+UNIT_MIN = 256           # ATT_UNIT_MIN: the smallest unit (tokens per partial state)
+MAX_UNITS = 64           # ATT_MAX_UNITS: units of one tile at most
+FOLD_GROUP = 8           # ATT_GROUP: units per first-level fold group
+COUNTERS = 9             # ATT_COUNTERS: fold counters per (sequence, CTA row)
+PADDED_HEAD_DIMS = (64, 128, 256)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -28,10 +33,29 @@ def padded_head_dim(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
+def step_kernel_name(head_dim: int) -> str:
+    """The entry point for ``head_dim``: ``paged_decode_attn_tiled_<padded head dim>``."""
+    return f"paged_decode_attn_tiled_{padded_head_dim(head_dim)}"
+
+
+def stages(hdp: int) -> int:
+    """Cfg<HDP>::STAGES: warp steps staged ahead per warp."""
+    return 4 if hdp == 64 else 3
+
+
+def target_ctas(hdp: int) -> int:
+    """Cfg<HDP>::TARGET: the CTAs a launch aims at when it picks its unit size (one wave of 132 SMs at one CTA per
+    SM for HDP 256, two otherwise)."""
+    return 128 if hdp == 256 else 256
+
+
 def step_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of paged_decode_attn_tiled: 8 warps x STAGES steps of (K, V) bf16 [8][HDP], plus
-    1536 bytes of per-warp softmax rows and unit-end states (the kernel's Shape<HDP>::BYTES)."""
-    return 8 * STAGES * (2 * 8 * padded_head_dim(head_dim) * 2) + 1536
+    """Dynamic shared memory of the step kernel (its Cfg<HDP>::BYTES): Q bf16 [16][HDP+8], per warp a ring of
+    ``stages`` (K, V) bf16 [8][HDP+8] steps, the fold's (m, l) f32 [8][16][2] and [16][2], a flag."""
+    hdp = padded_head_dim(head_dim)
+    rs = hdp + 8
+    ring = stages(hdp) * 2 * STEP_ROWS * rs * 2
+    return HEAD_GROUP * rs * 2 + 8 * ring + FOLD_GROUP * HEAD_GROUP * 2 * 4 + HEAD_GROUP * 2 * 4 + 16
 
 
 def head_groups(gqa_ratio: int) -> int:
@@ -39,16 +63,33 @@ def head_groups(gqa_ratio: int) -> int:
     return -(-gqa_ratio // HEAD_GROUP)
 
 
-def step_grid_z(max_units_: int, ctas_yx: int, sm_count: int) -> int:
-    """CTAs per (sequence, kv head, head group) of paged_decode_attn_tiled: about two per SM in all, at most one
-    per unit, and the units of a full tile spread evenly (any value in 1..max_units gives the same bits)."""
-    z = max(1, min(max_units_, -(-2 * sm_count // max(ctas_yx, 1))))
-    return -(-max_units_ // -(-max_units_ // z))
+def unit_tokens(n: int, ctas: int, hdp: int) -> int:
+    """Tokens per unit for a tile of ``n`` >= 1 tokens in a launch of ``ctas`` = num_seqs * grid.y CTAs per unit
+    index (the kernel's unit_tokens): ``want`` = min(MAX_UNITS, ceil(target / ctas)) units, the unit the smallest
+    UNIT_MIN * 2^j >= ceil(n / want)."""
+    want = min(MAX_UNITS, max(1, -(-target_ctas(hdp) // max(ctas, 1))))
+    need, u = -(-n // want), UNIT_MIN
+    while u < need:
+        u *= 2
+    return u
+
+
+def step_grid_z(max_units_: int, ctas_yx: int, hdp: int) -> int:
+    """grid.z of the step kernel: as many CTAs per (sequence, CTA row) as a tile of the launch can have units
+    (``want`` of :func:`unit_tokens`, at most ``max_units_``); any value in 1..max_units gives the same bits."""
+    want = min(MAX_UNITS, max(1, -(-target_ctas(hdp) // max(ctas_yx, 1))))
+    return max(1, min(max_units_, want))
 
 
 def max_units(tile_capacity: int, block_size: int) -> int:
-    """Partial states per (sequence, query head) a tile can need: ceil(tile_capacity*block_size / 1024)."""
-    return max(1, -(-tile_capacity * block_size // UNIT_TOKENS))
+    """Partial states per (sequence, query head) a tile can need: min(MAX_UNITS, ceil(tile_capacity*block_size /
+    UNIT_MIN)), at least 1."""
+    return max(1, min(MAX_UNITS, -(-tile_capacity * block_size // UNIT_MIN)))
+
+
+def counters(num_seqs: int, num_kv_heads: int, gqa_ratio: int) -> int:
+    """Fold counters (u32) of a launch: COUNTERS per (sequence, kv head, group of 16 query heads)."""
+    return num_seqs * num_kv_heads * head_groups(gqa_ratio) * COUNTERS
 
 
 def _bf16(view: np.ndarray) -> np.ndarray:
@@ -59,22 +100,24 @@ def _rows(a: SimpleNamespace) -> int:
     return a.grid[0] * max(a.num_q_heads, 0)
 
 
-def _check_step(a: SimpleNamespace, launch: Launch) -> str | None:
+def _check_step(a: SimpleNamespace, launch: Launch, hdp: int) -> str | None:
     if not 0 < a.head_dim <= MAX_HEAD_DIM:
         return f"head_dim {a.head_dim} is outside 1..{MAX_HEAD_DIM}"
-    if launch.block != (STEP_THREADS, 1, 1) or launch.shared != step_shared_bytes(a.head_dim):
+    if padded_head_dim(a.head_dim) != hdp:
+        return f"head_dim {a.head_dim} needs {step_kernel_name(a.head_dim)}, not the HDP {hdp} entry point"
+    if launch.block != (STEP_THREADS, 1, 1) or launch.shared < step_shared_bytes(a.head_dim):
         return (f"needs block ({STEP_THREADS}, 1, 1) and {step_shared_bytes(a.head_dim)} bytes of dynamic shared "
                 "memory")
     if a.block_size <= 0 or a.tile_capacity < 0:
         return "block_size must be > 0 and tile_capacity >= 0"
     if a.max_units != max_units(a.tile_capacity, a.block_size):
-        return f"max_units must be ceil(tile_capacity*block_size/{UNIT_TOKENS}) = " \
+        return f"max_units must be min({MAX_UNITS}, ceil(tile_capacity*block_size/{UNIT_MIN})) = " \
                f"{max_units(a.tile_capacity, a.block_size)}"
     if a.num_kv_heads <= 0 or a.gqa_ratio <= 0 or a.num_kv_heads * a.gqa_ratio != a.num_q_heads:
         return f"num_kv_heads ({a.num_kv_heads}) * gqa_ratio ({a.gqa_ratio}) must equal num_q_heads ({a.num_q_heads})"
     y = a.num_kv_heads * head_groups(a.gqa_ratio)
     if launch.grid[1] != y or not 1 <= launch.grid[2] <= a.max_units:
-        return f"grid must be (num_seqs, num_kv_heads * ceil(gqa_ratio/4) = {y}, 1..max_units = {a.max_units})"
+        return f"grid must be (num_seqs, num_kv_heads * ceil(gqa_ratio/16) = {y}, 1..max_units = {a.max_units})"
     return None
 
 
@@ -124,7 +167,8 @@ def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
         if pages.size:
             k = _pool_rows(kpool, pages, slots, a, "k_pool", s)
             v = _pool_rows(vpool, pages, slots, a, "v_pool", s)
-            pm, pl, po = ref.chunk_partials(q[s], k, v, UNIT_TOKENS)
+            unit = unit_tokens(pages.size, launch.grid[0] * launch.grid[1], hdp)
+            pm, pl, po = ref.chunk_partials(q[s], k, v, unit)
             c = pm.shape[0]
             part_ml[s, :, :c, 0], part_ml[s, :, :c, 1] = pm.T, pl.T
             part_o[s, :, :c, :hd] = po.transpose(1, 0, 2)
@@ -158,23 +202,38 @@ def _state(a: SimpleNamespace) -> int:
     return 4 * _rows(a) * max(a.head_dim, 0)
 
 
-PAGED_DECODE_ATTN_TILED = declare(
-    "paged_decode_attn_tiled", "paged_decode_attn_tiled",
-    "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, "
-    "ptr l, ptr o, ptr out, ptr merge_count, i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, "
-    "i32 tile_capacity, i32 gqa_ratio, i32 max_units, i64 blk_stride, i64 tok_stride, i64 kvh_stride, "
-    "i32 last_block_valid_slots, i32 fresh",
-    reads={"q": lambda a: 2 * _rows(a) * a.head_dim,
-           "k_pool": lambda a: None, "v_pool": lambda a: None,           # page ids decide: checked per page
-           "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
-           "tile_block_counts": lambda a: 4 * a.grid[0],
-           "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state,
-           "merge_count": lambda a: 4 * a.grid[0] * max(a.num_kv_heads, 0) * head_groups(max(a.gqa_ratio, 1))},
-    writes={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, padded_head_dim(max(a.head_dim, 1))),
-            "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state,
-            "out": lambda a: _state(a) // 2 if a.out else 0,   # optional: null = no output
-            "merge_count": lambda a: 4 * a.grid[0] * max(a.num_kv_heads, 0) * head_groups(max(a.gqa_ratio, 1))},
-    emulate=_emulate_step, check=_check_step)
+def _counts(a: SimpleNamespace) -> int:
+    return 4 * counters(a.grid[0], max(a.num_kv_heads, 0), max(a.gqa_ratio, 1))
+
+
+def _declare_step(hdp: int) -> KernelDecl:
+    name = f"paged_decode_attn_tiled_{hdp}"
+    return declare(
+        "paged_decode_attn_tiled", name,
+        "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, "
+        "ptr l, ptr o, ptr out, ptr merge_count, i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, "
+        "i32 tile_capacity, i32 gqa_ratio, i32 max_units, i64 blk_stride, i64 tok_stride, i64 kvh_stride, "
+        "i32 last_block_valid_slots, i32 fresh",
+        reads={"q": lambda a: 2 * _rows(a) * a.head_dim,
+               "k_pool": lambda a: None, "v_pool": lambda a: None,           # page ids decide: checked per page
+               "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
+               "tile_block_counts": lambda a: 4 * a.grid[0],
+               "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state, "merge_count": _counts},
+        writes={"part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, padded_head_dim(max(a.head_dim, 1))),
+                "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state,
+                "out": lambda a: _state(a) // 2 if a.out else 0,   # optional: null = no output
+                "merge_count": _counts},
+        emulate=_emulate_step, check=lambda a, launch: _check_step(a, launch, hdp))
+
+
+# one entry point per padded head dim, the same parameters and contract
+PAGED_DECODE_ATTN_TILED = {hdp: _declare_step(hdp) for hdp in PADDED_HEAD_DIMS}
+
+
+def step_declaration(head_dim: int) -> KernelDecl:
+    """The step kernel's declaration for ``head_dim``."""
+    return PAGED_DECODE_ATTN_TILED[padded_head_dim(head_dim)]
+
 
 ATTENTION_FINALIZE = declare(
     "attention_finalize", "attention_finalize", "ptr o, ptr l, ptr out, i32 num_q_heads, i32 head_dim",
