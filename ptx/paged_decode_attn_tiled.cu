@@ -132,6 +132,10 @@ __device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned sho
     constexpr int PPR = HDP / 8;   // 16-byte pieces per row
     unsigned short* vs = ks + ATT_ROWS * RS;
     if (a.vec) {
+        // the step's rows: one page when they share it (t0 is a multiple of 8: always so when 8 divides bs)
+        const int pg0 = t0 / a.bs, slot0 = t0 - pg0 * a.bs;
+        const bool one_page = slot0 + ATT_ROWS <= a.bs;
+        const long long base0 = one_page ? (long long)__ldg(a.blocks + pg0) * a.blk + (long long)slot0 * a.tok : 0;
 #pragma unroll
         for (int p = lane; p < ATT_ROWS * PPR; p += 32) {
             const int r = p / PPR, pc = p % PPR;
@@ -139,8 +143,9 @@ __device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned sho
             uint4* dv = reinterpret_cast<uint4*>(vs + r * RS + pc * 8);
             if (r < n && pc * 8 < a.hd) {
                 const int t = t0 + r;
-                const long long off =
-                    (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + pc * 8;
+                const long long off = (one_page ? base0 + (long long)r * a.tok
+                                                : (long long)__ldg(a.blocks + t / a.bs) * a.blk +
+                                                      (long long)(t % a.bs) * a.tok) + pc * 8;
                 hss_cp_async16(dk, a.k + off);
                 hss_cp_async16(dv, a.v + off);
             } else {
@@ -254,12 +259,20 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
         const float2 st = old[r];
         float M = st.x;
         for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + r].x);
+        // all (at most ATT_GROUP) partials in flight at once, then folded in order
+        float x[ATT_GROUP];
+        const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
+#pragma unroll
+        for (int j = 0; j < ATT_GROUP; ++j) x[j] = j < cnt ? __ldcg(src + (long long)j * stride * HDP) : 0.f;
         float acc = 0.f, lacc = 0.f;
-        for (int j = 0; j < cnt; ++j) {
-            const float2 ml = fst[j * ATT_HG + r];
-            const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
-            acc = fmaf(__ldcg(a.part_o + r * a.row_o + (long long)(first + j * stride) * HDP + d), w, acc);
-            lacc = fmaf(ml.y, w, lacc);
+#pragma unroll
+        for (int j = 0; j < ATT_GROUP; ++j) {
+            if (j < cnt) {
+                const float2 ml = fst[j * ATT_HG + r];
+                const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
+                acc = fmaf(x[j], w, acc);
+                lacc = fmaf(ml.y, w, lacc);
+            }
         }
         if (!to_state) {
             a.part_o[r * a.row_o + (long long)first * HDP + d] = acc;
