@@ -14,7 +14,8 @@ classes above it (buffers, streams, contexts) register how they are read (:func:
 - hss buffers and their typed views: a closed one is refused ("closed"); size and dtype are checked.
 - torch tensors (fast path: no protocol dictionary): CUDA, contiguous, size, dtype.
 - ``__cuda_array_interface__`` (v3): size, C-contiguity, dtype and read-only checked where the callee knows them;
-  its ``stream`` is honoured: the callee's stream is ordered after it.
+  its ``stream`` is honoured: the callee's stream is ordered after it (inside :class:`deferred_joins`, the callee's
+  check phase, only once every check of the call has passed: a call that fails queues nothing).
 - ``__dlpack__`` producers (JAX, CuPy, ...), read with cuda.core's ``StridedMemoryView``, which hands the callee's
   stream to the producer as the protocol says.
 Byte arrays (``u8``) are raw memory and match any dtype; other dtypes must match the callee's.
@@ -25,6 +26,10 @@ Byte arrays (``u8``) are raw memory and match any dtype; other dtypes must match
 
 **Host buffers** (:func:`host_buffer`): numpy arrays, pinned buffers and buffer-protocol objects, sized by what
 they say; an ``int`` is an address (0 refused), bounds-checked inside a live pinned buffer.
+
+**Own memory** (:class:`OwnedRanges`, :func:`disjoint`): a component that owns device memory (scratch, tables, key
+buffers, running state) refuses a caller's pointer into it, and a call refuses a written argument that overlaps
+another argument of the same call, so no object can be made to overwrite itself.
 """
 from __future__ import annotations
 
@@ -44,8 +49,8 @@ from hss.errors import HssError
 
 __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg",
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
-           "register_stream_type", "register_host_type", "set_stream_join", "dtype_name", "DTYPE_SIZES", "RANGES",
-           "LiveRanges"]
+           "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
+           "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -209,6 +214,67 @@ class LiveRanges:
 RANGES = LiveRanges()
 
 
+class OwnedRanges:
+    """The device memory one component owns, each range with a label (``add(start, nbytes, label)``,
+    ``remove(start)``), so that a caller's pointer into it is refused (:meth:`check`): the component would
+    overwrite its own scratch, tables or state. Ranges do not overlap (they are distinct allocations)."""
+
+    __slots__ = ("_starts", "_ends", "_labels")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._labels: list[str] = []
+
+    def add(self, start: int, nbytes: int, label: str) -> None:
+        i = bisect.bisect_right(self._starts, start)
+        self._starts.insert(i, start)
+        self._ends.insert(i, start + nbytes)
+        self._labels.insert(i, label)
+
+    def remove(self, start: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and self._starts[i] == start:
+            del self._starts[i], self._ends[i], self._labels[i]
+
+    def clear(self) -> None:
+        self._starts.clear()
+        self._ends.clear()
+        self._labels.clear()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def overlap(self, ptr: int, nbytes: int) -> str | None:
+        """The label of an owned range that ``[ptr, ptr + nbytes)`` overlaps, or None."""
+        if nbytes <= 0:
+            return None
+        i = bisect.bisect_left(self._starts, ptr + nbytes) - 1   # the last range starting before the end
+        return self._labels[i] if i >= 0 and self._ends[i] > ptr else None
+
+    def check(self, ptr: int, nbytes: int, name: str, owner: str) -> None:
+        """Raise :class:`HssError` if argument ``name`` (``nbytes`` at ``ptr``) overlaps memory ``owner`` owns."""
+        if not self._starts:
+            return
+        label = self.overlap(ptr, nbytes)
+        if label is not None:
+            raise HssError(f"{name} ({ptr:#x}, {nbytes} bytes) overlaps {label}, memory that {owner} owns and writes; "
+                           f"pass a buffer of your own")
+
+
+def disjoint(what: str, *args: tuple[str, int, int, bool]) -> None:
+    """Raise :class:`HssError` if a written argument of call ``what`` overlaps another of its arguments: each
+    ``(name, address, bytes, written)``; arguments that are only read may overlap each other."""
+    for i, (name, p, n, w) in enumerate(args):
+        if n <= 0:
+            continue
+        for name2, p2, n2, w2 in args[i + 1:]:
+            if (w or w2) and n2 > 0 and p < p2 + n2 and p2 < p + n:
+                a, b = ((name, p, n), (name2, p2, n2)) if w else ((name2, p2, n2), (name, p, n))
+                raise HssError(f"{what}: {a[0]} overlaps {b[0]} ({a[2]} bytes at {a[1]:#x}, {b[2]} bytes at "
+                               f"{b[1]:#x}): {a[0]} is written while {b[0]} is in use; pass separate buffers")
+
+
 # -- device pointers --------------------------------------------------------------------------
 class DeviceArg:
     """What a device-array argument says about itself: address, bytes (None: unknown), dtype name (None:
@@ -246,6 +312,54 @@ def set_stream_join(join: Callable[[int, int], None]) -> None:
     _stream_join = join
 
 
+class _JoinState(threading.local):
+    """Per thread: the marks of the open deferred_joins blocks (their pending list's length at entry) and the pending
+    (consumer, producer) joins."""
+
+    def __init__(self) -> None:
+        self.marks: list[int] = []
+        self.pending: list[tuple[int, int]] = []
+
+
+_joins = _JoinState()
+
+
+class deferred_joins:
+    """``with _args.deferred_joins(): <every argument check of one call>``: the stream joins those checks ask for
+    (a ``__cuda_array_interface__`` producer's stream) are queued when the block exits normally, after every check
+    passed, and dropped when it raises, so a call that fails on a later argument has ordered nothing. Nested blocks
+    join at the outermost exit (an inner block that raises drops only its own). Outside any block a join is queued
+    at once, when its argument is read."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> deferred_joins:
+        js = _joins
+        js.marks.append(len(js.pending))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        js = _joins
+        mark = js.marks.pop()
+        pending = js.pending
+        if exc_type is not None:
+            del pending[mark:]
+        elif pending and not js.marks:
+            todo = pending[:]
+            pending.clear()
+            for consumer, producer in todo:
+                _stream_join(consumer, producer)   # type: ignore[misc]
+
+
+def _join(consumer: int, producer: int) -> None:
+    """Order ``consumer`` after ``producer`` now, or when the enclosing :class:`deferred_joins` block exits."""
+    js = _joins
+    if not js.marks:
+        _stream_join(consumer, producer)   # type: ignore[misc]
+    elif (consumer, producer) not in js.pending:
+        js.pending.append((consumer, producer))
+
+
 def _finish(arg: DeviceArg, name: str, nbytes: int | None, align: int, dtype: str | None, write: bool,
             what: str) -> int:
     ptr = arg.ptr
@@ -279,7 +393,7 @@ def device_arg(obj: Any, name: str = "pointer", stream: int | None = None) -> De
     arg = reader(obj, name, stream)
     if stream is not None and arg.stream is not None and arg.stream != stream and _stream_join is not None:
         if not (arg.stream in (0, 1) and stream in (0, 1)):   # 0 and 1 both name the legacy default stream
-            _stream_join(stream, arg.stream)
+            _join(stream, arg.stream)
     return arg
 
 

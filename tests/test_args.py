@@ -342,3 +342,114 @@ def test_prepared_int_checks_remember_only_while_the_buffers_stay():
     finally:
         _args.RANGES.remove(key)
     assert check(base, nbytes=256) == base
+
+
+# -- stream joins happen only after every check -----------------------------------------------------
+@pytest.fixture
+def joins(monkeypatch):
+    """The (consumer, producer) joins the argument layer asks for, recorded and made."""
+    made: list[tuple[int, int]] = []
+    real = _args._stream_join
+
+    def record(consumer, producer):
+        made.append((consumer, producer))
+        real(consumer, producer)
+
+    monkeypatch.setattr(_args, "_stream_join", record)
+    return made
+
+
+def test_joins_wait_for_every_check_of_the_call(ctx, joins):
+    """Inside deferred_joins a producer's join is queued only when the block exits normally: a later argument that
+    fails drops it; nested blocks join at the outermost exit, once per (consumer, producer)."""
+    producer, consumer = cm.CudaStream(ctx), cm.CudaStream(ctx)
+    with cm.DeviceBuffer(64) as buf:
+        cai = CAI(buf.ptr, (64,), "|u1", stream=producer.handle)
+        _args.pointer(cai, "x", 64, stream=consumer.handle)          # outside a block: at once (the old rule)
+        assert joins == [(consumer.handle, producer.handle)]
+        del joins[:]
+        with pytest.raises(HssError, match="y holds 64 bytes but 128"):
+            with _args.deferred_joins():
+                _args.pointer(cai, "x", 64, stream=consumer.handle)
+                _args.pointer(cai, "y", 128, stream=consumer.handle)
+        assert joins == [], "a call that failed on a later argument joined a stream"
+        with _args.deferred_joins():
+            _args.pointer(cai, "x", 64, stream=consumer.handle)
+            with _args.deferred_joins():
+                _args.pointer(cai, "y", 32, stream=consumer.handle)
+                assert joins == []
+            with pytest.raises(HssError):
+                with _args.deferred_joins():   # an inner block that fails drops only its own joins
+                    _args.pointer(CAI(buf.ptr, (64,), "|u1", stream=ctx.stream), "z", 64, stream=consumer.handle)
+                    raise HssError("inner")
+            assert joins == []
+        assert joins == [(consumer.handle, producer.handle)]
+        assert _args._joins.marks == [] and _args._joins.pending == []
+    producer.close()
+    consumer.close()
+
+
+@pytest.mark.emulator
+def test_a_failed_call_orders_nothing_on_the_emulator(ctx, joins, gpu):
+    """End to end through a component: decode_select with a CAI ``normed`` (its producer stream pending) and a bad
+    k_pool queues no join; the good call joins and then sees the producer's data."""
+    import math as m
+
+    from hss.qsa import QsaIndexer
+    hidden, hd = 64, 128
+    rng = np.random.default_rng(3)
+    s = ctx.stream
+    w = upload((rng.standard_normal((5 * hd, hidden)) / m.sqrt(hidden)).astype(ml_dtypes.bfloat16), s)
+    norms = upload(np.ones(hd, ml_dtypes.bfloat16), s)
+    producer = cm.CudaStream(ctx)
+    with QsaIndexer(w, norms, norms, 4, hd, 4, 8, 64, 1e7, 1e-6, hidden, 2, 64, gpu, max_tokens=64) as idx, \
+            cm.DeviceBuffer(hidden * 2) as x, cm.DeviceBuffer(16 * 2 * 64 * 2) as pool, cm.DeviceBuffer(4) as table:
+        seq = idx.new_seq_state()
+        cm.stream_sync(s)
+        normed = CAI(x.ptr, (hidden * 2,), "|u1", stream=producer.handle)
+        with pytest.raises(HssError, match="k_pool holds 4 bytes"):
+            idx.decode_select(seq, normed, 0, table, pool, table, 16, s)
+        assert joins == [] and seq.ingested == 0
+        idx.decode_select(seq, normed, 0, pool, pool, table, 16, s)
+        assert joins == [(s, producer.handle)] and seq.ingested == 1
+        idx.release_seq_state(seq)
+    producer.close()
+    for b in (w, norms):
+        b.close()
+
+
+# -- own memory and overlapping arguments -------------------------------------------------------------
+ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=6)
+
+
+@given(ranges, st.integers(0, 300), st.integers(0, 60))
+def test_owned_ranges_find_every_overlap(spans, ptr, n):
+    """OwnedRanges.overlap against a brute force over disjoint ranges (made disjoint by construction)."""
+    owned = _args.OwnedRanges()
+    taken: list[tuple[int, int, str]] = []
+    at = 0
+    for i, (gap, size) in enumerate(spans):
+        at += gap
+        owned.add(at, size, f"range {i}")
+        taken.append((at, at + size, f"range {i}"))
+        at += size
+    hits = [label for a, b, label in taken if n > 0 and a < ptr + n and ptr < b]
+    got = owned.overlap(ptr, n)
+    assert (got is None) == (not hits) and (got is None or got in hits)
+    if hits:
+        with pytest.raises(HssError, match=rf"x \({ptr:#x}, {n} bytes\) overlaps range \d+, memory that me owns"):
+            owned.check(ptr, n, "x", "me")
+    else:
+        owned.check(ptr, n, "x", "me")
+    for a, _, _ in taken:
+        owned.remove(a)
+    assert len(owned) == 0 and owned.overlap(ptr, n) is None
+
+
+def test_disjoint_refuses_a_written_argument_over_another():
+    _args.disjoint("f", ("a", 0, 16, False), ("b", 8, 16, False))           # two reads may overlap
+    _args.disjoint("f", ("out", 0, 16, True), ("b", 16, 16, False), ("c", 0, 0, False))   # touching: fine
+    with pytest.raises(HssError, match=r"f: out overlaps q \(16 bytes at 0x8, 16 bytes at 0x0\): out is written"):
+        _args.disjoint("f", ("q", 0, 16, False), ("out", 8, 16, True))
+    with pytest.raises(HssError, match="f: a overlaps b"):
+        _args.disjoint("f", ("a", 0, 16, True), ("b", 0, 16, True))

@@ -7,6 +7,7 @@ Dims are the model's (4 indexer heads x 128, ratio 4, budget 2048, rot 64, theta
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -533,3 +534,202 @@ def test_numpy_integer_arguments(gpu, stream, rng, layer):
             idx.release_seq_state(st)
     (t_np, raw_np), (t_int, raw_int) = runs
     assert all(np.array_equal(a, b) for a, b in zip(t_np, t_int)) and np.array_equal(raw_np, raw_int)
+
+
+# -- all or nothing (issue 14) ----------------------------------------------------------------------------
+DEVICE_CALLS = ("cuLaunchKernel", "cuMemcpyDtoDAsync", "cuMemcpy2DAsync", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
+                "cuMemsetD32Async", "cuMemsetD8Async", "cuStreamSynchronize", "cuMemAlloc", "cuEventRecord",
+                "cuStreamWaitEvent", "cuEventSynchronize", "cuMemcpyBatchAsync")
+
+
+@contextlib.contextmanager
+def driver_calls(fail_at: int | None = None, interrupt: bool = False):
+    """Count the driver calls that queue, wait for or allocate device work, at the driver seam (yields the list of
+    their names); the ``fail_at``-th of them (from 0) returns a CUresult error instead, or raises KeyboardInterrupt
+    (``interrupt``)."""
+    from hss import _driver
+    seen: list[str] = []
+    code = _driver.api.CUresult.CUDA_ERROR_INVALID_VALUE
+    saved = {name: getattr(_driver.api, name) for name in DEVICE_CALLS}
+
+    def wrap(name, real):
+        def call(*a, **kw):
+            seen.append(name)
+            if fail_at is not None and len(seen) - 1 == fail_at:
+                if interrupt:
+                    raise KeyboardInterrupt(f"interrupted at {name}")
+                return (code, None)
+            return real(*a, **kw)
+        return call
+
+    for name, real in saved.items():
+        setattr(_driver.api, name, wrap(name, real))
+    try:
+        yield seen
+    finally:
+        for name, real in saved.items():
+            setattr(_driver.api, name, real)
+
+
+def snapshot_state(idx, st, stream) -> tuple:
+    """Everything of a sequence a failed call must leave alone: counters, the device position, its keys' bytes."""
+    raw = download(st.raw_keys, (st.ingested, HD), np.uint16, stream).tobytes()
+    blocks = download(st.block_keys, (st.pooled, HD), np.uint16, stream).tobytes()
+    return st.ingested, st.pooled, st.table_len, st.sync(stream), raw, blocks
+
+
+def test_a_failed_decode_step_changes_nothing_and_is_retried(gpu, stream, rng, layer):
+    """Every driver call of a selective decode step fails in turn (and an interrupt lands in the scores' wait): the
+    sequence keeps its counters, device position and keys, and the retried step selects and gathers exactly what a
+    twin sequence that never failed does. Before issue 14 the token was ingested before the scores' wait, so the
+    retry failed with 'lost sync'."""
+    n = 20
+    d_hidden = upload(hidden_states(rng, n + 4), stream)
+    pool = kv_pool(rng, n + 4, stream)
+    with layer.indexer(gpu, max_tokens=64, budget=8) as idx:
+        st, twin = idx.new_seq_state(), idx.new_seq_state()
+        for s_ in (st, twin):
+            idx.prefill_ingest(s_, d_hidden, n, 0, stream)
+        want = idx.decode_select(twin, row(d_hidden, n), n, *pool.dev, BS, stream)
+        probe = idx.new_seq_state()
+        idx.prefill_ingest(probe, d_hidden, n, 0, stream)
+        cm.stream_sync(stream)
+        with driver_calls() as step:
+            idx.decode_select(probe, row(d_hidden, n), n, *pool.dev, BS, stream)
+        assert "cuMemcpyDtoHAsync" in step and "cuStreamSynchronize" in step
+        for i in range(len(step)):
+            for interrupt in (False, True):
+                before = snapshot_state(idx, st, stream)
+                with driver_calls(i, interrupt), pytest.raises(KeyboardInterrupt if interrupt else CudaError):
+                    idx.decode_select(st, row(d_hidden, n), n, *pool.dev, BS, stream)
+                assert snapshot_state(idx, st, stream) == before, f"{'interrupt' if interrupt else 'fault'} at " \
+                                                                  f"{step[i]} (call {i}) changed the sequence"
+        got = idx.decode_select(st, row(d_hidden, n), n, *pool.dev, BS, stream)   # the retry
+        assert np.array_equal(got.tokens, want.tokens) and (st.ingested, st.pooled) == (n + 1, (n + 1) // RATIO)
+        check_gather(got, pool, stream)
+        assert st.sync(stream) == n + 1
+
+
+@pytest.mark.emulator
+def test_a_decode_step_faulting_on_a_freed_pool_changes_nothing(gpu, stream, rng, layer):
+    """The issue's example: a freed k_pool passed as an address (hss cannot know its size) faults in the gather, past
+    the inert bound and after the scores' wait: the sequence is as before and the retry with the live pool works."""
+    n = 20
+    d_hidden = upload(hidden_states(rng, n + 1), stream)
+    pool = kv_pool(rng, n + 1, stream)
+    from hss.errors import MemoryFault
+    with layer.indexer(gpu, max_tokens=64, budget=8) as idx:
+        st = idx.new_seq_state()
+        idx.prefill_ingest(st, d_hidden, n, 0, stream)
+        gone = cm.DeviceBuffer(pool.k.nbytes)
+        addr = gone.ptr
+        gone.close()
+        before = snapshot_state(idx, st, stream)
+        with pytest.raises(MemoryFault, match="qsa_gather"):
+            idx.decode_select(st, row(d_hidden, n), n, addr, pool.dev[1], pool.dev[2], BS, stream)
+        assert snapshot_state(idx, st, stream) == before
+        sel = idx.decode_select(st, row(d_hidden, n), n, *pool.dev, BS, stream)
+        check_gather(sel, pool, stream)
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["next-chunk", "restart"])
+def test_a_failed_prefill_ingest_changes_nothing(gpu, stream, rng, layer, restart):
+    """Every driver call of a two-slab prefill_ingest fails in turn: the sequence is as before (a restart over a
+    sequence of 2100 tokens puts back the raw keys it overwrote and re-pools their blocks: the same bits), and the
+    retry equals a twin that never failed."""
+    T = INGEST_SLAB + 52
+    hidden = upload(hidden_states(rng, 2 * T), stream)
+    with layer.indexer(gpu, max_tokens=4 * T) as idx:
+        st, twin = idx.new_seq_state(), idx.new_seq_state()
+        for s_ in (st, twin):
+            idx.prefill_ingest(s_, hidden, T, 0, stream)
+        start, src = (0, row(hidden, T)) if restart else (T, row(hidden, T))
+        idx.prefill_ingest(twin, src, T, start, stream)   # (a restart allocates the indexer's backup here)
+        cm.stream_sync(stream)
+        want = snapshot_state(idx, twin, stream)
+        probe = idx.new_seq_state()
+        idx.prefill_ingest(probe, hidden, T, 0, stream)
+        cm.stream_sync(stream)
+        with driver_calls() as seen:
+            idx.prefill_ingest(probe, src, T, start, stream)
+        assert seen.count("cuMemcpy2DAsync") == 2
+        for i in range(len(seen)):
+            before = snapshot_state(idx, st, stream)
+            with driver_calls(i), pytest.raises(CudaError):
+                idx.prefill_ingest(st, src, T, start, stream)
+            assert snapshot_state(idx, st, stream) == before, f"a fault at {seen[i]} (call {i}) changed the sequence"
+        idx.prefill_ingest(st, src, T, start, stream)
+        assert snapshot_state(idx, st, stream)[:2] == want[:2]
+        assert snapshot_state(idx, st, stream)[3:] == want[3:]
+
+
+# -- own memory, ownership, finalizers (issue 14) ----------------------------------------------------------
+def test_caller_pointers_into_the_indexers_memory_are_refused(gpu, stream, rng, layer):
+    """No argument may point into memory the indexer owns (it would be read while being written, or written over the
+    indexer's own state): refused before any device work, the sequence unchanged."""
+    d_hidden = upload(hidden_states(rng, 12), stream)
+    pool = kv_pool(rng, 12, stream)
+    rec = Recording(gpu)
+    with layer.indexer(rec, max_tokens=256, budget=8) as idx:
+        st, other = idx.new_seq_state(), idx.new_seq_state()
+        idx.prefill_ingest(st, d_hidden, 10, 0, stream)
+        k, v, table = pool.dev
+        del rec.calls[:]
+        cases = [
+            (lambda: idx.decode_select(st, idx.qk_scratch, 10, k, v, table, BS, stream), "normed .* overlaps the "
+             "indexer's qk scratch, memory that this QsaIndexer owns"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, idx.qk_scratch, table, BS, stream),
+             "v_pool .* overlaps the indexer's qk scratch"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, v, idx.k_scratch, BS, stream),
+             "block_table_dev .* overlaps the indexer's gathered K scratch"),
+            (lambda: idx.decode_select(st, row(d_hidden, 10), 10, k, v, idx.table_dev, BS, stream),
+             "block_table_dev .* overlaps the indexer's identity table"),
+            (lambda: idx.decode_select(st, other.raw_keys, 10, k, v, table, BS, stream),
+             "normed .* overlaps a sequence state's raw keys"),
+            (lambda: idx.prefill_ingest(st, other.block_keys, 1, 10, stream), "hidden .* overlaps a sequence "
+             "state's block keys"),
+            (lambda: idx.prefill_ingest(st, idx.qk_scratch, 1, 0, stream), "hidden .* overlaps the indexer's qk "
+             "scratch"),
+        ]
+        before = (st.ingested, st.pooled, st.table_len)
+        for call, match in cases:
+            with pytest.raises(HssError, match=match):
+                call()
+            assert rec.calls == [] and (st.ingested, st.pooled, st.table_len) == before, match
+
+
+def test_release_checks_the_owner_and_close_frees_live_states(gpu, stream, layer):
+    """release_seq_state refuses (and frees nothing of) another indexer's state; close() frees every state still
+    live, which then reads as released (a later release is a no-op); the backend ends with what it started with."""
+    start = len(gpu._buffers)
+    a, b = layer.indexer(gpu, max_tokens=64), layer.indexer(gpu, max_tokens=64)
+    sa, sb = a.new_seq_state(), b.new_seq_state()
+    held = len(gpu._buffers)
+    with pytest.raises(HssError, match="belongs to another indexer; release it with the indexer whose"):
+        a.release_seq_state(sb)
+    assert not sb.released and len(gpu._buffers) == held and int(sb.raw_keys) in gpu._buffers
+    b.release_seq_state(sb)
+    b.release_seq_state(sb)   # idempotent
+    a.close()
+    assert sa.released and sa.slot == -1
+    a.release_seq_state(sa)   # no-op after close
+    with pytest.raises(HssError, match="closed"):
+        a.prefill_ingest(sa, 0, 0, 0, stream)
+    b.close()
+    assert len(gpu._buffers) == start
+
+
+def test_a_dropped_indexer_frees_its_memory(gpu, layer):
+    """An indexer (and its states) dropped without close() gives its device memory back when collected, like the
+    driver owners (a weakref.finalize holding the backend and the allocations, never the indexer)."""
+    import gc
+    gc.collect()
+    start, free0 = len(gpu._buffers), cm.mem_info()[0]
+    idx = layer.indexer(gpu, max_tokens=64)
+    st = idx.new_seq_state()
+    assert len(gpu._buffers) > start
+    del idx
+    gc.collect()
+    assert len(gpu._buffers) == start and st.released
+    if not ON_GPU:   # the emulator's arena is exact; a GPU's free memory moves with other processes
+        assert cm.mem_info()[0] == free0

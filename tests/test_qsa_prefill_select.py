@@ -576,3 +576,43 @@ def test_small_attn_ctx_raises_before_scratch_is_written(gpu, stream, rng, layer
         assert (download(scratch, (scratch.bytes,), np.uint8, stream) != 0xFF).any()
         assert (ctx_bytes(case, stream)[idx.inert_bound():] != case.dense.view(np.uint16)[idx.inert_bound():]).any()
         idx.release_seq_state(st)
+
+
+def test_written_arguments_may_not_overlap_own_memory_or_each_other(gpu, stream, rng, layer):
+    """scratch and attn_ctx are written: neither may lie in the indexer's memory (a state's keys, its scratch) nor
+    overlap another argument (scratch over q_roped, attn_ctx over the K pool, ...). Refused before any device work:
+    the poisoned scratch and the dense attn_ctx keep every byte."""
+    T = 40
+    case = make_case(rng, T, stream)
+    rec = Recording(gpu)
+    with layer.indexer(rec, budget=8, max_tokens=4096) as idx, \
+            poisoned(idx.prefill_scratch_bytes(T), stream) as scratch:
+        st, other = idx.new_seq_state(), idx.new_seq_state()
+        idx.prefill_ingest(st, case.dev["hidden"], T, 0, stream)
+        d = case.dev
+        good = dict(st=st, normed=d["hidden"], q_roped=d["q"], attn_ctx=d["ctx"], k_pool=d["k"], v_pool=d["v"],
+                    seq_block_table=case.table, seq_start=0, num_tokens=T, nq=case.nq, block_size=BS,
+                    inv_sqrt_d=case.inv, scratch=scratch, stream=stream)
+        pool = case.k.nbytes
+        with cm.DeviceBuffer(idx.prefill_scratch_bytes(T) + case.dense.nbytes) as both, \
+                cm.DeviceBuffer(pool + case.dense.nbytes) as kv_and_out:
+            cases = [
+                (dict(attn_ctx=other.raw_keys), "attn_ctx .* overlaps a sequence state's raw keys, memory that this "
+                 "QsaIndexer owns"),
+                (dict(attn_ctx=idx.qk_scratch), "attn_ctx .* overlaps the indexer's qk scratch"),
+                (dict(normed=st.raw_keys), "normed .* overlaps a sequence state's raw keys"),
+                (dict(scratch=both, attn_ctx=both.ptr + idx.prefill_scratch_bytes(T) - 256),
+                 "QsaIndexer.prefill_select: scratch overlaps attn_ctx"),
+                (dict(attn_ctx=d["q"]), "prefill_select: attn_ctx overlaps q_roped"),
+                (dict(k_pool=kv_and_out, attn_ctx=kv_and_out.ptr + pool - 256), "prefill_select: attn_ctx overlaps "
+                 "k_pool"),
+            ]
+            del rec.calls[:]
+            for change, match in cases:
+                with pytest.raises(HssError, match=match):
+                    idx.prefill_select(**{**good, **change})
+                assert rec.calls == [], f"device work before the error {match!r}"
+        cm.stream_sync(stream)
+        assert (download(scratch, (scratch.bytes,), np.uint8, stream) == 0xFF).all(), "scratch was written"
+        assert ctx_bytes(case, stream).tobytes() == case.dense.view(np.uint16).tobytes(), "attn_ctx was written"
+        assert idx.prefill_select(**good) == T - idx.inert_bound()

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 
 import numpy as np
 import pytest
+from test_qsa_indexer import driver_calls
 
 from hss import cuda_min as cm
-from hss._driver import HssError
-from hss.qsa import QsaIndexer
+from hss._driver import CudaError, HssError
+from hss.qsa import QsaIndexer, snapshot
 
 from conftest import ON_GPU
 from helpers import BF16, Recording, download, upload
@@ -79,10 +81,13 @@ def test_round_trip_and_later_selections(gpu, weights, stream, rng):
         idx.prefill_ingest(a, hidden, 1500, 0, stream)
         idx.prefill_ingest(a, row(hidden, 1500), T - 1500, 1500, stream)
         blob = idx.snapshot_aux(a, stream)           # no sync before: the snapshot is ordered after the ingest
-        assert len(blob) == 16 + T * HD * 2 and isinstance(blob, bytes)
+        assert len(blob) == 16 + T * HD * 2 + 20 and isinstance(blob, bytes)
         assert struct.unpack_from("<QQ", blob) == (T, T // RATIO)
         raw_a, blocks_a = keys(idx, a, stream)
-        assert blob[16:] == raw_a
+        assert blob[16:-20] == raw_a                 # the original's layout, then the trailer (SPEC §17.7)
+        magic, version, fp, crc = struct.unpack_from("<4sIQI", blob, len(blob) - 20)
+        assert (magic, version, crc) == (b"HSSQ", 1, zlib.crc32(blob[:-20]))
+        assert fp == snapshot.fingerprint(HD, RATIO, 4096, N_HEADS)
 
         # restore into a state with another history, its buffers poisoned
         b = idx.new_seq_state()
@@ -115,7 +120,7 @@ def test_empty_and_partial_pooling(gpu, weights, stream, rng):
     with indexer(rec, weights, max_tokens=64) as idx:
         st = idx.new_seq_state()
         empty = idx.snapshot_aux(st, stream)
-        assert empty == struct.pack("<QQ", 0, 0)
+        assert empty[:16] == struct.pack("<QQ", 0, 0) and len(empty) == 36
         idx.prefill_ingest(st, hidden_rows(rng, 30, stream), 30, 0, stream)
         full = idx.snapshot_aux(st, stream)
         raw, blocks = keys(idx, st, stream)
@@ -123,7 +128,7 @@ def test_empty_and_partial_pooling(gpu, weights, stream, rng):
         idx.restore_aux(st, empty, stream)
         assert (st.ingested, st.pooled) == (0, 0) and rec.calls == [], "an empty blob needs no device work"
         # a blob that pooled fewer blocks than complete: exactly those are pooled, the rest on the next ingest
-        partial = struct.pack("<QQ", 30, 5) + full[16:]
+        partial = struct.pack("<QQ", 30, 5) + full[16:-20]   # the original's format: no trailer
         idx.restore_aux(st, np.frombuffer(partial, dtype=np.uint8), stream)
         assert (st.ingested, st.pooled) == (30, 5)
         pools_launched = [args[1][0] for name, args in rec.calls if name == "launch"]
@@ -187,3 +192,69 @@ def test_bad_blobs_rejected_before_any_write(gpu, weights, stream, rng):
         assert rec.calls == []
     other.release_seq_state(foreign)
     other.close()
+
+
+def test_the_trailer_catches_a_flipped_bit_and_a_foreign_config(gpu, weights, stream, rng):
+    """A flipped bit anywhere in a blob (counters, keys, trailer) or a blob of an indexer of another configuration is
+    an HssError before any write (the state keeps its counters and keys); the same bytes without the trailer (the
+    original's format) restore anywhere they fit, as the original did."""
+    hidden = hidden_rows(rng, 50, stream)
+    rec = Recording(gpu)
+    with indexer(rec, weights, max_tokens=64) as idx, indexer(gpu, weights, max_tokens=128) as wide:
+        src, st = idx.new_seq_state(), idx.new_seq_state()
+        idx.prefill_ingest(src, hidden, 30, 0, stream)
+        idx.prefill_ingest(st, row(hidden, 30), 20, 0, stream)
+        blob = idx.snapshot_aux(src, stream)
+        want = (st.ingested, st.pooled, st.table_len, keys(idx, st, stream))
+        tail = 8 * (len(blob) - 20)   # the trailer's first bit: magic, version, fingerprint, CRC
+        bits = [0, 3, 8 * 8 + 1, 8 * 16 + 5, 8 * (len(blob) // 2), tail, tail + 33, tail + 70, tail + 130,
+                8 * len(blob) - 1, *rng.integers(0, 8 * len(blob), 8).tolist()]
+        del rec.calls[:]
+        for bit in bits:
+            bad = bytearray(blob)
+            bad[bit // 8] ^= 1 << (bit % 8)
+            with pytest.raises(HssError, match="restore_aux: "):
+                idx.restore_aux(st, bytes(bad), stream)
+            assert rec.calls == [], f"device work before the error (bit {bit})"
+            assert (st.ingested, st.pooled, st.table_len, keys(idx, st, stream)) == want, f"bit {bit} changed st"
+        version = bytearray(blob)
+        struct.pack_into("<I", version, len(blob) - 16, 2)
+        with pytest.raises(HssError, match="trailer has version 2"):
+            idx.restore_aux(st, bytes(version), stream)
+        other = wide.new_seq_state()
+        with pytest.raises(HssError, match="taken from an indexer of another configuration"):
+            wide.restore_aux(other, blob, stream)
+        assert other.ingested == 0
+        wide.restore_aux(other, blob[:-20], stream)          # the original's blob: accepted, no trailer to verify
+        assert (other.ingested, other.pooled) == (30, 7) and keys(wide, other, stream) == keys(idx, src, stream)
+        idx.restore_aux(st, blob, stream)
+        assert keys(idx, st, stream) == keys(idx, src, stream)
+
+
+def test_a_failed_restore_changes_nothing(gpu, weights, stream, rng):
+    """Every driver call of a restore over a state holding other tokens fails in turn: the state keeps its counters,
+    device position and keys (the overwritten rows are put back); the retry restores the blob exactly."""
+    hidden = hidden_rows(rng, 80, stream)
+    with indexer(gpu, weights, max_tokens=128) as idx:
+        src, st = idx.new_seq_state(), idx.new_seq_state()
+        idx.prefill_ingest(src, hidden, 41, 0, stream)
+        idx.prefill_ingest(st, row(hidden, 41), 39, 0, stream)
+        blob = idx.snapshot_aux(src, stream)
+
+        def state():
+            return st.ingested, st.pooled, st.sync(stream), keys(idx, st, stream)
+
+        probe = idx.new_seq_state()
+        for _ in range(2):   # the first allocates the indexer's restart backup; the second's calls are the ones
+            idx.prefill_ingest(probe, hidden, 39, 0, stream)
+            cm.stream_sync(stream)
+            with driver_calls() as seen:
+                idx.restore_aux(probe, blob, stream)
+        assert "cuMemcpyDtoDAsync" in seen and "cuMemcpyHtoDAsync" in seen
+        for i in range(len(seen)):
+            before = state()
+            with driver_calls(i), pytest.raises(CudaError):
+                idx.restore_aux(st, blob, stream)
+            assert state() == before, f"a fault at {seen[i]} (call {i}) changed the state"
+        idx.restore_aux(st, blob, stream)
+        assert state()[:3] == (41, 10, 41) and keys(idx, st, stream) == keys(idx, src, stream)

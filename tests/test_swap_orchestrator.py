@@ -10,6 +10,7 @@ emulator. Both stores run everything; files go to tmp_path.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from dataclasses import replace
 
@@ -635,3 +636,82 @@ def test_hostile_arguments_raise_before_any_device_work(ctx, tmp_path, rng, monk
             call()
     for b in (kpage, small, q_dev):
         b.close()
+
+
+# -- own memory, page forms, cleanup (issue 14) ------------------------------------------------------------
+def test_pointers_into_the_swaps_memory_and_mistyped_pages_are_refused(ctx, tmp_path, rng, monkeypatch) -> None:
+    """out_dev (and q_dev, k_block_dev) may not point into memory the swap owns -- the scratch pool (a resident page
+    would be overwritten and later steps attend the damaged page), the predictor's A_g, the attention state, its
+    tables -- nor may out_dev overlap q_dev; a host page carrying a dtype or shape must be bf16 NHD. All refused
+    before any device work; the next step is exact."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=4, tile=1, max_blocks=8,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    s.offload(0, [0, 1, 2])
+    q, q_dev = s.query()
+    s.step(0, [0, 1, 2], q_dev)
+    kpage = upload(s.k[0, 0], s.stream)
+    cm.stream_sync(s.stream)
+    h, k, v = s.h, s.k[0, 0], s.v[0, 0]
+    resident = next(iter(h.pool.residents().values()))
+    both = cm.DeviceBuffer(1024)
+    work = record_device_work(monkeypatch)
+    for call, words in [
+        (lambda: h.attend_layer(ctx, 0, [0], q_dev, h.pool.slot_ptr(resident)), "out_dev .* overlaps the scratch pool, "
+         "memory that this HighSpeedSwap owns"),
+        (lambda: h.attend_layer(ctx, 0, [0], q_dev, h.predictor._a_g), "out_dev .* overlaps the predictor's A_g store"),
+        (lambda: h.attend_layer(ctx, 0, [0], q_dev, h.attn.o), "out_dev .* overlaps the tiled attention's state"),
+        (lambda: h.attend_layer(ctx, 0, [0], h.pool.slot_ptr(h.pool.num_slots - 1), s.out), "q_dev .* overlaps the "
+         "scratch pool"),
+        (lambda: h.attend_layer(ctx, 0, [0], both.ptr, both.ptr + 256), r"attend_layer: out_dev overlaps q_dev"),
+        (lambda: h.offload_block(ctx, 0, 3, h.predictor._a_g, k, v), "k_block_dev .* overlaps the predictor's A_g"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, k.astype(np.float16), v), r"k_host holds f16 but a KV page is bf16 "
+         r"\[16, 2, 64\]"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, k, v.astype(np.float32)[:8]), "v_host holds f32 but a KV page"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, np.ascontiguousarray(k.transpose(1, 0, 2)), v),
+         r"k_host has shape \[2, 16, 64\] but a KV page is NHD \[block_size, num_kv_heads, head_dim\] = \[16, 2, 64\]"),
+        (lambda: h.offload_block(ctx, 0, 3, kpage, k, v.reshape(16, 128)), r"v_host has shape \[16, 128\]"),
+        (lambda: h.offload_block_no_predict_on_stream(s.stream, 0, 3, k.view(np.int16), v), "k_host holds i16")]:
+        with pytest.raises(HssError, match=words):
+            call()
+        assert work == [], f"{words}: device work was queued before the error"
+    assert not h.store.page_valid(0, 3)
+    h.offload_block(ctx, 0, 3, kpage, k.view(np.uint16), v.reshape(-1))   # bf16 bits as uint16, a flat page: taken
+    s.k[0, 3], s.v[0, 3] = k, v
+    monkeypatch.undo()
+    rec, got = s.step(0, [0, 1, 2, 3], q_dev)
+    check_step(s, 0, [0, 1, 2, 3], q, q_dev, rec, got, 16, "after the refused calls")
+    for b in (kpage, q_dev, both):
+        b.close()
+    s.close()
+
+
+def test_a_failed_construction_removes_what_it_made(ctx, tmp_path, monkeypatch) -> None:
+    """A HighSpeedSwap whose FileStore cannot be preallocated (a full disk) raises the store's OSError and leaves no
+    directory or file of its own behind."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cfg = HighSpeedSwapConfig(tmp_path / "a" / "b", 1 << 30, 4, 32, 2, False, SEED, stream_tile_blocks=1)
+    with pytest.raises(OSError, match="FileStore: cannot preallocate .* layer 0's file"):
+        HighSpeedSwap(ctx, cfg, ModelDims(2, 8, 4, 2, 64, 16))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_smoke_measures_the_disk_floor(tmp_path) -> None:
+    """``python -m hss.bench swap --smoke``: the disk probe (threads x request sizes, the best kept) runs in the same
+    run, the FileStore step reads with the best configuration and is reported against max(disk, H2D, copy) floors;
+    every streamed step equals its in-HBM replay (numbers meaningless on the emulator)."""
+    from hss.bench import swap as bench
+    rows = bench.run(bench.parse_args(["--smoke", "--dir", str(tmp_path)]))
+    disks = [r for r in rows if "disk" in r]
+    assert len(disks) == 2 and all(len(r["disk"]["runs"]) == 4 for r in disks)
+    for r in disks:
+        assert r["disk"]["best"] == max(r["disk"]["runs"], key=lambda x: x[2]) and r["GB/s"] > 0
+    files = [r for r in rows if r.get("store") == "file"]
+    assert len(files) == 2 and all(r["replay_equal"] for r in rows if "replay_equal" in r)
+    best = disks[0]["disk"]["best"]
+    assert f"{best[0]} threads x" in files[0]["note"] and files[0]["floor_bound"] in ("disk", "H2D", "device copy")
+    text = bench.table(rows)
+    assert "FileStore step within 1.25x of its floor" in text and "HostStore step within 1.25x" in text
+    assert list(tmp_path.iterdir()) == [], "the probe file and the store's files are removed"

@@ -465,3 +465,111 @@ def test_hostile_store_arguments(ctx, stream, rng, tmp_path, monkeypatch, kind: 
             call()
     for b in (sink, small, pin):
         b.close()
+
+
+# -- construction failures and finalizers (issue 14) ------------------------------------------------------
+@pytest.mark.parametrize("existing", [False, True], ids=["new-dir", "existing-dir"])
+def test_a_disk_too_full_names_path_layer_and_bytes_and_cleans_up(ctx, tmp_path, monkeypatch, existing) -> None:
+    """posix_fallocate runs out of space at the third layer: the OSError names the file, the layer and the bytes
+    needed (and free); every file (and directory) the store created is removed, what was there stays."""
+    real = os.posix_fallocate
+    count = [0]
+
+    def fallocate(fd, offset, length):
+        count[0] += 1
+        if count[0] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    target = tmp_path / "pre" if existing else tmp_path / "new" / "deeper"
+    if existing:
+        target.mkdir()
+        (target / "mine.txt").write_text("keep")
+        layer_path(target, 0).write_bytes(b"old")          # a file the store reuses is not its to remove
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    need = LAYOUT.bytes_per_layer
+    with pytest.raises(OSError, match=rf"FileStore: cannot preallocate {need} bytes for layer 2's file "
+                                      rf".*layer_00002\.kv: No space left on device; the store needs {need} bytes "
+                                      rf"per layer x 4 layers = {4 * need} bytes, \d+ bytes are free there") as exc:
+        FileStore(target, LAYOUT, 4, ctx=ctx)
+    assert exc.value.errno == errno.ENOSPC
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert left == (["pre", "pre/layer_00000.kv", "pre/mine.txt"] if existing else [])
+    monkeypatch.setattr(os, "open", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied")))
+    with pytest.raises(OSError, match=r"cannot open layer 0's file .*layer_00000\.kv: Permission denied; the store "
+                                      r"needs"):
+        FileStore(tmp_path / "other", LAYOUT, 2, ctx=ctx)
+    monkeypatch.undo()
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors through /proc/self/fd")
+def test_a_dropped_file_store_closes_its_files(ctx, stream, rng, tmp_path) -> None:
+    import gc
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    store = FileStore(tmp_path, LAYOUT, LAYERS, qd=2, ctx=ctx)
+    img = images(rng, 2)
+    for p in range(2):
+        store.write_page(0, p, img[p])
+    read_back(store, stream, 0, [0, 1])                       # starts the read thread pool too
+    assert len(os.listdir("/proc/self/fd")) >= before + LAYERS
+    del store
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_ahead_serves_only_current_bytes_where_they_belong(ctx, stream, rng, tmp_path, monkeypatch,
+                                                               direct) -> None:
+    """With qd > 1, issuing a group starts the next group's first window on the thread pool: groups issued in order
+    equal read_pages; a page rewritten between two issues, groups issued out of order or again, and a read error in
+    the read-ahead (reported by the issue of its own group, naming its page) never put stale or misplaced bytes into
+    a destination; a dropped read-ahead is waited for, so no pread outlives the store."""
+    bb = LAYOUT.block_bytes
+    imgs = images(rng, 24)
+    with FileStore(tmp_path, LAYOUT, 1, qd=3, bounce_pages=6, direct=direct, ctx=ctx) as store:
+        for page in range(12):
+            store.write_page(0, page, imgs[page])
+        pages = list(range(12))
+        bounds = [0, 2, 4, 6, 8, 10, 12]
+        dev = cm.DeviceBuffer(12 * bb)
+
+        def issue(order, change=None):
+            cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+            reads = store.prepare_reads(0, pages, [dev.ptr + bb * p for p in pages], bounds)
+            for i in order:
+                reads.issue(i, stream)
+                if change is not None and i == change[0]:
+                    store.write_page(0, change[1], imgs[12 + change[1]])
+            return download(dev, (12, bb), np.uint8, stream)
+
+        truth = list(imgs[:12])
+        got = issue(range(6))
+        assert all(np.array_equal(got[p], truth[p]) for p in pages)
+        assert store._ahead is None and store._outstanding == []
+        got = issue(range(6), change=(1, 5))             # page 5 (group 2, being read ahead) rewritten after group 1
+        truth[5] = imgs[17]
+        assert all(np.array_equal(got[p], truth[p]) for p in pages), "a read-ahead served the page's old bytes"
+        got = issue([3, 0, 1, 1, 5, 4, 2])
+        assert all(np.array_equal(got[p], truth[p]) for p in pages)
+        real = os.preadv
+
+        def failing(fd, bufs, offset):                    # the read of pages 6-7 (group 3, read ahead by group 2)
+            if offset == 6 * bb:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, bufs, offset)
+
+        monkeypatch.setattr(os, "preadv", failing)
+        reads = store.prepare_reads(0, pages, [dev.ptr + bb * p for p in pages], bounds)
+        for i in range(3):
+            reads.issue(i, stream)                        # group 2's issue started group 3's read: no error yet
+        assert store._ahead is not None and store._ahead.group == 3
+        with pytest.raises(StoreIOError, match=r"layer 0 page 6 \(K stripe of kv_head 0\): read failed"):
+            reads.issue(3, stream)
+        monkeypatch.undo()
+        assert reads.issue(3, stream) == 2 * bb
+        got = download(dev, (12, bb), np.uint8, stream)
+        assert all(np.array_equal(got[p], truth[p]) for p in range(8))
+        dev.close()
+    assert store._outstanding == [] and store._ahead is None

@@ -99,7 +99,8 @@ class QsaSelection:
 
 class QsaSeqState:
     """One sequence's indexer carry: counters and the raw / pooled key buffers (free with
-    ``QsaIndexer.release_seq_state``; dropping the object frees nothing, as in the original).
+    ``QsaIndexer.release_seq_state``; dropping the object frees nothing, as in the original; the indexer's
+    ``close()``, or its collection, frees every state it still has and marks it released).
 
     ``ingested``: tokens whose raw keys are stored (contiguous from 0); ``pooled``: complete blocks pooled;
     ``table_len``: identity-table pages uploaded; ``raw_keys`` ``[max_tokens, hd]`` bf16;
@@ -147,6 +148,24 @@ class QsaSeqState:
         return f"QsaSeqState(ingested={self.ingested}, pooled={self.pooled}, table_len={self.table_len}, {state})"
 
 
+def _free_all(gpu: Any, owned: list[DevicePtr], states: weakref.WeakSet, raising: bool = False) -> None:
+    """Free every allocation in ``owned`` (emptying it) and mark ``states`` released: ``QsaIndexer.close``, and its
+    finalizer (which holds only these, never the indexer). Attempts every free; ``raising``: raise the first error."""
+    first: BaseException | None = None
+    for st in list(states):
+        st.raw_keys = st.block_keys = DevicePtr(0)
+        st._slot = -1
+    states.clear()
+    while owned:
+        ptr = owned.pop()
+        try:
+            gpu.free(ptr)
+        except Exception as exc:   # keep freeing the rest
+            first = first or exc
+    if raising and first is not None:
+        raise first
+
+
 def max_tokens_setting(max_tokens: int | None) -> int:
     """``max_tokens`` if given, else ``HSS_QSA_MAX_TOKENS`` from the environment, else 32768."""
     if max_tokens is not None:
@@ -174,8 +193,13 @@ class QsaIndexer:
     ``qsa_score_rows`` even where the tensor-core scorer applies (default: env ``HSS_QSA_SCORE_SCALAR=1``);
     ``no_prefill_select=True`` turns ``prefill_select`` into a no-op, leaving prefill rows dense (default: env
     ``HSS_QSA_NO_PREFILL_SELECT=1``); both are read once, here. Device memory comes from ``gpu.alloc`` and is
-    freed by ``close()`` (idempotent; also a context manager); sequence states are freed by
-    ``release_seq_state``.
+    freed by ``close()`` (idempotent; also a context manager), which also frees the states still live; sequence
+    states are freed by ``release_seq_state``. An indexer dropped without ``close()`` frees all of it when it is
+    collected (a ``weakref.finalize`` holding only the backend and the allocations).
+
+    Every call is all or nothing: it checks every argument (sizes, alignment, dtypes, and that no caller pointer
+    overlaps memory this indexer owns) before any device work, and changes a sequence's counters only once all of
+    its work is queued; a call that fails leaves the sequence, counters and keys, as it was.
 
     Batched device decode (:meth:`decode_select_batch`, :meth:`sparse_decode_attention`): ``max_seqs`` (default
     64, at most 2048) bounds the live states (each holds a slot of the device arrays) and so the batch;
@@ -192,7 +216,13 @@ class QsaIndexer:
                  no_prefill_select: bool | None = None, max_seqs: int = device.DEFAULT_MAX_SEQS,
                  nq_attn: int | None = None) -> None:
         self._closed = True   # until construction succeeds, close() has nothing of ours to free
+        # every live allocation (the indexer's and its states'), shared with the finalizer, which frees what close()
+        # did not; the owned ranges refuse caller pointers into any of it; the live states, to mark them released
         self._owned: list[DevicePtr] = []
+        self._mine = _args.OwnedRanges()
+        self._states: weakref.WeakSet[QsaSeqState] = weakref.WeakSet()
+        self._finalizer: weakref.finalize | None = None
+        self._backup: DevicePtr | None = None   # raw keys a restarted sequence overwrites, kept until it commits
         self._pinned: cm.PinnedBuffer | None = None
         self._dev: device.DeviceState | None = None
         # every check first: nothing touches the device before they pass
@@ -212,6 +242,7 @@ class QsaIndexer:
         self.k_norm_w = DevicePtr(_args.pointer(k_norm_w, "k_norm_w", hd * 2, 2, "bf16", what=f"[hd] = [{hd}] bf16"))
         self.gpu = gpu
         self._closed = False
+        self._finalizer = weakref.finalize(self, _free_all, gpu, self._owned, self._states)
         try:
             self._prepare(score_scalar)
             self._dev = device.DeviceState(self, self.max_seqs, nq_attn)
@@ -270,17 +301,17 @@ class QsaIndexer:
     def _allocate(self) -> None:
         """The layer's device buffers (freed by close) and host staging."""
         gpu, hd, n_heads, max_tokens, ratio = self.gpu, self.hd, self.n_heads, self.max_tokens, self.ratio
-        self.qk_scratch = self._alloc(INGEST_SLAB * self.qk_width * 2)
-        self.q_post = self._alloc(n_heads * hd * 4)
-        self.scores_dev = self._alloc(max_tokens // ratio * 4)
+        self.qk_scratch = self._alloc(INGEST_SLAB * self.qk_width * 2, "the indexer's qk scratch")
+        self.q_post = self._alloc(n_heads * hd * 4, "the indexer's q_post")
+        self.scores_dev = self._alloc(max_tokens // ratio * 4, "the indexer's block scores")
         # seq_len (one i32) and the selection share one allocation, so that a step uploads both at once:
         # [n_sel, 3 unused | selected tokens], the tokens 16-byte aligned
-        self.seq_len_dev = self._alloc((_SEL_HEAD + self.sel_cap) * 4)
+        self.seq_len_dev = self._alloc((_SEL_HEAD + self.sel_cap) * 4, "the indexer's seq_len and selection")
         self.sel_dev = self.seq_len_dev.offset(_SEL_HEAD * 4)
-        self.k_scratch = self._alloc(self.sel_cap * self._kv_row)
-        self.v_scratch = self._alloc(self.sel_cap * self._kv_row)
-        self.table_dev = self._alloc(-(-self.sel_cap // MIN_BLOCK_SIZE) * 4)
-        self.prefill_table_dev = self._alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4)
+        self.k_scratch = self._alloc(self.sel_cap * self._kv_row, "the indexer's gathered K scratch")
+        self.v_scratch = self._alloc(self.sel_cap * self._kv_row, "the indexer's gathered V scratch")
+        self.table_dev = self._alloc(-(-self.sel_cap // MIN_BLOCK_SIZE) * 4, "the indexer's identity table")
+        self.prefill_table_dev = self._alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4, "the indexer's prefill table")
         # host side: pinned scores (the blocking D2H of every selective step), pageable uploads
         self._pinned = cm.PinnedBuffer(max_tokens // ratio * 4, getattr(gpu, "ctx", None))
         self._scores_host = self._pinned.view(np.float32)
@@ -333,18 +364,29 @@ class QsaIndexer:
                                             what="the sequence's i32 page table: ceil((pos + 1) / block_size) entries")
 
     # -- lifetime -------------------------------------------------------------------------------------
-    def _alloc(self, nbytes: int) -> DevicePtr:
+    def _alloc(self, nbytes: int, label: str = "the indexer's device-decode buffers") -> DevicePtr:
+        """``nbytes`` from the backend, freed by close (or the finalizer); ``label`` names it when a caller's pointer
+        overlaps it."""
         ptr = DevicePtr(self.gpu.alloc(nbytes))
         self._owned.append(ptr)
+        self._mine.add(int(ptr), nbytes, label)
         return ptr
 
     def _release(self, ptr: DevicePtr) -> None:
-        """Free one buffer of ``_alloc`` before close (a grown scratch's old one)."""
+        """Free one buffer of ``_alloc`` before close (a grown scratch's old one, a released state's keys); freed
+        once even if the free fails."""
         self._owned.remove(ptr)
+        self._mine.remove(int(ptr))
         self.gpu.free(ptr)
 
+    def _check_mine(self, ptr: int, nbytes: int, name: str) -> None:
+        """Refuse a caller's pointer into memory this indexer owns (its scratch, tables, sequences' keys)."""
+        self._mine.check(ptr, nbytes, name, "this QsaIndexer")
+
     def close(self) -> None:
-        """Free the layer's device and pinned buffers (idempotent); attempts every free, raises the first error."""
+        """Free the layer's device and pinned buffers and every live state's key buffers (those states read as
+        released). Idempotent; attempts every free, raises the first error. An indexer dropped without close()
+        frees its device memory when it is collected (a finalizer)."""
         first: BaseException | None = None
         if self._dev is not None:
             dev, self._dev = self._dev, None
@@ -352,12 +394,15 @@ class QsaIndexer:
                 dev.close()
             except Exception as exc:
                 first = exc
-        while self._owned:
-            ptr = self._owned.pop()
-            try:
-                self.gpu.free(ptr)
-            except Exception as exc:   # keep freeing the rest
-                first = first or exc
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        try:
+            _free_all(self.gpu, self._owned, self._states, raising=True)
+        except Exception as exc:   # every free was attempted
+            first = first or exc
+        self._mine.clear()
+        self._backup = None
         if self._pinned is not None:
             pinned, self._pinned = self._pinned, None
             try:
@@ -387,37 +432,47 @@ class QsaIndexer:
         """A fresh sequence (counters 0) with its raw-key and block-key buffers (not zeroed) and a free slot of the
         device arrays (an error when all ``max_seqs`` are taken). Blocking, briefly: the slot's descriptor and
         position 0 are written on a private stream of the indexer, and waited for (never call it while this
-        thread captures a graph)."""
+        thread captures a graph). A failure frees what it allocated."""
         self._check_open("new_seq_state")
         dev = self._dev
         dev.check_free_slot()
-        raw = DevicePtr(self.gpu.alloc(self.max_tokens * self.hd * 2))
+        made: list[DevicePtr] = []
         try:
-            blocks = DevicePtr(self.gpu.alloc(self.max_tokens // self.ratio * self.hd * 2))
+            made.append(self._alloc(self.max_tokens * self.hd * 2, "a sequence state's raw keys"))
+            made.append(self._alloc(self.max_tokens // self.ratio * self.hd * 2, "a sequence state's block keys"))
+            st = QsaSeqState(made[0], made[1], self, dev.take_slot(made[0], made[1]))
         except BaseException:
-            self.gpu.free(raw)
+            for ptr in made:
+                self._release(ptr)
             raise
-        return QsaSeqState(raw, blocks, self, dev.take_slot(raw, blocks))
+        self._states.add(st)
+        return st
 
     def release_seq_state(self, st: QsaSeqState) -> None:
-        """Free ``st``'s buffers, nulling each pointer, and its slot. Idempotent; attempts both frees even if the
-        first fails, then raises the first error."""
+        """Free ``st``'s buffers, nulling each pointer, and its slot. ``st`` must be a state of this indexer (an
+        :class:`HssError` otherwise: it frees nothing). Idempotent (a state already released, or freed by this
+        indexer's close, is a no-op); attempts both frees even if the first fails, then raises the first error."""
         if not isinstance(st, QsaSeqState):
             raise TypeError(f"release_seq_state needs a QsaSeqState, not {type(st).__name__}")
+        if st.released:
+            return
+        if st._owner() is not self:
+            raise HssError("QsaIndexer.release_seq_state: this QsaSeqState belongs to another indexer; release it "
+                           "with the indexer whose new_seq_state made it")
         first: BaseException | None = None
-        owner = st._owner()
-        if st._slot >= 0 and owner is not None and owner._dev is not None:
-            owner._dev.give_slot(st._slot)   # cached batches holding st can never match again: they age out
+        if st._slot >= 0 and self._dev is not None:
+            self._dev.give_slot(st._slot)   # cached batches holding st can never match again: they age out
         st._slot = -1
+        self._states.discard(st)
         for name in ("raw_keys", "block_keys"):
             ptr = getattr(st, name)
             if ptr.is_null():
                 continue
+            setattr(st, name, DevicePtr(0))
             try:
-                self.gpu.free(ptr)
+                self._release(ptr)
             except Exception as exc:
                 first = first or exc
-            setattr(st, name, DevicePtr(0))
         if first is not None:
             raise first
 
@@ -456,7 +511,11 @@ class QsaIndexer:
         for positions ``seq_start ..``), store their raw keys and pool every newly complete block, on ``stream``.
 
         ``seq_start == 0`` starts the sequence over; otherwise it must equal ``st.ingested``. Every argument is
-        checked (``hidden`` against ``num_tokens * hidden * 2`` bytes) before the state changes.
+        checked (``hidden`` against ``num_tokens * hidden * 2`` bytes, and against the indexer's own memory) before
+        any device work. All or nothing: the counters change only once every operation is queued; a call that fails
+        (a driver error, an interrupt) leaves the sequence as it was, counters and keys, and can be retried. A
+        restart (``seq_start == 0``) of a state holding tokens first saves the raw keys it overwrites (a device copy
+        into a buffer of the indexer, allocated at the first such restart) and restores them if it fails.
         """
         self._check_state(st, "prefill_ingest")
         num_tokens = _args.as_int("num_tokens", num_tokens, 0, _I32)
@@ -469,20 +528,68 @@ class QsaIndexer:
         if seq_start + num_tokens > self.max_tokens:
             raise HssError(f"QSA: {seq_start + num_tokens} tokens exceed max_tokens = {self.max_tokens}; construct "
                            "the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
-        s = _args.stream(stream)
         row = self.hidden * 2
-        src = self._hidden_arg(hidden, s, num_tokens * row)
-        if seq_start == 0:
-            st.ingested = st.pooled = 0
-        hd, qkw = self.hd, self.qk_width
+        with _args.deferred_joins():
+            s = _args.stream(stream)
+            src = self._hidden_arg(hidden, s, num_tokens * row)
+            self._check_mine(src, num_tokens * row, "hidden")
+        total = seq_start + num_tokens
+        old = (st.ingested, st.pooled)
+        first_block = 0 if seq_start == 0 else st.pooled
+        # a restart overwrites the state's first rows: keep them until the call commits
+        keep = min(old[0], num_tokens) * self.hd * 2 if seq_start == 0 else 0
+        saved = False
+        try:
+            if keep:
+                backup = self._backup_buffer()
+                self.gpu.copy_d2d_async(st.raw_keys, backup, keep, s)
+                saved = True
+            self._queue_ingest(st, src, num_tokens, seq_start, s)
+            self._launch_pool(st, first_block, total // self.ratio - first_block, s)
+            self._commit(st, total, total // self.ratio, s)
+        except BaseException:
+            if saved:
+                self._restore_rows(st, keep, old, total // self.ratio, s)
+            raise
+
+    def _queue_ingest(self, st: QsaSeqState, src: int, num_tokens: int, seq_start: int, s: int) -> None:
+        """The qk GEMM of ``num_tokens`` rows at ``src`` in slabs, each slab's raw-key columns copied into
+        ``st.raw_keys`` from row ``seq_start`` (no state change)."""
+        row, hd, qkw = self.hidden * 2, self.hd, self.qk_width
         for off in range(0, num_tokens, INGEST_SLAB):
             rows = min(INGEST_SLAB, num_tokens - off)
             self._gemm(src + off * row, rows, s)
             self.gpu.copy_d2d_2d_async(self._key_cols, qkw * 2, st.raw_keys + (seq_start + off) * hd * 2, hd * 2,
                                        hd * 2, rows, s)
-        st.ingested = seq_start + num_tokens
-        self._dev.store_pos(st, s)
-        self._pool_new_blocks(st, s)
+
+    def _commit(self, st: QsaSeqState, ingested: int, pooled: int, s: int) -> None:
+        """The last step of a call: the counters, then the device position (undone on the host if it fails)."""
+        old = st.ingested, st.pooled
+        st.ingested, st.pooled = ingested, pooled
+        try:
+            self._dev.store_pos(st, s)
+        except BaseException:
+            st.ingested, st.pooled = old
+            raise
+
+    def _backup_buffer(self) -> DevicePtr:
+        if self._backup is None:
+            self._backup = self._alloc(self.max_tokens * self.hd * 2, "the indexer's restart backup")
+        return self._backup
+
+    def _restore_rows(self, st: QsaSeqState, keep: int, old: tuple[int, int], complete: int, s: int) -> None:
+        """Undo a failed restart: the saved raw keys back, the blocks it may have pooled over pooled again (the same
+        kernel on the same keys: the same bits). If even that fails the sequence is left empty (a consistent state:
+        restart it), and the original error is raised."""
+        try:
+            self.gpu.copy_d2d_async(self._backup, st.raw_keys, keep, s)
+            self._launch_pool(st, 0, min(old[1], complete), s)
+        except BaseException:
+            st.ingested = st.pooled = 0
+            try:
+                self._dev.store_pos(st, s)
+            except BaseException:
+                pass
 
     def _pool_new_blocks(self, st: QsaSeqState, s: int) -> None:
         complete = st.ingested // self.ratio
@@ -522,16 +629,21 @@ class QsaIndexer:
         a view of one, an address inside one, a torch tensor, a ``__cuda_array_interface__`` or ``__dlpack__``
         object) of at least ``prefill_scratch_bytes(seq_start + num_tokens)`` bytes. The device arrays are
         checked against those sizes (16-byte aligned where the kernels load vectors), every argument before any
-        device work. A no-op (returning 0) while ``seq_start + num_tokens <= inert_bound()`` or when prefill
+        device work; ``scratch`` and ``attn_ctx`` (written) may overlap neither the indexer's own memory nor another
+        argument. The sequence is never changed: a call that fails part way (a driver error, an interrupt during a
+        scores' wait) may have rewritten the rows of its earlier slabs, with their final values, and can be retried.
+        A no-op (returning 0) while ``seq_start + num_tokens <= inert_bound()`` or when prefill
         selection is switched off (``no_prefill_select`` / ``HSS_QSA_NO_PREFILL_SELECT=1``). Blocks the host
         once per slab of 2048 selective rows (the scores' D2H on ``stream``).
         """
         return prefill.prefill_select(self, st, normed, q_roped, attn_ctx, k_pool, v_pool, seq_block_table,
                                       seq_start, num_tokens, nq, block_size, inv_sqrt_d, scratch, stream)
 
-    # -- snapshots (SPEC §11.6) ----------------------------------------------------------------------------
+    # -- snapshots (SPEC §11.6, §17.7) ---------------------------------------------------------------------
     def snapshot_aux(self, st: QsaSeqState, stream: Any) -> bytes:
-        """``st`` as a blob: ``ingested`` u64 LE | ``pooled`` u64 LE | raw keys of tokens 0..ingested-1 (bf16).
+        """``st`` as a blob: ``ingested`` u64 LE | ``pooled`` u64 LE | raw keys of tokens 0..ingested-1 (bf16) --
+        the original's layout -- then a 20-byte hss trailer (magic ``HSSQ``, version, config fingerprint, CRC32 of
+        the rest; SPEC §17.7).
 
         Blocking, as the original: the raw keys' D2H is ordered after prior work on ``stream`` and waited for."""
         return snapshot.snapshot_aux(self, st, stream)
@@ -540,10 +652,30 @@ class QsaIndexer:
         """Make ``st`` the sequence ``blob`` (from ``snapshot_aux``) describes: its raw keys uploaded and its
         ``pooled`` blocks pooled again on ``stream`` (bit-identical block keys); ``table_len`` untouched.
 
-        A blob shorter than its 16-byte header, of a length other than ``16 + ingested * hd * 2``, with
-        ingested > max_tokens or pooled > ingested // ratio is rejected before any device write. The blob may be
-        dropped when this returns (the upload is staged)."""
+        A blob shorter than its 16-byte header, of a length other than ``16 + ingested * hd * 2`` (+ 20 with the hss
+        trailer), with ingested > max_tokens or pooled > ingested // ratio, or whose trailer does not verify (another
+        magic or version, another indexer configuration, a CRC mismatch) is rejected before any device write; the
+        original's blob without a trailer is accepted. All or nothing, like ``prefill_ingest``: a restore that fails
+        leaves ``st`` as it was. The blob may be dropped when this returns (the upload is staged)."""
         snapshot.restore_aux(self, st, blob, stream)
+
+    def _restore(self, st: QsaSeqState, ingested: int, pooled: int, raw: Any, s: int) -> None:
+        """restore_aux's device part on checked values: the rows it overwrites saved first, committed last."""
+        old = (st.ingested, st.pooled)
+        keep = min(old[0], ingested) * self.hd * 2
+        saved = False
+        try:
+            if keep:
+                self.gpu.copy_d2d_async(st.raw_keys, self._backup_buffer(), keep, s)
+                saved = True
+            if ingested:
+                self.gpu.copy_h2d_async(raw, st.raw_keys, s)   # pageable: staged before the call returns
+            self._launch_pool(st, 0, pooled, s)
+            self._commit(st, ingested, pooled, s)   # the device position follows the mirror (SPEC §17.2)
+        except BaseException:
+            if saved:
+                self._restore_rows(st, keep, old, pooled, s)
+            raise
 
     # -- decode (SPEC §11.4) -----------------------------------------------------------------------------
     def decode_select(self, st: QsaSeqState, normed: Any, pos: int, k_pool: Any, v_pool: Any, block_table_dev: Any,
@@ -554,8 +686,10 @@ class QsaIndexer:
         bf16. ``k_pool`` / ``v_pool``: paged NHD caches ``[pages, block_size, nkv_attn, hd_attn]`` bf16 (at least
         one page); ``block_table_dev``: the sequence's i32 logical -> physical page table (at least
         ``ceil((pos + 1) / block_size)`` entries); ``block_size`` >= 8. Every argument is checked before any device
-        work. Returns None while ``pos + 1 <= inert_bound()`` (dense attention is exact), else a
-        :class:`QsaSelection`. Blocks the host once per selective step (the scores' D2H on ``stream``).
+        work (none may overlap the indexer's own memory). Returns None while ``pos + 1 <= inert_bound()`` (dense
+        attention is exact), else a :class:`QsaSelection`. Blocks the host once per selective step (the scores' D2H on
+        ``stream``). All or nothing: the token counts as ingested only once the whole step is queued; a step that
+        fails (a driver error, an interrupt during the scores' wait) leaves the sequence as it was and can be retried.
         """
         self._check_state(st, "decode_select")
         pos = _args.as_int("pos", pos, 0, _I32)
@@ -566,20 +700,30 @@ class QsaIndexer:
             raise HssError(f"QSA: pos {pos} >= max_tokens = {self.max_tokens}; construct the indexer with a larger "
                            "max_tokens= (or env HSS_QSA_MAX_TOKENS)")
         block_size = self._block_size(block_size)
-        s = _args.stream(stream)
-        x = self._normed_arg(normed, s)
         visible = pos + 1
         page = block_size * self._kv_row
-        kc = self._k_pool_arg(k_pool, s, page)
-        vc = self._v_pool_arg(v_pool, s, page)
-        table = self._table_arg(block_table_dev, s, 4 * -(-visible // block_size))
-        self._ingest_token(st, x, pos, s)
+        table_bytes = 4 * -(-visible // block_size)
+        with _args.deferred_joins():
+            s = _args.stream(stream)
+            x = self._normed_arg(normed, s)
+            kc = self._k_pool_arg(k_pool, s, page)
+            vc = self._v_pool_arg(v_pool, s, page)
+            table = self._table_arg(block_table_dev, s, table_bytes)
+            if self._mine:
+                for name, p, n in (("normed", x, self.hidden * 2), ("k_pool", kc, page), ("v_pool", vc, page),
+                                   ("block_table_dev", table, table_bytes)):
+                    self._check_mine(p, n, name)
+        pooled = self._queue_token(st, x, pos, s)
         complete = visible // self.ratio
         if complete <= self.block_topk:
+            self._commit(st, visible, pooled, s)
             return None   # provably every token: dense attention is exact
         self._score_blocks(st, pos, complete, s)
         tokens = self._host_select(complete, visible, s)
-        return self._gather(st, tokens, kc, vc, table, block_size, s)
+        sel = self._queue_gather(tokens, kc, vc, table, block_size, st.table_len, s)
+        self._commit(st, visible, pooled, s)
+        st.table_len = max(st.table_len, sel.max_blocks)
+        return sel
 
     # -- batched device decode (issue 12; SPEC §17.2-§17.4) ------------------------------------------------
     def decode_select_batch(self, states: list[QsaSeqState] | tuple[QsaSeqState, ...], normed: Any, block_tables: Any,
@@ -626,13 +770,18 @@ class QsaIndexer:
 
     # The decode stages, separately callable so the benchmark can time each one; they take checked ints.
     def _ingest_token(self, st: QsaSeqState, normed: int, pos: int, s: int) -> None:
-        """qk GEMV of the token into qk_scratch row 0; its raw key into raw_keys[pos]; pool a completed block."""
+        """:meth:`_queue_token`, then commit the token (the counters and the device position)."""
+        self._commit(st, pos + 1, self._queue_token(st, normed, pos, s), s)
+
+    def _queue_token(self, st: QsaSeqState, normed: int, pos: int, s: int) -> int:
+        """qk GEMV of the token into qk_scratch row 0; its raw key into raw_keys[pos]; pool a block it completes.
+        Changes no counter (what it writes lies past the sequence's rows and blocks); returns the pooled count."""
         hd2 = self.hd * 2
         self._gemm(normed, 1, s)
         self.gpu.copy_d2d_async(self._key_cols, st.raw_keys + pos * hd2, hd2, s)
-        st.ingested = pos + 1
-        self._dev.store_pos(st, s)
-        self._pool_new_blocks(st, s)
+        complete = (pos + 1) // self.ratio
+        self._launch_pool(st, st.pooled, complete - st.pooled, s)
+        return max(complete, st.pooled)
 
     def _score_blocks(self, st: QsaSeqState, pos: int, complete: int, s: int) -> None:
         """q prep at ``pos`` into q_post, then the scores of blocks 0..complete-1 into scores_dev."""
@@ -651,8 +800,15 @@ class QsaIndexer:
 
     def _gather(self, st: QsaSeqState, tokens: np.ndarray, k_pool: int, v_pool: int, table: int, block_size: int,
                 s: int) -> QsaSelection:
-        """Upload seq_len and the selection (one copy), gather its K/V rows, upload the identity table (when
-        grown)."""
+        """:meth:`_queue_gather` for ``st`` (its identity table grown when needed)."""
+        sel = self._queue_gather(tokens, k_pool, v_pool, table, block_size, st.table_len, s)
+        st.table_len = max(st.table_len, sel.max_blocks)
+        return sel
+
+    def _queue_gather(self, tokens: np.ndarray, k_pool: int, v_pool: int, table: int, block_size: int,
+                      table_len: int, s: int) -> QsaSelection:
+        """Upload seq_len and the selection (one copy), gather its K/V rows, upload the identity table when it needs
+        more than ``table_len`` pages."""
         n_sel = tokens.size
         gpu, up = self.gpu, self._upload
         if tokens is not self._staged:   # a selection made elsewhere (the benchmark times the top-k alone)
@@ -665,8 +821,7 @@ class QsaIndexer:
         self._gather_bs.value = block_size
         self._run_gather(s, n_sel)
         pages = -(-n_sel // block_size)
-        if st.table_len < pages:
+        if table_len < pages:
             gpu.copy_h2d_async(self._ident[:pages], self._table_addr, s)
-            st.table_len = pages
         return QsaSelection(self.k_scratch, self.v_scratch, self.table_dev, self.seq_len_dev, n_sel, pages,
                             tokens.copy())

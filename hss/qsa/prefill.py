@@ -167,23 +167,32 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
     inv = idx._f32("inv_sqrt_d", inv_sqrt_d, positive=True)
     pages = -(-total // block_size)
     table = _host_table(seq_block_table, pages, total, block_size)
-    s = _args.stream(stream)
     layout = scratch_layout(total, idx.qk_width, idx.n_heads, idx.hd, idx.ratio, idx.block_topk)
-    base = _scratch(scratch, layout.nbytes, total, s)
     # the chunk's rows (nothing is read of an empty chunk) and every page the table names
     rows_in, rows_attn = num_tokens * idx.hidden * 2, num_tokens * nq * hd_attn * 2
     pool = (int(table.max()) + 1) * block_size * nkv * hd_attn * 2 if num_tokens and table.size else 0
     al = _VEC
-    x = _args.pointer(normed, "normed", rows_in, 2, "bf16", stream=s,
-                      what=f"the chunk's attention input [num_tokens, hidden] = [{num_tokens}, {idx.hidden}] bf16")
-    q = _args.pointer(q_roped, "q_roped", rows_attn, al, "bf16", stream=s,
-                      what=f"the roped queries [num_tokens, nq, hd_attn] = [{num_tokens}, {nq}, {hd_attn}] bf16")
-    out = _args.pointer(attn_ctx, "attn_ctx", rows_attn, al, "bf16", write=True, stream=s,
-                        what=f"the attention output [num_tokens, nq * hd_attn] = [{num_tokens}, {nq * hd_attn}] bf16")
-    pool_what = (f"a paged cache [pages, block_size, nkv_attn, hd_attn] bf16 holding every page seq_block_table "
-                 f"names: {pool} bytes")
-    kc = _args.pointer(k_pool, "k_pool", pool, al, "bf16", stream=s, what=pool_what)
-    vc = _args.pointer(v_pool, "v_pool", pool, al, "bf16", stream=s, what=pool_what)
+    with _args.deferred_joins():   # a producer's stream is joined only once every argument passed
+        s = _args.stream(stream)
+        base = _scratch(scratch, layout.nbytes, total, s)
+        x = _args.pointer(normed, "normed", rows_in, 2, "bf16", stream=s,
+                          what=f"the chunk's attention input [num_tokens, hidden] = [{num_tokens}, {idx.hidden}] bf16")
+        q = _args.pointer(q_roped, "q_roped", rows_attn, al, "bf16", stream=s,
+                          what=f"the roped queries [num_tokens, nq, hd_attn] = [{num_tokens}, {nq}, {hd_attn}] bf16")
+        out = _args.pointer(attn_ctx, "attn_ctx", rows_attn, al, "bf16", write=True, stream=s,
+                            what=f"the attention output [num_tokens, nq * hd_attn] = [{num_tokens}, {nq * hd_attn}] "
+                                 "bf16")
+        pool_what = (f"a paged cache [pages, block_size, nkv_attn, hd_attn] bf16 holding every page seq_block_table "
+                     f"names: {pool} bytes")
+        kc = _args.pointer(k_pool, "k_pool", pool, al, "bf16", stream=s, what=pool_what)
+        vc = _args.pointer(v_pool, "v_pool", pool, al, "bf16", stream=s, what=pool_what)
+        # the call writes scratch and attn_ctx: neither may overlap the indexer's memory or another argument
+        ranges = (("scratch", base, layout.nbytes, True), ("attn_ctx", out, rows_attn, True),
+                  ("normed", x, rows_in, False), ("q_roped", q, rows_attn, False), ("k_pool", kc, pool, False),
+                  ("v_pool", vc, pool, False))
+        for name, p, n, _ in ranges:
+            idx._check_mine(p, n, name)
+        _args.disjoint("QsaIndexer.prefill_select", *ranges)
     return _Checked(seq_start, total, max(idx.inert_bound(), seq_start), nq, block_size, inv, table, layout, base,
                     x, q, out, kc, vc, s)
 

@@ -29,7 +29,8 @@ class HighSpeedSwapConfig:
     hss: ``store``: "file" (one file per layer under ``dir``) or "host" (one pinned host buffer);
     ``stream_tile_blocks``: pages per streamed tile T; the scratch is ``resident_blocks - 2*T`` resident
     slots plus a double buffer of 2*T slots (default T = max(1, resident_blocks // 4)); ``direct``: the
-    FileStore's O_DIRECT choice (None: where the filesystem allows it).
+    FileStore's O_DIRECT choice (None: where the filesystem allows it); ``run_cap_bytes``: the FileStore's largest
+    read (consecutive pages in one pread; default 1 MiB; at least one page is read at a time).
     """
 
     dir: str | os.PathLike
@@ -42,6 +43,7 @@ class HighSpeedSwapConfig:
     store: str = "file"
     stream_tile_blocks: int | None = None
     direct: bool | None = None
+    run_cap_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         _args.int_fields(self)      # numpy integers become Python ints; float, bool, str: TypeError naming the field
@@ -54,7 +56,7 @@ class HighSpeedSwapConfig:
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
             raise HssError(f"HighSpeedSwapConfig.dir must be a non-empty path, got {self.dir!r}")
         checks = (("bytes", 1, None), ("resident_blocks", 1, None), ("rank", 1, 128), ("qd", 1, 64),
-                  ("projection_seed", 0, 2**64 - 1))
+                  ("projection_seed", 0, 2**64 - 1), ("run_cap_bytes", 1, None))
         for name, lo, hi in checks:
             v = getattr(self, name)        # an int: __post_init__ converted it
             if v < lo or (hi is not None and v > hi):

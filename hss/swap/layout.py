@@ -143,10 +143,38 @@ class GroupLayout:
             raise HssError(f"{name} holds {raw.nbytes} bytes but one page is block_size*num_kv_heads*head_dim "
                            f"bf16 = {self.block_size}*{self.num_kv_heads}*{self.head_dim}*2 = {want} bytes "
                            "([tok, kv_head, dim])")
+        self._page_form(name, data)
         return raw.view(np.uint16).reshape(self.block_size, self.num_kv_heads, self.head_dim)
 
+    def _page_form(self, name: str, data: Any) -> None:
+        """A host page that carries a dtype or a shape must say bf16 NHD: ``[block_size, num_kv_heads, head_dim]``
+        of bf16 (or its bits as uint16). Raw bytes (uint8, bytes-like, a PinnedBuffer) and 1-D arrays of 16-bit
+        elements carry no layout and are taken as NHD bf16 as they are."""
+        dtype = getattr(data, "dtype", None)
+        shape = getattr(data, "shape", None)
+        if dtype is None or isinstance(data, (memoryview, cm.PinnedBuffer)):
+            return
+        try:
+            kind = _args.dtype_name(dtype)
+        except TypeError:
+            kind = str(dtype)
+        nhd = (self.block_size, self.num_kv_heads, self.head_dim)
+        if kind == "u8":
+            return
+        if kind not in ("bf16", "u16"):
+            raise HssError(f"{name} holds {kind} but a KV page is bf16 {list(nhd)} [tok, kv_head, dim]: convert it "
+                           "(.astype(ml_dtypes.bfloat16)), or pass its raw bf16 bytes as uint8")
+        shape = tuple(int(d) for d in shape) if shape is not None else ()
+        if len(shape) > 1 and shape != nhd:
+            raise HssError(f"{name} has shape {list(shape)} but a KV page is NHD [block_size, num_kv_heads, head_dim] "
+                           f"= {list(nhd)} bf16 ([tok, kv_head, dim]; an HND page [kv_head, tok, dim] must be "
+                           "transposed first)")
+
     def pack_page(self, k: Any, v: Any) -> np.ndarray:
-        """The page image (uint8 ``[block_bytes]``, padding zero) of host K and V ``[block_size, nkv, hd]`` bf16."""
+        """The page image (uint8 ``[block_bytes]``, padding zero) of host K and V ``[block_size, nkv, hd]`` bf16.
+
+        Typed pages must be bf16 (or uint16 bits) of exactly that NHD shape; raw bytes and flat 16-bit arrays are
+        taken as NHD bf16."""
         if self.elem_bytes != 2:
             raise HssError(f"pack_page needs 2-byte (bf16) elements; this layout has elem_bytes {self.elem_bytes}")
         kt, vt = self._tokens("k_host", k), self._tokens("v_host", v)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -139,6 +140,34 @@ class _StallTimer:
         self._spare, self._pending = [], []
 
 
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    out = []
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def _owned_ranges(h: HighSpeedSwap) -> _args.OwnedRanges:
+    """Every device buffer the swap and its parts hold (scratch pool, the predictor's P and A_g, the tiled attention's
+    running state, the step buffers), so that a caller's pointer into one of them is refused."""
+    mine = _args.OwnedRanges()
+    parts = ((h, "the swap's {}"), (h.pool, "the scratch pool"), (h.predictor, "the predictor's {}"),
+             (h.attn, "the tiled attention's state ({})"))
+    seen: set[int] = set()
+    for obj, label in parts:
+        for name, buf in vars(obj).items():
+            if isinstance(buf, cm.DeviceBuffer) and not buf.closed and buf.ptr not in seen:
+                seen.add(buf.ptr)
+                mine.add(buf.ptr, buf.bytes, label.format(_BUFFER_NAMES.get(name, name.strip("_"))))
+    return mine
+
+
+_BUFFER_NAMES = {"_a_g": "A_g store", "_p": "projection P", "_q_proj": "q_proj", "_scores_dev": "block scores",
+                 "_tile_index_dev": "tile tables", "buffer": "slots"}
+
+
 class HighSpeedSwap:
     """Streams a layer's KV pages from a backing store through HBM scratch for exact decode attention.
 
@@ -177,6 +206,7 @@ class HighSpeedSwap:
                            f"{model.max_blocks_per_layer} pages x {self.layout.block_bytes} bytes) but "
                            f"HighSpeedSwapConfig.bytes is {cfg.bytes}: raise bytes, or lower max_blocks_per_layer "
                            "or num_layers")
+        made = _missing_dirs(Path(cfg.dir))
         cfg.validate_and_prepare()
         self.tile_blocks, self.resident_capacity = cfg.tile_blocks, cfg.resident_capacity
         T, R = self.tile_blocks, self.resident_capacity
@@ -186,7 +216,8 @@ class HighSpeedSwap:
             own = self._own
             if cfg.store == "file":
                 self.store: BackingStore = own(FileStore(cfg.dir, self.layout, model.num_layers, direct=cfg.direct,
-                                                         qd=cfg.qd, bounce_pages=3 * T, ctx=ctx))
+                                                         qd=cfg.qd, bounce_pages=3 * T, ctx=ctx,
+                                                         run_cap_bytes=cfg.run_cap_bytes))
             else:
                 self.store = own(HostStore(self.layout, model.num_layers, ctx=ctx))
             self.pool = own(ScratchPool(self.layout, cfg.resident_blocks, num_layers=model.num_layers,
@@ -213,7 +244,14 @@ class HighSpeedSwap:
             self._ev_loaded, self._ev_done = (ev(), ev()), (ev(), ev())
             self._timer = own(_StallTimer(ctx))
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            finally:
+                for d in made:        # the directories validate_and_prepare made, if still empty
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        pass
             raise
         self._counts_dev = self._tile_index_dev.ptr
         self._tables_dev = self._counts_dev + self._tables_offset
@@ -230,6 +268,7 @@ class HighSpeedSwap:
         self.eviction = EvictionPolicy(R)
         self.disk = DiskBlockAllocator(model.max_blocks_per_layer)
         self._operands = self.pool.attention_operands(self.attn)
+        self._mine = _owned_ranges(self)
         rowbytes = 2 * model.num_q_heads * model.head_dim      # q and out: bf16 [num_q_heads, head_dim]
         self._q_arg = _args.pointer_arg("q_dev", rowbytes, 2, "bf16", False, "bf16 [num_q_heads, head_dim]")
         self._out_arg = _args.pointer_arg("out_dev", rowbytes, 2, "bf16", True,
@@ -309,17 +348,21 @@ class HighSpeedSwap:
                                 v_host: Any) -> None:
         """Store page ``block`` of ``layer`` and queue its predictor projection on ``stream``.
 
-        k_block_dev: device bf16 ``[block_size, num_kv_heads, head_dim]`` (the NHD page in the KV cache);
-        k_host, v_host: the same page's K and V on the host, bf16 ``[block_size, num_kv_heads, head_dim]``.
-        Sizes are checked before anything happens. The store write is synchronous; a resident copy of the
-        page is dropped from the scratch pool.
+        k_block_dev: device bf16 ``[block_size, num_kv_heads, head_dim]`` (the NHD page in the KV cache; not in the
+        swap's own memory); k_host, v_host: the same page's K and V on the host, bf16 ``[block_size, num_kv_heads,
+        head_dim]`` (a typed array must be bf16, or its bits as uint16, of exactly that shape; raw bytes and flat
+        arrays are taken as that layout). Everything is checked before anything happens. The store write is
+        synchronous; a resident copy of the page is dropped from the scratch pool. A write that fails
+        (:class:`StoreIOError`) leaves this page unreadable until it is offloaded again; nothing else changes.
         """
         self._live()
         s = _args.stream(stream)
         layer, block = self._layer(layer), self._block(block)
-        k = _args.pointer(k_block_dev, "k_block_dev", self._page_bytes, 2, "bf16", stream=s,
-                          what="one bf16 [block_size, num_kv_heads, head_dim] KV page")
-        image = self.layout.pack_page(k_host, v_host)
+        with _args.deferred_joins():
+            k = _args.pointer(k_block_dev, "k_block_dev", self._page_bytes, 2, "bf16", stream=s,
+                              what="one bf16 [block_size, num_kv_heads, head_dim] KV page")
+            self._mine.check(k, self._page_bytes, "k_block_dev", "this HighSpeedSwap")
+            image = self.layout.pack_page(k_host, v_host)
         self.predictor.project_kv_block_on_stream(s, layer, block, k)
         self._store(layer, block, image)
 
@@ -383,8 +426,11 @@ class HighSpeedSwap:
         q_dev: device bf16 ``[num_q_heads, head_dim]``; out_dev: device bf16 ``[num_q_heads, head_dim]``.
         seq_block_ids: distinct disk block ids in token order; each must have been offloaded for ``layer``.
         The last page contributes ``last_block_valid_slots`` tokens (default block_size; or give ``q_pos``:
-        ``q_pos % block_size + 1``). Everything is checked before any work is queued. Waits on the host for
-        the predictor scores; otherwise asynchronous on ``stream``.
+        ``q_pos % block_size + 1``). Everything is checked before any work is queued; neither q_dev nor out_dev
+        may overlap memory the swap owns (its scratch pool, the predictor's P and A_g, the attention state, its
+        tables), nor out_dev q_dev. Waits on the host for the predictor scores; otherwise asynchronous on
+        ``stream``. A step that fails part way (a read error, a driver error, an interrupt) changes no page: the
+        pool keeps only resident pages whose copies were queued, and the next step is exact.
         """
         self._live()
         s = _args.stream(stream)
@@ -392,7 +438,12 @@ class HighSpeedSwap:
         ids = self._seq_ids(seq_block_ids)
         lbvs = self._lbvs(last_block_valid_slots, q_pos)
         d = self.model
-        q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
+        rowbytes = 2 * d.num_q_heads * d.head_dim
+        with _args.deferred_joins():
+            q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
+            self._mine.check(q, rowbytes, "q_dev", "this HighSpeedSwap")
+            self._mine.check(out, rowbytes, "out_dev", "this HighSpeedSwap")
+            _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
         slots = self.pool.lookup_many(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)

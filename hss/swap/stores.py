@@ -20,9 +20,11 @@ import collections
 import errno
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
+import shutil
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -355,6 +357,39 @@ class HostStore(BackingStore):
             self.buffer.close()
 
 
+class _Ahead(NamedTuple):
+    """A read-ahead: group ``group`` of ``reads``, its first ``window`` (request start, count, bounce page) from
+    absolute bounce page ``w_start``, the preads' futures, the store epoch it was started in."""
+    reads: PreparedReads
+    group: int
+    window: list
+    w_start: int
+    pending: list
+    epoch: int
+
+
+class _Files:
+    """A FileStore's OS resources (layer file descriptors, the read thread pool), shared with its finalizer, which
+    must not hold the store itself."""
+
+    __slots__ = ("fds", "executor")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.executor: ThreadPoolExecutor | None = None
+
+    def close(self, wait: bool = True) -> None:
+        executor, self.executor = self.executor, None
+        if executor is not None:
+            executor.shutdown(wait=wait)
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class FileStore(BackingStore):
     """One file per layer, ``<dir>/layer_{layer:05}.kv``, preallocated to ``bytes_per_layer`` (SPEC §7.2).
 
@@ -362,9 +397,17 @@ class FileStore(BackingStore):
     None (default) tries O_DIRECT and falls back to buffered I/O; :attr:`direct` says which is in use.
     Reads go through a ring of ``bounce_pages`` pages of pinned, 4 KiB-aligned host memory: pread (``qd``
     reads in flight on a thread pool when qd > 1), then an H2D copy on the caller's stream; a bounce page
-    is reused only after its copy has run (a host wait on an event). Writes go through a page-aligned
-    staging buffer when direct. Existing file contents are never trusted: only pages written through
-    this store are readable.
+    is reused only after its copy has run (a host wait on an event). With qd > 1, issuing a group of
+    :class:`PreparedReads` also starts the reads of the next group's first window (as much of it as the ring
+    holds beside the group being read), so the disk is not idle while the host attends between groups; the
+    next ``issue`` of that group takes them, anything else (another group, a write, close) waits for them
+    and drops them. Writes go through a page-aligned staging buffer when direct. Existing file contents
+    are never trusted: only pages written through this store are readable.
+
+    A construction that fails (the directory cannot be made, a file cannot be opened or preallocated: a disk too
+    full for ``num_layers * bytes_per_layer`` bytes) raises an ``OSError`` naming the path, the layer and the bytes
+    needed, after removing the files (and directories) it created. A store dropped without ``close()`` closes its
+    files when it is collected (a finalizer); ``close()`` also waits for queued copies out of the bounce ring.
     """
 
     kind = "file"
@@ -380,29 +423,80 @@ class FileStore(BackingStore):
             raise HssError(f"qd ({qd}) must be in 1..64")
         if bounce_pages < 1:
             raise HssError(f"bounce_pages must be >= 1 (got {bounce_pages})")
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise TypeError(f"directory must be a non-empty path, not {directory!r}")
         self.dir = Path(directory)
         self.qd = qd
         self.ring = bounce_pages
         self.run_cap_pages = min(self.run_cap_pages, bounce_pages)
-        self._fds: list[int] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._files = _Files()
+        self._finalizer = weakref.finalize(self, self._files.close, False)
+        self._created: list[Path] = []                          # what a failed construction removes
         self._stage = mmap.mmap(-1, layout.block_bytes)       # page-aligned: O_DIRECT writes
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._make_dir()
             self.direct = self._open_all(direct)
             self.bounce = cm.PinnedBuffer(bounce_pages * layout.block_bytes, ctx)
         except BaseException:
-            self._close_files()
+            self._finalizer.detach()
+            self._files.close()
             self._stage.close()
+            self._remove_created()
             raise
+        self._created = []
         self._ctx = ctx
         self._head = 0                                          # absolute bounce page counter
         self._inflight: collections.deque[tuple[int, cm.CudaEvent]] = collections.deque()
         self._spare: list[cm.CudaEvent] = []
+        self._ahead: _Ahead | None = None                       # the next group's first window, being read
+        self._outstanding: list[Future] = []                    # preads started and not yet waited for
 
     # -- files -----------------------------------------------------------------------------------
     def path(self, layer: int) -> Path:
         return layer_path(self.dir, self._layer(layer))
+
+    @property
+    def _fds(self) -> list[int]:
+        return self._files.fds
+
+    def _setup_error(self, exc: OSError, action: str, path: Path, layer: int | None) -> OSError:
+        """``exc`` as an OSError naming the path, the layer and the bytes the store needs (and has free there)."""
+        per = self.layout.bytes_per_layer
+        what = f"layer {layer}'s file {path}" if layer is not None else f"the store directory {path}"
+        text = (f"FileStore: cannot {action} {what}: {exc.strerror or exc}; the store needs {per} bytes per layer "
+                f"x {self.num_layers} layers = {per * self.num_layers} bytes")
+        try:
+            free = shutil.disk_usage(self.dir if self.dir.exists() else self.dir.parent).free
+            text += f", {free} bytes are free there"
+        except OSError:
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            text += ": free space, or put the store on a larger filesystem (HighSpeedSwapConfig.dir)"
+        return OSError(exc.errno, text)
+
+    def _make_dir(self) -> None:
+        missing = []
+        d = self.dir
+        while not d.exists() and d != d.parent:
+            missing.append(d)
+            d = d.parent
+        self._created += missing          # (those that exist at a failure are removed, if empty)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._setup_error(exc, "create", self.dir, None) from exc
+
+    def _remove_created(self) -> None:
+        """Remove the files and directories a failed construction created (files first, then the directories)."""
+        for path in sorted(self._created, key=lambda p: (p.is_dir(), -len(p.parts))):
+            try:
+                if path.is_dir():
+                    path.rmdir()          # only if empty: never anything the caller put there
+                else:
+                    path.unlink()
+            except OSError:
+                pass
+        self._created = []
 
     def _open_all(self, direct: bool | None) -> bool:
         if direct is True and not O_DIRECT:
@@ -411,22 +505,25 @@ class FileStore(BackingStore):
         for layer in range(self.num_layers):
             fd = self._open(layer, use, direct)
             if fd is None:          # auto: the filesystem refused O_DIRECT; open every layer buffered
-                self._close_files()
+                self._files.close()
                 return self._open_all(False)
-            self._fds.append(fd)
+            self._files.fds.append(fd)
         return use
 
     def _open(self, layer: int, use_direct: bool, asked: bool | None) -> int | None:
         path = layer_path(self.dir, layer)
         flags = os.O_RDWR | os.O_CREAT | (O_DIRECT if use_direct else 0)
+        existed = path.exists()
         try:
             fd = os.open(path, flags, 0o644)
         except OSError as exc:
             if use_direct and exc.errno == errno.EINVAL:
                 return self._refused(path, exc, asked)
-            raise
+            raise self._setup_error(exc, "open", path, layer) from exc
+        if not existed and path not in self._created:
+            self._created.append(path)
         try:
-            self._preallocate(fd, path)
+            self._preallocate(fd, path, layer)
             if use_direct:     # some filesystems accept the flag at open and refuse the I/O
                 probe = mmap.mmap(-1, 4096)
                 try:
@@ -437,7 +534,9 @@ class FileStore(BackingStore):
             os.close(fd)
             if use_direct and exc.errno == errno.EINVAL:
                 return self._refused(path, exc, asked)
-            raise
+            if exc.__cause__ is not None:
+                raise                       # already named by _preallocate
+            raise self._setup_error(exc, "read", path, layer) from exc
         return fd
 
     def _refused(self, path: Path, exc: OSError, asked: bool | None) -> None:
@@ -446,19 +545,23 @@ class FileStore(BackingStore):
                            "(buffered I/O) or direct=None (O_DIRECT where possible)") from exc
         return None
 
-    def _preallocate(self, fd: int, path: Path) -> None:
+    def _preallocate(self, fd: int, path: Path, layer: int) -> None:
         need = self.layout.bytes_per_layer
         if os.fstat(fd).st_size >= need:
             return
         try:
-            os.posix_fallocate(fd, 0, need)
-        except (OSError, AttributeError) as exc:   # e.g. EOPNOTSUPP: the filesystem cannot preallocate
-            if isinstance(exc, OSError) and exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            os.ftruncate(fd, need)
+            try:
+                os.posix_fallocate(fd, 0, need)
+            except (OSError, AttributeError) as exc:   # e.g. EOPNOTSUPP: the filesystem cannot preallocate
+                if isinstance(exc, OSError) and exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                os.ftruncate(fd, need)
+        except OSError as exc:
+            raise self._setup_error(exc, f"preallocate {need} bytes for", path, layer) from exc
 
     # -- writes ----------------------------------------------------------------------------------
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
+        self._drain()                  # no read (ahead) of the old bytes may still be running
         fd = self._fds[layer]
         off = page * self.layout.block_bytes + offset_in_page
         n = data.nbytes
@@ -488,6 +591,15 @@ class FileStore(BackingStore):
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         layer, pages, dsts = reads.layer, reads.pages, reads.dsts
         r0, r1 = reads.run_bounds[group], reads.run_bounds[group + 1]
+        ahead = self._claim(reads, group)
+        if ahead is not None:            # the first window of this group is being read already
+            done = r0 + len(ahead.window) == r1
+            if done:
+                self._read_ahead(reads, group + 1, ahead.w_start)
+            self._finish(ahead.pending, stream, dsts, ahead.window, ahead.w_start)
+            if done:
+                return
+            r0 += len(ahead.window)
         window: list[tuple[int, int, int]] = []     # (request start, count, bounce page)
         w_start = 0
         for s, n in zip(reads.run_starts[r0:r1].tolist(), reads.run_counts[r0:r1].tolist()):
@@ -495,38 +607,107 @@ class FileStore(BackingStore):
             if h % self.ring + n > self.ring:        # a run needs contiguous bounce memory
                 h += self.ring - h % self.ring
             if window and h + n - self.ring > w_start:
-                self._flush(stream, layer, pages, dsts, window, w_start)
+                self._finish(self._start(layer, pages, window), stream, dsts, window, w_start)
                 window = []
-            while self._inflight and self._inflight[0][0] < h + n - self.ring:
-                _, ev = self._inflight.popleft()
-                ev.synchronize()                      # its copies out of these bounce pages have run
-                self._spare.append(ev)
+            self._reuse(h + n - self.ring)
             if not window:
                 w_start = h
             window.append((s, n, h % self.ring))
             self._head = h + n
         if window:
-            self._flush(stream, layer, pages, dsts, window, w_start)
+            pending = self._start(layer, pages, window)
+            self._read_ahead(reads, group + 1, w_start)   # the next group's reads queue behind this window's
+            self._finish(pending, stream, dsts, window, w_start)
 
-    def _flush(self, stream: int, layer: int, pages: np.ndarray, dsts: np.ndarray,
-               window: list[tuple[int, int, int]], w_start: int) -> None:
-        """pread the window's runs into their bounce pages, then queue their H2D copies and one event."""
-        bb = self.layout.block_bytes
+    def _reuse(self, below: int) -> None:
+        """Wait until the copies out of every bounce page before absolute page ``below`` have run."""
+        while self._inflight and self._inflight[0][0] < below:
+            _, ev = self._inflight.popleft()
+            ev.synchronize()                      # its copies out of these bounce pages have run
+            self._spare.append(ev)
+
+    def _start(self, layer: int, pages: np.ndarray, window: list[tuple[int, int, int]]) -> list:
+        """Start the preads of a window's runs: futures on the thread pool (qd > 1), else their results now."""
         jobs = [(layer, int(pages[s]), n, b) for s, n, b in window]
-        if self.qd > 1 and len(jobs) > 1:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.qd, thread_name_prefix="hss-filestore")
-            results = list(self._executor.map(lambda j: self._pread(*j), jobs))
-        else:
-            results = [self._pread(*j) for j in jobs]
-        for _, err in zip(window, results):
+        if self.qd > 1:
+            files = self._files
+            if files.executor is None:
+                files.executor = ThreadPoolExecutor(self.qd, thread_name_prefix="hss-filestore")
+            futures = [files.executor.submit(self._pread, *j) for j in jobs]
+            self._outstanding += futures
+            return futures
+        return [self._pread(*j) for j in jobs]
+
+    def _finish(self, pending: list, stream: int, dsts: np.ndarray, window: list[tuple[int, int, int]],
+                w_start: int) -> None:
+        """Wait for a window's preads, raise the first error, else queue its H2D copies and one event."""
+        results = [p.result() if isinstance(p, Future) else p for p in pending]
+        if pending and isinstance(pending[0], Future):
+            done = set(map(id, pending))
+            self._outstanding = [f for f in self._outstanding if id(f) not in done]
+        for err in results:
             if err is not None:
                 raise err
+        bb = self.layout.block_bytes
         for s, n, b in window:
             cm.copy_h_to_d_async(int(dsts[s]), self.bounce.ptr + b * bb, n * bb, stream)
         ev = self._spare.pop() if self._spare else cm.CudaEvent(ctx=self._ctx)
         ev.record(stream)
         self._inflight.append((w_start, ev))
+
+    # -- read-ahead: while a group's last window is read, the next group's first window is started too, so the disk
+    # never waits for the host between the groups of a step (the next issue() of the same PreparedReads claims it)
+    def _read_ahead(self, reads: PreparedReads, group: int, busy_from: int) -> None:
+        """Start the first window of ``reads``' group ``group`` (qd > 1), in bounce pages that neither the unfinished
+        window from absolute page ``busy_from`` nor a queued copy still needs."""
+        if self.qd <= 1 or group >= len(reads) or self._ahead is not None:
+            return
+        r0, r1 = reads.run_bounds[group], reads.run_bounds[group + 1]
+        window: list[tuple[int, int, int]] = []
+        head, w_start = self._head, 0
+        for s, n in zip(reads.run_starts[r0:r1].tolist(), reads.run_counts[r0:r1].tolist()):
+            h = head
+            if h % self.ring + n > self.ring:
+                h += self.ring - h % self.ring
+            if h + n - self.ring > busy_from or (window and h + n - self.ring > w_start):
+                break                              # it would overwrite pages still being read
+            self._reuse(h + n - self.ring)
+            if not window:
+                w_start = h
+            window.append((s, n, h % self.ring))
+            head = h + n
+        if window:
+            self._head = head
+            self._ahead = _Ahead(reads, group, window, w_start, self._start(reads.layer, reads.pages, window),
+                                 self._epoch)
+
+    def _claim(self, reads: PreparedReads, group: int) -> _Ahead | None:
+        """The read-ahead of this group, if that is what was started; any other is waited for and dropped (its bounce
+        pages were never copied from), as is any read a failed or interrupted issue left running."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.reads is reads and ahead.group == group and ahead.epoch == self._epoch:
+            mine = set(map(id, ahead.pending))
+            self._drain(keep=mine)
+            return ahead
+        self._drain()
+        return None
+
+    def _drain(self, keep: set[int] | None = None) -> None:
+        """Wait for the preads still running (but those in ``keep``); their results are dropped."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            for f in ahead.pending:
+                f.result()
+        left = []
+        for f in self._outstanding:
+            if keep is not None and id(f) in keep:
+                left.append(f)
+            else:
+                try:
+                    f.result()
+                except BaseException:   # noqa: BLE001 (a dropped read: nothing waits for it)
+                    pass
+        self._outstanding = left
 
     def _pread(self, layer: int, page: int, n: int, bounce_page: int) -> StoreIOError | None:
         """Read n pages starting at ``page`` into the bounce ring; returns the error instead of raising."""
@@ -562,19 +743,16 @@ class FileStore(BackingStore):
 
     # -- lifetime --------------------------------------------------------------------------------
     def _close_files(self) -> None:
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._files.close()
 
     def close(self) -> None:
         """Wait for queued copies out of the bounce ring, free it and close the files; later calls do nothing."""
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         try:
+            self._drain()
             while self._inflight:
                 ev = self._inflight.popleft()[1]
                 ev.synchronize()
@@ -582,8 +760,6 @@ class FileStore(BackingStore):
         finally:
             for ev in self._spare + [e for _, e in self._inflight]:
                 ev.close()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            self._files.close()
             self.bounce.close()
             self._stage.close()
-            self._close_files()

@@ -1,0 +1,318 @@
+"""State-machine fuzzing of QsaIndexer (issue 14): random sequences of prefill chunks (continuing and restarting),
+decode steps, prefill selections, snapshots and restores, new and released states, hostile arguments, and injected
+driver faults and interrupts at any driver call of a valid call, against a plain-Python model of every sequence.
+
+After every rule: each live state's counters, device position, raw keys (the reference projection of the hidden
+rows the model says it ingested) and block keys (the reference pooling of those raw keys) equal the model; a
+rule's outputs equal the reference (a decode step's selection is the host top-k of its scores, the scores are the
+reference's, the gathered K/V rows exactly the pool's); a failed rule (hostile or faulted) changed nothing and a
+hostile one did no device work. At teardown every state is released and the indexers and backend closed:
+``mem_info`` is back to its start value.
+
+Run length: the hypothesis profile's (tests/conftest.py) examples, with the step counts below.
+"""
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_qsa_indexer import driver_calls
+
+from hss import _args
+from hss import cuda_min as cm
+from hss._driver import CudaError, HssError
+from hss.gpu import CudaBackend
+from hss.qsa import QsaIndexer, select_tokens
+from hss.reference import qsa as ref
+from hss.reference.linear import proj_dense
+
+from helpers import BF16, assert_close, download, upload
+
+HIDDEN, N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 64, 4, 128, 4, 8, 64, 1e7, 1e-6
+NKV, HD_ATTN, NQ, BS, MAX_TOKENS, MAX_SEQS = 2, 64, 4, 16, 64, 3
+BOUND = BUDGET + RATIO - 1                 # inert_bound(): 11
+ROWS = 3 * MAX_TOKENS                      # the hidden rows every chunk and step is drawn from
+PAGES = MAX_TOKENS // BS + 2
+TH32, EPS32 = float(np.float32(THETA)), float(np.float32(EPS))
+RUNS = {"emulator": dict(max_examples=20, stateful_step_count=20), "gpu": dict(max_examples=20, stateful_step_count=25),
+        "sanitize": dict(max_examples=2, stateful_step_count=8)}
+
+
+@dataclass
+class Seq:
+    """The model of one sequence: the hidden row each ingested position came from, blocks pooled, table pages."""
+    rows: list[int] = field(default_factory=list)
+    pooled: int = 0
+    table_len: int = 0
+
+    def copy(self) -> Seq:
+        return Seq(list(self.rows), self.pooled, self.table_len)
+
+
+class QsaMachine(RuleBasedStateMachine):
+    @initialize(seed=st.integers(0, 2**32 - 1))
+    def setup(self, seed: int) -> None:
+        self.ctx = cm.CudaCtx(0)
+        self.stream = self.ctx.stream
+        gc.collect()   # what earlier tests dropped is freed now, not during this run
+        self.free0, self.live0 = cm.mem_info()[0], live_buffers()
+        self.gpu = CudaBackend(self.ctx)
+        rng = self.rng = np.random.default_rng(seed)
+        s = self.stream
+        self.w = (rng.standard_normal(((N_HEADS + 1) * HD, HIDDEN)) / math.sqrt(HIDDEN)).astype(BF16)
+        self.kn = (rng.standard_normal(HD) * 0.1).astype(BF16)
+        self.hidden = (rng.standard_normal((ROWS, HIDDEN)) * 0.5).astype(BF16)
+        self.ref_raw = proj_dense(self.hidden, self.w)[:, N_HEADS * HD:]
+        self.k = rng.standard_normal((PAGES, BS, NKV, HD_ATTN)).astype(BF16)
+        self.v = rng.standard_normal((PAGES, BS, NKV, HD_ATTN)).astype(BF16)
+        self.table = rng.permutation(PAGES)[:-(-MAX_TOKENS // BS)].astype(np.int32)
+        self.bufs = [upload(a, s) for a in (self.w, (rng.standard_normal(HD) * 0.1).astype(BF16), self.kn,
+                                            self.hidden, self.k, self.v, self.table)]
+        self.d_w, self.d_qn, self.d_kn, self.d_hidden, self.d_k, self.d_v, self.d_table = self.bufs
+        dims = dict(n_heads=N_HEADS, hd=HD, ratio=RATIO, budget=BUDGET, rot=ROT, theta=THETA, eps=EPS, hidden=HIDDEN,
+                    nkv_attn=NKV, hd_attn=HD_ATTN, gpu=self.gpu, max_tokens=MAX_TOKENS, max_seqs=MAX_SEQS)
+        self.idx = QsaIndexer(self.d_w, self.d_qn, self.d_kn, **dims)
+        self.other = QsaIndexer(self.d_w, self.d_qn, self.d_kn, **dims)   # its state is a foreign one
+        self.foreign = self.other.new_seq_state()
+        self.live: list[tuple] = []             # (QsaSeqState, Seq); one at least (release keeps one)
+        self.snaps: list[tuple[bytes, Seq]] = []
+        self.small, self.closed = cm.DeviceBuffer(16), cm.DeviceBuffer(HIDDEN * 2)
+        self.closed.close()
+        self.scratch = cm.DeviceBuffer(self.idx.prefill_scratch_bytes(MAX_TOKENS))
+        self.new_state()
+        self.ingest(0, True, int(rng.integers(0, 2 * BOUND)), int(rng.integers(0, ROWS - 30)))
+        cm.stream_sync(s)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "idx"):
+            return
+        for seq, _ in self.live:
+            self.idx.release_seq_state(seq)
+        self.other.release_seq_state(self.foreign)
+        self.idx.close()
+        self.other.close()
+        for b in self.bufs + [self.small, self.scratch]:
+            b.close()
+        self.gpu.close()
+        gc.collect()
+        assert live_buffers() == self.live0, "an hss buffer (device or pinned) was not freed"
+        assert cm.mem_info()[0] == self.free0, "device memory was not given back"
+        self.ctx.close()
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def pick(self, i: int) -> tuple:
+        return self.live[i % len(self.live)]
+
+    def row(self, r: int) -> int:
+        return self.d_hidden.ptr + r * HIDDEN * 2
+
+    def model_after_ingest(self, m: Seq, start: int, r0: int, n: int) -> Seq:
+        new = Seq(([] if start == 0 else m.rows[:start]) + list(range(r0, r0 + n)), 0, m.table_len)
+        new.pooled = len(new.rows) // RATIO
+        return new
+
+    def expect_failure(self, call, exc, *, device_work: bool = False) -> None:
+        """``call`` raises ``exc`` and, unless ``device_work``, queues nothing; the invariants then check that it
+        changed nothing."""
+        with driver_calls() as seen:
+            with pytest.raises(exc):
+                call()
+        if not device_work:
+            assert seen == [], f"device work before the error: {seen}"
+
+    # -- rules ---------------------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.live) < MAX_SEQS)
+    @rule()
+    def new_state(self) -> None:
+        self.live.append((self.idx.new_seq_state(), Seq()))
+
+    @precondition(lambda self: len(self.live) > 1)
+    @rule(i=st.integers(0, 7))
+    def release(self, i: int) -> None:
+        seq, m = self.pick(i)
+        self.idx.release_seq_state(seq)
+        self.live.remove((seq, m))
+        assert seq.released
+
+    @rule(i=st.integers(0, 7), restart=st.booleans(), n=st.integers(0, 30), r0=st.integers(0, ROWS - 30))
+    def ingest(self, i: int, restart: bool, n: int, r0: int) -> None:
+        seq, m = self.pick(i)
+        start = 0 if restart else len(m.rows)
+        n = min(n, MAX_TOKENS - start)
+        self.idx.prefill_ingest(seq, self.row(r0), n, start, self.stream)
+        self.live[self.live.index((seq, m))] = (seq, self.model_after_ingest(m, start, r0, n))
+
+    @rule(i=st.integers(0, 7), r=st.integers(0, ROWS - 1))
+    def decode(self, i: int, r: int) -> None:
+        seq, m = self.pick(i)
+        pos = len(m.rows)
+        if pos >= MAX_TOKENS:
+            return self.expect_failure(lambda: self.idx.decode_select(seq, self.row(r), pos, self.d_k, self.d_v,
+                                                                      self.d_table, BS, self.stream), HssError)
+        sel = self.idx.decode_select(seq, self.row(r), pos, self.d_k, self.d_v, self.d_table, BS, self.stream)
+        new = Seq(m.rows + [r], (pos + 1) // RATIO, m.table_len)
+        visible = pos + 1
+        assert (sel is None) == (visible <= BOUND)
+        event(f"decode: {'inert' if sel is None else 'selective'}")
+        if sel is not None:
+            complete = visible // RATIO
+            scores = download(self.idx.scores_dev, (complete,), np.float32, self.stream)
+            bk = download(seq.block_keys, (complete, HD), BF16, self.stream)
+            q_post = download(self.idx.q_post, (N_HEADS, HD), np.float32, self.stream)
+            assert_close(scores, ref.score(q_post, bk), "f32", (0,), f"scores at pos {pos}")
+            assert np.array_equal(sel.tokens, select_tokens(scores, BUDGET // RATIO, RATIO, visible))
+            n = sel.n_sel
+            want_k, want_v = ref.gather(self.k, self.v, self.table, sel.tokens, BS)
+            assert np.array_equal(download(sel.k_scratch, (n, NKV, HD_ATTN), BF16, self.stream).view(np.uint16),
+                                  want_k.view(np.uint16))
+            assert np.array_equal(download(sel.v_scratch, (n, NKV, HD_ATTN), BF16, self.stream).view(np.uint16),
+                                  want_v.view(np.uint16))
+            new.table_len = max(m.table_len, sel.max_blocks)
+        self.live[self.live.index((seq, m))] = (seq, new)
+
+    @precondition(lambda self: any(len(m.rows) > BOUND for _, m in self.live))
+    @rule(i=st.integers(0, 7), cut=st.integers(0, MAX_TOKENS))
+    def prefill_select(self, i: int, cut: int) -> None:
+        """The chunk [start, ingested) of a sequence past the bound: rows below the bound keep their dense values,
+        the selective ones are rewritten; the sequence is untouched."""
+        candidates = [x for x in self.live if len(x[1].rows) > BOUND]
+        seq, m = candidates[i % len(candidates)]
+        total = len(m.rows)
+        start = min(cut, total)
+        n = total - start
+        s = self.stream
+        normed = upload(self.hidden[m.rows[start:]] if n else np.zeros((1, HIDDEN), BF16), s)
+        q = upload(self.rng.standard_normal((max(n, 1), NQ, HD_ATTN)).astype(BF16), s)
+        dense = self.rng.standard_normal((max(n, 1), NQ * HD_ATTN)).astype(BF16)
+        out = upload(dense, s)
+        try:
+            got = self.idx.prefill_select(seq, normed, q, out, self.d_k, self.d_v, self.table, start, n, NQ, BS,
+                                          HD_ATTN ** -0.5, self.scratch, s)
+            first = max(BOUND, start)
+            assert got == max(0, total - first)
+            event(f"prefill_select: {'some' if got else 'no'} rows rewritten")
+            after = download(out, dense.shape, np.uint16, s)
+            keep = max(0, min(n, first - start))
+            assert np.array_equal(after[:keep], dense.view(np.uint16)[:keep]), "an inert row was rewritten"
+            assert np.isfinite(after[keep:n].view(BF16).astype(np.float32)).all()
+        finally:
+            for b in (normed, q, out):
+                b.close()
+
+    @rule(i=st.integers(0, 7))
+    def snapshot(self, i: int) -> None:
+        seq, m = self.pick(i)
+        self.snaps.append((self.idx.snapshot_aux(seq, self.stream), m.copy()))
+
+    @precondition(lambda self: self.snaps)
+    @rule(i=st.integers(0, 7), j=st.integers(0, 7), trailer=st.booleans())
+    def restore(self, i: int, j: int, trailer: bool) -> None:
+        seq, m = self.pick(i)
+        blob, snap = self.snaps[j % len(self.snaps)]
+        self.idx.restore_aux(seq, blob if trailer else blob[:-20], self.stream)
+        self.live[self.live.index((seq, m))] = (seq, Seq(list(snap.rows), snap.pooled, m.table_len))
+
+    @rule(i=st.integers(0, 7), kind=st.integers(0, 15), r=st.integers(0, ROWS - 1))
+    def hostile(self, i: int, kind: int, r: int) -> None:
+        """A bad argument of some call: an error naming it, before any device work, and nothing changed."""
+        seq, m = self.pick(i)
+        idx, s, pos = self.idx, self.stream, len(m.rows)
+        k, v, t = self.d_k, self.d_v, self.d_table
+        blob = self.snaps[r % len(self.snaps)][0] if self.snaps else None
+        cases = [
+            (lambda: idx.decode_select(seq, self.row(r), pos + 1, k, v, t, BS, s), HssError),       # lost sync
+            (lambda: idx.decode_select(seq, self.small, pos, k, v, t, BS, s), HssError),           # too small
+            (lambda: idx.decode_select(seq, self.closed, pos, k, v, t, BS, s), HssError),          # closed
+            (lambda: idx.decode_select(seq, idx.qk_scratch, pos, k, v, t, BS, s), HssError),       # own memory
+            (lambda: idx.decode_select(seq, self.row(r), pos, k, v, t, 4, s), HssError),           # block_size
+            (lambda: idx.decode_select(seq, self.row(r), pos, k, v, t, BS, None), TypeError),      # no stream
+            (lambda: idx.decode_select(self.foreign, self.row(r), 0, k, v, t, BS, s), HssError),   # foreign
+            (lambda: idx.prefill_ingest(seq, self.small, 4, 0, s), HssError),     # the issue's 16-byte hidden
+            (lambda: idx.prefill_ingest(seq, self.row(r), 1, pos + 1, s), HssError),               # a gap
+            (lambda: idx.prefill_ingest(seq, self.row(0), MAX_TOKENS + 1 - pos, pos, s), HssError),  # too long
+            (lambda: idx.prefill_ingest(seq, seq.raw_keys, 1, 0, s), HssError),                    # its own keys
+            (lambda: idx.release_seq_state(self.foreign), HssError),
+            (lambda: idx.restore_aux(seq, blob[:-1] if blob else b"", s), HssError),              # cut short
+            (lambda: idx.restore_aux(seq, _flip(blob, r) if blob else b"\0" * 15, s), HssError),  # a flipped bit
+            (lambda: idx.snapshot_aux(seq, 1.5), TypeError),
+            (lambda: idx.prefill_select(seq, self.row(0), self.small, self.small, k, v, self.table, 0,
+                                        pos if pos else 1, NQ, BS, 0.1, self.scratch, s), HssError),  # attn_ctx small
+        ]
+        call, exc = cases[kind]
+        self.expect_failure(call, exc)
+        assert not self.foreign.released
+
+    @rule(i=st.integers(0, 7), op=st.sampled_from(["decode", "ingest", "restart", "restore"]), at=st.integers(0, 12),
+          interrupt=st.booleans(), r=st.integers(0, ROWS - 30))
+    def fault(self, i: int, op: str, at: int, interrupt: bool, r: int) -> None:
+        """A valid call whose ``at``-th driver call fails (or is interrupted): either it fails and changes nothing, or
+        it had fewer driver calls and succeeded (the model then moves)."""
+        seq, m = self.pick(i)
+        pos, s = len(m.rows), self.stream
+        if op == "decode" and pos < MAX_TOKENS:
+            call = lambda: self.idx.decode_select(seq, self.row(r), pos, self.d_k, self.d_v, self.d_table, BS, s)  # noqa: E731
+            new = Seq(m.rows + [r], (pos + 1) // RATIO, m.table_len)
+            if pos + 1 > BOUND:
+                new.table_len = max(m.table_len, -(-((pos + 1) % RATIO + BUDGET) // BS))
+        elif op in ("ingest", "restart"):
+            start = 0 if op == "restart" else pos
+            n = min(5, MAX_TOKENS - start)
+            call = lambda: self.idx.prefill_ingest(seq, self.row(r), n, start, s)  # noqa: E731
+            new = self.model_after_ingest(m, start, r, n)
+        elif op == "restore" and self.snaps:
+            blob, snap = self.snaps[r % len(self.snaps)]
+            call = lambda: self.idx.restore_aux(seq, blob, s)  # noqa: E731
+            new = Seq(list(snap.rows), snap.pooled, m.table_len)
+        else:
+            return
+        with driver_calls(at, interrupt) as seen:
+            try:
+                call()
+            except (CudaError, KeyboardInterrupt):
+                assert len(seen) > at, "the call failed before the injected fault"   # (a rollback may call more)
+                event(f"fault: {op} failed at {seen[at]}")
+                return
+        event(f"fault: {op} had fewer calls")
+        assert len(seen) <= at, "the injected fault did not fail the call"
+        self.live[self.live.index((seq, m))] = (seq, new)
+
+    # -- invariants ----------------------------------------------------------------------------------------
+    @invariant()
+    def sequences_equal_their_models(self) -> None:
+        if not hasattr(self, "idx"):
+            return
+        s = self.stream
+        for seq, m in self.live:
+            n = len(m.rows)
+            assert (seq.ingested, seq.pooled, seq.table_len) == (n, m.pooled, m.table_len)
+            assert seq.sync(s) == n, "the device position differs from the host mirror"
+            raw = download(seq.raw_keys, (n, HD), BF16, s)
+            if n:
+                assert_close(raw, self.ref_raw[m.rows], "bf16", (1,), "raw keys vs the reference projection")
+            if m.pooled:
+                bk = download(seq.block_keys, (m.pooled, HD), BF16, s)
+                want = ref.block_pool(raw, self.kn, 0, m.pooled, RATIO, ROT, TH32, EPS32)
+                assert_close(bk, want, "bf16", (1,), "block keys vs the reference pooling")
+
+
+def live_buffers() -> list[tuple[int, int]]:
+    """The (start, end) of every live hss buffer, device and pinned (the argument layer's registry)."""
+    starts, ends = _args.RANGES.snapshot
+    return list(zip(starts, ends))
+
+
+def _flip(blob: bytes, r: int) -> bytes:
+    bad = bytearray(blob)
+    bad[r % len(bad)] ^= 1 << (r % 8)
+    return bytes(bad)
+
+
+TestQsaIndexerStateMachine = QsaMachine.TestCase
+TestQsaIndexerStateMachine.settings = settings(settings.default, **RUNS.get(settings._current_profile,
+                                                                           RUNS["emulator"]))

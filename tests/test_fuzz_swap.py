@@ -1,0 +1,305 @@
+"""State-machine fuzzing of HighSpeedSwap (issue 14): random sequences of disk block allocations and reference
+counts, offloads (with and without the predictor), decode steps over random page lists, hostile arguments, store
+faults (a failing pread or pwrite of the FileStore) and driver faults or interrupts at any driver call of a step,
+against a plain-Python model (the allocator's ids and counts, which pages of which layer are readable, their K/V).
+
+After every rule: the allocator, the store's validity and the diagnostic counts equal the model; every page resident
+in the scratch pool holds exactly the bytes of its (readable) page; a step's output equals, bit for bit, in-HBM tiled
+attention over the tiles it recorded, and float64 attention over its pages under the bf16 bound; a failed rule
+changed nothing (a failed store write leaves that one page unreadable: the only state a failure may change, and the
+model says so). At teardown the swap is closed: ``mem_info`` is back to its start value, the files are gone.
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_fuzz_qsa import live_buffers
+from test_qsa_indexer import driver_calls
+
+from hss import cuda_min as cm
+from hss._driver import CudaError, HssError
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.reference import attention as ref
+from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims, StoreError, StoreIOError
+
+from helpers import BF16, assert_close, download, upload
+
+LAYERS, BLOCKS, NQ, NKV, HD, BS = 2, 10, 4, 2, 64, 16
+PAGE = (BS, NKV, HD)
+RUNS = {"emulator": dict(max_examples=20, stateful_step_count=20), "gpu": dict(max_examples=20, stateful_step_count=25),
+        "sanitize": dict(max_examples=2, stateful_step_count=8)}
+
+
+class Allocator:
+    """The model of the disk block-id allocator (SPEC §8.4): LIFO free list, then never-used ids."""
+
+    def __init__(self) -> None:
+        self.next, self.free, self.refs = 0, [], {}
+
+    def alloc(self) -> int | None:
+        if self.free:
+            b = self.free.pop()
+        elif self.next < BLOCKS:
+            b, self.next = self.next, self.next + 1
+        else:
+            return None
+        self.refs[b] = 1
+        return b
+
+
+@contextmanager
+def failing(name: str, at: int, err: int):
+    """``os.<name>`` fails with ``err`` at its ``at``-th call (from 0) inside the block."""
+    real = getattr(os, name)
+    count = [0]
+
+    def call(*a, **kw):
+        count[0] += 1
+        if count[0] - 1 == at:
+            raise OSError(err, os.strerror(err))
+        return real(*a, **kw)
+
+    setattr(os, name, call)
+    try:
+        yield count
+    finally:
+        setattr(os, name, real)
+
+
+class SwapMachine(RuleBasedStateMachine):
+    @initialize(seed=st.integers(0, 2**32 - 1), store=st.sampled_from(["host", "file"]), tile=st.integers(1, 2),
+                resident=st.integers(0, 3))
+    def setup(self, seed: int, store: str, tile: int, resident: int) -> None:
+        self.ctx = cm.CudaCtx(0)
+        self.s = self.ctx.stream
+        gc.collect()   # what earlier tests dropped is freed now, not during this run
+        self.free0, self.live0 = cm.mem_info()[0], live_buffers()
+        self.rng = np.random.default_rng(seed)
+        self.dir = tempfile.mkdtemp(prefix="hss-fuzz-")
+        self.cfg = HighSpeedSwapConfig(os.path.join(self.dir, "kv"), 1 << 30, resident + 2 * tile, 16, 2, False, seed,
+                                       store=store, stream_tile_blocks=tile)
+        self.h = HighSpeedSwap(self.ctx, self.cfg, ModelDims(LAYERS, BLOCKS, NQ, NKV, HD, BS))
+        self.ids = Allocator()
+        self.k = np.zeros((LAYERS, BLOCKS, *PAGE), BF16)
+        self.v = np.zeros((LAYERS, BLOCKS, *PAGE), BF16)
+        self.valid: set[tuple[int, int]] = set()
+        self.out = cm.DeviceBuffer(2 * NQ * HD)
+        self.small = cm.DeviceBuffer(64)
+        self.q = (self.rng.standard_normal((NQ, HD))).astype(BF16)
+        self.q_dev = upload(self.q, self.s)
+        for layer in range(LAYERS):    # a few readable pages to start from
+            for b in self.rng.permutation(BLOCKS)[:6].tolist():
+                self.offload(layer=layer, b=b, predict=bool(b % 2))
+        cm.stream_sync(self.s)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "h"):
+            return
+        self.h.close()
+        for b in (self.out, self.small, self.q_dev):
+            b.close()
+        gc.collect()
+        assert live_buffers() == self.live0, "an hss buffer (device or pinned) was not freed"
+        assert cm.mem_info()[0] == self.free0, "device memory was not given back"
+        self.ctx.close()
+        shutil.rmtree(self.dir)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def page(self) -> tuple[np.ndarray, np.ndarray]:
+        k = (self.rng.standard_normal(PAGE) / np.sqrt(HD)).astype(BF16)
+        v = self.rng.standard_normal(PAGE).astype(BF16)
+        return k, v
+
+    def readable(self, layer: int) -> list[int]:
+        return sorted(b for (lay, b) in self.valid if lay == layer)
+
+    def check_step(self, layer: int, ids: list[int], lbvs: int, rec) -> None:
+        got = download(self.out, (NQ, HD), BF16, self.s)
+        flat = [b for t in rec.tiles for b in t.block_ids]
+        assert sorted(flat) == sorted(ids), "the schedule must attend every page once"
+        # in-HBM replay of the recorded tiles over NHD pools indexed by block id: the same bits
+        kd, vd = upload(self.k[layer], self.s), upload(self.v[layer], self.s)
+        cap = max([len(t.block_ids) for t in rec.tiles] + [1])
+        mine = cm.DeviceBuffer(2 * NQ * HD)
+        keep = []
+        with TiledAttention(self.ctx, TiledAttentionDims(1, NQ, NKV, HD, BS, cap)) as ta:
+            ta.begin_step(self.s, 1)
+            for t in rec.tiles:
+                table = np.zeros(cap, np.int32)
+                table[:len(t.block_ids)] = t.block_ids
+                keep += [upload(table, self.s), upload(np.array([len(t.block_ids)], np.int32), self.s)]
+                ta.step_tile(self.s, self.q_dev, kd, vd, keep[-2], keep[-1], 1, *ta.paged_strides(),
+                             t.last_block_valid_slots)
+            ta.finalize(self.s, mine, 1)
+            want_bits = download(mine, (NQ, HD), BF16, self.s)
+        for b in keep + [kd, vd, mine]:
+            b.close()
+        assert np.array_equal(got.view(np.uint16), want_bits.view(np.uint16)), "streamed step != in-HBM replay"
+        counts = [BS] * len(ids)
+        if ids:
+            counts[-1] = min(max(lbvs, 0), BS)
+        kt = np.concatenate([self.k[layer, b, :n] for b, n in zip(ids, counts)]) if ids else self.k[layer, :0, 0]
+        vt = np.concatenate([self.v[layer, b, :n] for b, n in zip(ids, counts)]) if ids else self.v[layer, :0, 0]
+        assert_close(got, ref.attention(self.q, kt, vt), "bf16", (1,), "step vs float64 attention")
+
+    def nothing_queued(self, call, exc) -> None:
+        with driver_calls() as seen:
+            with pytest.raises(exc):
+                call()
+        assert seen == [], f"device work before the error: {seen}"
+
+    # -- rules ---------------------------------------------------------------------------------------------
+    @rule()
+    def alloc(self) -> None:
+        assert self.h.alloc_disk_block() == self.ids.alloc()
+
+    @rule(b=st.integers(0, BLOCKS - 1))
+    def inc_ref(self, b: int) -> None:
+        if self.ids.refs.get(b, 0) > 0:
+            self.h.inc_ref(b)
+            self.ids.refs[b] += 1
+        else:
+            self.nothing_queued(lambda: self.h.inc_ref(b), HssError)
+
+    @rule(b=st.integers(0, BLOCKS - 1))
+    def dec_ref(self, b: int) -> None:
+        if b >= self.ids.next:
+            return self.nothing_queued(lambda: self.h.dec_ref(b), HssError)
+        n = self.ids.refs[b]
+        freed = self.h.dec_ref(b)
+        assert freed == (n == 1)
+        if n:
+            self.ids.refs[b] = n - 1
+        if freed:
+            self.ids.free.append(b)
+            self.valid -= {(layer, b) for layer in range(LAYERS)}
+
+    @rule(layer=st.integers(0, LAYERS - 1), b=st.integers(0, BLOCKS - 1), predict=st.booleans())
+    def offload(self, layer: int, b: int, predict: bool) -> None:
+        k, v = self.page()
+        if predict:
+            kd = upload(k, self.s)
+            self.h.offload_block(self.ctx, layer, b, kd, k, v)
+            cm.stream_sync(self.s)
+            kd.close()
+        else:
+            self.h.offload_block_no_predict_on_stream(self.s, layer, b, k, v)
+        self.k[layer, b], self.v[layer, b] = k, v
+        self.valid.add((layer, b))
+
+    @rule(layer=st.integers(0, LAYERS - 1), data=st.data(), lbvs=st.integers(-1, BS + 1))
+    def step(self, layer: int, data, lbvs: int) -> None:
+        pages = self.readable(layer)
+        ids = data.draw(st.permutations(pages).flatmap(lambda p: st.integers(0, len(p)).map(lambda n: p[:n])))
+        rec = self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, lbvs)
+        event(f"step: {min(len(ids), 4)}{'+' if len(ids) >= 4 else ''} pages, {'some' if rec.hits else 'no'} hits, "
+              f"{'some' if rec.promoted else 'no'} promotions")
+        self.check_step(layer, list(ids), lbvs, rec)
+
+    @precondition(lambda self: any((lay, b) not in self.valid for lay in range(LAYERS) for b in range(BLOCKS)))
+    @rule(layer=st.integers(0, LAYERS - 1), data=st.data())
+    def step_over_an_unreadable_page(self, layer: int, data) -> None:
+        missing = [b for b in range(BLOCKS) if (layer, b) not in self.valid]
+        if not missing:
+            return
+        ids = self.readable(layer)[:3] + [data.draw(st.sampled_from(missing))]
+        self.nothing_queued(lambda: self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out), StoreError)
+
+    @rule(kind=st.integers(0, 8), layer=st.integers(0, LAYERS - 1))
+    def hostile(self, kind: int, layer: int) -> None:
+        """A bad argument: an error naming it before any device work; nothing changed (the invariants)."""
+        h, k, v = self.h, *self.page()
+        ids = self.readable(layer)[:2]
+        cases = [
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, h.pool.slot_ptr(0)), HssError),  # its pool
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, h.predictor._a_g), HssError),    # A_g
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.small), HssError),          # too small
+            (lambda: h.attend_layer(self.ctx, layer, ids + ids[:1], self.q_dev, self.out), HssError),  # repeats
+            (lambda: h.attend_layer(self.ctx, layer, [BLOCKS], self.q_dev, self.out), HssError),       # range
+            (lambda: h.offload_block(self.ctx, layer, 0, self.small, k, v), HssError),                 # k page small
+            (lambda: h.offload_block_no_predict_on_stream(self.s, layer, 0, k.astype(np.float16), v), HssError),
+            (lambda: h.offload_block_no_predict_on_stream(self.s, layer, 0, np.ascontiguousarray(
+                k.transpose(1, 0, 2)), v), HssError),                                                   # HND
+            (lambda: h.attend_layer(self.ctx, 1.0, ids, self.q_dev, self.out), TypeError),
+        ]
+        call, exc = cases[kind]
+        if kind == 3 and not ids:
+            return
+        self.nothing_queued(call, exc)
+
+    @rule(layer=st.integers(0, LAYERS - 1), at=st.integers(0, 25), interrupt=st.booleans(), data=st.data())
+    def driver_fault(self, layer: int, at: int, interrupt: bool, data) -> None:
+        """A step whose ``at``-th driver call fails or is interrupted: the model does not move; a step with fewer
+        driver calls succeeds and is exact."""
+        pages = data.draw(st.permutations(self.readable(layer)))
+        with driver_calls(at, interrupt) as seen:
+            try:
+                rec = self.h.attend_layer(self.ctx, layer, pages, self.q_dev, self.out)
+            except (CudaError, KeyboardInterrupt):
+                assert len(seen) > at
+                event(f"driver fault: failed at {seen[at]}")
+                return
+        event("driver fault: the step had fewer calls")
+        self.check_step(layer, list(pages), BS, rec)
+
+    @precondition(lambda self: self.cfg.store == "file")
+    @rule(layer=st.integers(0, LAYERS - 1), at=st.integers(0, 6), data=st.data())
+    def read_fault(self, layer: int, at: int, data) -> None:
+        """The FileStore's ``at``-th pread fails (EIO): a StoreIOError naming the layer; the model does not move."""
+        pages = data.draw(st.permutations(self.readable(layer)))
+        with failing("preadv", at, errno.EIO) as count:
+            try:
+                rec = self.h.attend_layer(self.ctx, layer, pages, self.q_dev, self.out)
+            except StoreIOError as exc:
+                assert exc.layer == layer and exc.page in pages and count[0] > at
+                event("read fault: failed")
+                return
+        self.check_step(layer, list(pages), BS, rec)
+
+    @precondition(lambda self: self.cfg.store == "file")
+    @rule(layer=st.integers(0, LAYERS - 1), b=st.integers(0, BLOCKS - 1))
+    def write_fault(self, layer: int, b: int) -> None:
+        """The FileStore's write of a page fails (ENOSPC): a StoreIOError naming it; that page is no longer
+        readable (its old bytes may be partly overwritten), every other page is untouched."""
+        k, v = self.page()
+        with failing("pwrite", 0, errno.ENOSPC):
+            with pytest.raises(StoreIOError, match=f"layer {layer} page {b} "):
+                self.h.offload_block_no_predict_on_stream(self.s, layer, b, k, v)
+        self.valid.discard((layer, b))
+
+    # -- invariants ----------------------------------------------------------------------------------------
+    @invariant()
+    def swap_equals_its_model(self) -> None:
+        if not hasattr(self, "h"):
+            return
+        h = self.h
+        d = h.diagnostic_summary()
+        assert h.disk_free_count() == len(self.ids.free) + BLOCKS - self.ids.next
+        assert d.active_disk_blocks == self.ids.next - len(self.ids.free)
+        for b in range(self.ids.next):
+            assert h.disk.refcount(b) == self.ids.refs[b]
+        for layer in range(LAYERS):
+            for b in range(BLOCKS):
+                assert h.store.page_valid(layer, b) == ((layer, b) in self.valid)
+        cm.stream_sync(self.s)
+        h.copy_stream.synchronize()
+        for (layer, b), slot in h.pool.residents().items():
+            assert (layer, b) in self.valid, f"an unreadable page {(layer, b)} is resident"
+            got = download(h.pool.slot_ptr(slot), (h.layout.block_bytes,), np.uint8, self.s)
+            want = h.layout.pack_page(self.k[layer, b], self.v[layer, b])
+            assert np.array_equal(got, want), f"resident page {(layer, b)} in slot {slot} holds other bytes"
+
+
+TestHighSpeedSwapStateMachine = SwapMachine.TestCase
+TestHighSpeedSwapStateMachine.settings = settings(settings.default, **RUNS.get(settings._current_profile,
+                                                                              RUNS["emulator"]))
