@@ -157,6 +157,10 @@ class TiledAttention:
             self._part_ml = own(cm.DeviceBuffer(4 * rows * dims.max_units * 2, ctx))
             self._part_o = own(cm.DeviceBuffer(4 * rows * dims.max_units * padded_head_dim(dims.head_dim), ctx))
             self._merge_count = own(cm.DeviceBuffer(4 * dims.merge_counters, ctx))
+            self._own = _args.OwnedRanges()   # an output into these would overwrite the state or the workspace
+            for buf, label in ((self.m, "m"), (self.l, "l"), (self.o, "o"), (self._part_ml, "partials"),
+                               (self._part_o, "partials"), (self._merge_count, "fold counters")):
+                self._own.add(buf.ptr, buf.bytes, f"its {label}")
             self._prepare()
         except BaseException:
             self._owned.close()
@@ -339,6 +343,8 @@ class TiledAttention:
             lbvs = self._lbvs(lbvs)
         q_bytes = n * self._row_bytes
         out = 0 if output is None else self._out_arg(output, s, q_bytes)
+        if out:
+            self._own.check(out, q_bytes, "output", "this TiledAttention")
         qp = self._q_arg(q, s, q_bytes)
         pool_bytes = 2 * (self._pool_heads * kvh_stride + self._head_dim)
         kp = self._k_arg(k_pool, s, pool_bytes)
@@ -397,6 +403,7 @@ class TiledAttention:
         s = _args.stream(stream)
         n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
         out = self._out_arg(output, s, n * self._row_bytes)
+        self._own.check(out, n * self._row_bytes, "output", "this TiledAttention")
         if not self._begun:
             raise HssError("TiledAttention.finalize before any begin_step; call begin_step(stream, num_seqs) first")
         if self._fresh:
@@ -434,6 +441,8 @@ class TileStep:
         tp = ta._table_arg(tile_blocks, s, self._table_bytes)
         cp = ta._counts_arg(tile_block_counts, s, 4 * self._n)
         out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
+        if out:
+            ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
         ta._q_slot.value = self._q
         ta._k_slot.value = self._k
         ta._v_slot.value = self._v

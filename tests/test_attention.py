@@ -492,6 +492,24 @@ def test_tile_step_gives_step_tile_bits(ctx, stream, rng) -> None:
         x.close()
 
 
+def test_an_output_into_the_attention_state_is_refused(ctx, stream, launches: list) -> None:
+    """An output inside TiledAttention's own state or workspace (m, l, o, partials, counters) is refused before any
+    device work, by step_tile, TileStep.tile and finalize alike: the step would overwrite what it folds into."""
+    d = replace(ORIGINAL, max_seqs=1, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta:
+        q, pool = cm.DeviceBuffer(2 * 32 * 128), cm.DeviceBuffer(1 << 16)
+        tb, cn = cm.DeviceBuffer(16), cm.DeviceBuffer(4)
+        ta.begin_step(stream, 1)
+        for inside, label in ((ta.o.ptr, "its o"), (ta._part_o.ptr + 64, "its partials")):
+            with pytest.raises(HssError, match=f"output .*{label}"):
+                ta.step_tile(stream, q, pool, pool, tb, cn, 1, *ta.paged_strides(), 16, output=inside)
+            with pytest.raises(HssError, match=f"output .*{label}"):
+                ta.begin_tiles(stream, q, pool, pool, 1, *ta.paged_strides()).tile(tb, cn, 16, output=inside)
+            with pytest.raises(HssError, match=f"output .*{label}"):
+                ta.finalize(stream, inside, 1)
+        assert launches == []
+
+
 def test_tiles_need_begin_step_and_counters_reset_on_the_tile_stream(ctx, stream, launches: list) -> None:
     """A fresh TiledAttention refuses tiles and finalize before any begin_step (they would fold into an
     uninitialised state); the fold counters' one-time reset is queued on the stream of the first tile, not on
