@@ -604,7 +604,7 @@ def test_written_arguments_may_not_overlap_own_memory_or_each_other(gpu, stream,
                 (dict(scratch=both, attn_ctx=both.ptr + idx.prefill_scratch_bytes(T) - 256),
                  "QsaIndexer.prefill_select: scratch overlaps attn_ctx"),
                 (dict(attn_ctx=d["q"]), "prefill_select: attn_ctx overlaps q_roped"),
-                (dict(k_pool=kv_and_out, attn_ctx=kv_and_out.ptr + pool - 256), "prefill_select: attn_ctx overlaps "
+                (dict(k_pool=kv_and_out, attn_ctx=kv_and_out.ptr + 256), "prefill_select: attn_ctx overlaps "
                  "k_pool"),
             ]
             del rec.calls[:]
