@@ -1,7 +1,9 @@
 """The block predictor (SPEC §4): P, the per-token K_lr store A_g, and its three kernels.
 
-``Predictor`` owns P (``[head_dim, r]`` bf16, immutable) and A_g (``[num_layers, max_blocks,
-num_kv_heads, block_size, r]`` bf16, zero-filled at construction, so unwritten slots score 0), and
+``Predictor`` owns P (``[head_dim, r]`` bf16, immutable: the original's seeded matrix for every layer and head, or,
+SPEC §17.5, a caller's ``[num_layers, num_kv_heads, head_dim, r]`` such as :func:`hss.calibrate.calibrate_projection`
+gives) and A_g (``[num_layers, max_blocks, num_kv_heads, block_size, r]`` bf16, zero-filled at construction, so
+unwritten slots score 0), and
 launches ``project_q`` (per decode step), ``project_kv_block`` (when a KV page is written) and the
 block scores (``score_blocks`` over any run of slots, ``score_layer`` over a layer's own slots).
 Scores are advisory: they order eviction and prefetch and never gate attention correctness.
@@ -18,6 +20,7 @@ packs on every call, so one instance must not be used from several threads at on
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +31,22 @@ from hss import _args, cuda_min
 from hss._launch import launcher
 from hss.cuda_min import CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, memset_d8_async, stream_sync
 from hss.errors import HssError
-from hss.kernels.predictor import KV_LOWRANK_PROJECT, PREDICTOR_SCORE, Q_LOWRANK_PROJECT, lowrank_rows, score_warps
+from hss.kernels.predictor import (
+    HEAD_THREADS,
+    KV_LOWRANK_PROJECT,
+    PREDICTOR_HEAD_COMBINE,
+    PREDICTOR_HEAD_MAX,
+    PREDICTOR_SCORE,
+    PREDICTOR_SCORE_HEADS,
+    Q_LOWRANK_PROJECT,
+    lowrank_rows,
+    q_lowrank_geometry,
+    score_warps,
+)
 from hss.projection import PredictorShape, build_projection
 from hss.ptx import load_module
 
-__all__ = ["PredictorDims", "Predictor", "preflight_a_g", "read_k_lr_slot", "A_G_BUDGET_PERCENT"]
+__all__ = ["PredictorDims", "Predictor", "preflight_a_g", "check_projection", "read_k_lr_slot", "A_G_BUDGET_PERCENT"]
 
 A_G_BUDGET_PERCENT = 95   # of free device memory; the rest is left for the scratch pool and tiled attention
 _I32_MAX = 2**31 - 1
@@ -127,6 +141,31 @@ def preflight_a_g(dims: PredictorDims, free_bytes: int) -> int:
         "or free device memory before constructing the Predictor.")
 
 
+def check_projection(projection: Any, dims: PredictorDims) -> np.ndarray:
+    """A caller's projection (SPEC §17.5) checked against ``dims``: returned as a read-only C-contiguous copy.
+
+    ``projection``: ``[num_layers, num_kv_heads, head_dim, r]`` ``ml_dtypes.bfloat16`` (a numpy array), all finite;
+    q head h of layer l is projected with ``projection[l, h // gqa_ratio]``, the keys of kv head j with
+    ``projection[l, j]``. ``TypeError`` for anything but a bf16 numpy array; :class:`HssError` for the wrong shape
+    or a NaN/inf entry.
+    """
+    if not isinstance(projection, np.ndarray):
+        raise TypeError(f"projection must be a numpy array of ml_dtypes.bfloat16, got {type(projection).__name__}")
+    if projection.dtype != ml_dtypes.bfloat16:
+        raise TypeError(f"projection must hold bfloat16, got {projection.dtype}; round it with "
+                        "projection.astype(ml_dtypes.bfloat16) (hss.calibrate.calibrate_projection returns bf16)")
+    d = dims
+    want = (d.num_layers, d.num_kv_heads, d.head_dim, d.r)
+    if projection.shape != want:
+        raise HssError(f"projection has shape {projection.shape}; these dims need [num_layers, num_kv_heads, "
+                       f"head_dim, r] = {list(want)} (one [head_dim, r] matrix per layer and kv head)")
+    out = np.array(projection, dtype=ml_dtypes.bfloat16, order="C", copy=True)
+    if not np.isfinite(out.astype(np.float32)).all():
+        raise HssError("projection holds NaN or inf; every entry must be finite")
+    out.setflags(write=False)
+    return out
+
+
 class Predictor:
     """P, A_g and the predictor kernels for one model shape (SPEC §4).
 
@@ -137,43 +176,78 @@ class Predictor:
     zero-fills A_g (one memset) and then **synchronizes the stream**, as the original did.
     ``close()`` (or leaving a ``with`` block) frees A_g, P and the modules once.
 
+    ``projection=`` (keyword, instead of ``projection_seed``; SPEC §17.5): a ``[num_layers, num_kv_heads, head_dim,
+    r]`` bf16 projection (:func:`check_projection`), e.g. :func:`hss.calibrate.calibrate_projection`'s. Then
+    ``project_q`` needs ``layer=``; ``project_kv_block`` uses its layer's matrices. A projection whose every
+    matrix is the seeded P gives the default's bits.
+
+    ``head_temperature=`` (keyword; SPEC §17.5): ``None`` (the default) scores a block by the max over q heads and
+    tokens, as the original; a positive ``c`` scores it by per-head normalised scores instead: with ``s[b, h]`` the
+    max over the block's tokens of head h's dot, ``score[b] = sum_h exp((s[b, h] - max_b' s[b', h]) / c)`` over the
+    n blocks of the call (each head's best block adds 1; ``c = sqrt(head_dim)`` is the attention's own scale), so
+    no head's offset or scale dominates the others. Three launches per call instead of one, through a scratch of
+    ``4 * num_q_heads * (max_blocks + 1)`` bytes; at most max_blocks blocks per call.
+
     Each kernel has two names, the original's: ``project_q(ctx, ...)`` and ``project_q_on_stream(stream, ...)``
     are one method, whose first argument is any stream form (a ``CudaCtx`` means its stream); likewise
     ``project_kv_block``, ``score_blocks`` and ``score_layer``.
     """
 
-    def __init__(self, ctx: CudaCtx, dims: PredictorDims, projection_seed: int) -> None:
+    def __init__(self, ctx: CudaCtx, dims: PredictorDims, projection_seed: int | None = None, *,
+                 projection: np.ndarray | None = None, head_temperature: float | None = None) -> None:
         if not isinstance(ctx, CudaCtx):
             raise TypeError(f"ctx must be a CudaCtx, got {type(ctx).__name__}; Predictor.new_on_stream takes a stream")
-        self._build(ctx, _args.stream(ctx, "ctx"), dims, projection_seed)
+        self._build(ctx, _args.stream(ctx, "ctx"), dims, projection_seed, projection, head_temperature)
 
     @classmethod
-    def new_on_stream(cls, stream: Any, dims: PredictorDims, projection_seed: int) -> Predictor:
+    def new_on_stream(cls, stream: Any, dims: PredictorDims, projection_seed: int | None = None, *,
+                      projection: np.ndarray | None = None, head_temperature: float | None = None) -> Predictor:
         """A Predictor in the thread's current context (device 0's if none), set up on ``stream``."""
         self = cls.__new__(cls)
-        self._build(None, _args.stream(stream), dims, projection_seed)
+        self._build(None, _args.stream(stream), dims, projection_seed, projection, head_temperature)
         return self
 
-    def _build(self, ctx: CudaCtx | None, stream: int, dims: PredictorDims, seed: Any) -> None:
+    def _build(self, ctx: CudaCtx | None, stream: int, dims: PredictorDims, seed: Any, projection: Any,
+               temperature: Any) -> None:
         self._closed = True
         self._owned = contextlib.ExitStack()
         if not isinstance(dims, PredictorDims):
             raise TypeError(f"dims must be a PredictorDims, got {type(dims).__name__}")
         dims.validate()
-        seed = _args.as_int("projection_seed", seed, 0, 2**64 - 1, "a u64")
+        if seed is not None and projection is not None:
+            raise HssError("pass projection_seed (the original's seeded P for every layer and head) or projection= "
+                           "(a [num_layers, num_kv_heads, head_dim, r] bf16 array), not both")
+        if projection is None:
+            seed = _args.as_int("projection_seed", seed, 0, 2**64 - 1, "a u64")
+            p_host = build_projection(PredictorShape(dims.head_dim, dims.r), seed)
+            p_host.setflags(write=False)
+        else:
+            p_host = check_projection(projection, dims)
+        if temperature is not None:
+            temperature = _args.as_float("head_temperature", temperature)
+            if not temperature > 0 or math.log2(math.e) / temperature > float(np.finfo(np.float32).max):
+                raise HssError(f"head_temperature = {temperature!r} must be a positive number, at least 1e-38 (in "
+                               "the dot's units; sqrt(head_dim) is the attention's own scale), or None for the "
+                               "original max over heads")
+        self._temperature = temperature
         if ctx is not None:
             ctx.make_current()
         a_g_bytes = preflight_a_g(dims, cuda_min.mem_info()[0])
-        self._p_host = build_projection(PredictorShape(dims.head_dim, dims.r), seed)
-        self._p_host.setflags(write=False)
+        self._p_host = p_host
         self._dims = dims
         own = self._owned.enter_context
         try:
-            funcs = [own(load_module(decl.module, ctx)).function(decl.name)
-                     for decl in (Q_LOWRANK_PROJECT, KV_LOWRANK_PROJECT, PREDICTOR_SCORE)]
-            self._p = own(DeviceBuffer(dims.p_bytes(), ctx))
+            decls = [Q_LOWRANK_PROJECT, KV_LOWRANK_PROJECT, PREDICTOR_SCORE]
+            if temperature is not None:
+                decls += [PREDICTOR_SCORE_HEADS, PREDICTOR_HEAD_MAX, PREDICTOR_HEAD_COMBINE]
+            modules = {m: own(load_module(m, ctx)) for m in dict.fromkeys(decl.module for decl in decls)}
+            funcs = [modules[decl.module].function(decl.name) for decl in decls]
+            self._p = own(DeviceBuffer(p_host.nbytes, ctx))
             self._a_g = own(DeviceBuffer(a_g_bytes, ctx))
-            copy_h_to_d_async(self._p, self._p_host, dims.p_bytes(), stream)
+            # per-head scores [max_blocks, num_q_heads] f32, then each head's best [num_q_heads] f32
+            self._heads = (own(DeviceBuffer(4 * dims.num_q_heads * (dims.max_blocks + 1), ctx))
+                           if temperature is not None else None)
+            copy_h_to_d_async(self._p, p_host, p_host.nbytes, stream)
             memset_d8_async(self._a_g, 0, a_g_bytes, stream)
             stream_sync(stream)
             self._prepare(*funcs)
@@ -182,7 +256,7 @@ class Predictor:
             raise
         self._closed = False
 
-    def _prepare(self, f_q: Any, f_kv: Any, f_score: Any) -> None:
+    def _prepare(self, f_q: Any, f_kv: Any, f_score: Any, *f_heads: Any) -> None:
         """The hot paths' prepared state: packs (refilled by slot), launchers, pointer checks and the geometry."""
         d, p = self._dims, self._p.ptr
         nq, nkv, hd, r, bs = d.num_q_heads, d.num_kv_heads, d.head_dim, d.r, d.block_size
@@ -191,19 +265,25 @@ class Predictor:
         self._a_g_end = self._a_g_base + self._a_g.bytes
         self._num_layers, self._max_blocks = d.num_layers, d.max_blocks
         bf16 = "bf16"
-        # project_q: grid.x covers the q heads, block.y q heads per CTA
-        qy = lowrank_rows(r, nq)
-        self._q_pack = pack = Q_LOWRANK_PROJECT.pack(p=p, num_q_heads=nq, head_dim=hd, r=r)
-        self._q_in, self._q_out = pack.slot("q"), pack.slot("q_proj")
-        self._run_q = launcher(f_q, (r, qy, 1), 0, pack)
-        self._q_grid = -(-nq // qy)
+        # one P for every head (the original's launch: stride 0, one matrix serving all q heads), or SPEC §17.5's
+        # matrix per (layer, kv head): layer l's at p + l * layer bytes, kv head j's head_dim * r elements further
+        self._layered = self._p_host.ndim == 4
+        self._p_base, self._p_layer_bytes = p, (2 * nkv * hd * r if self._layered else 0)
+        stride, heads_per_p = (hd * r, d.gqa_ratio()) if self._layered else (0, nq)
+        # project_q: grid.x covers a matrix's q heads (block.y per CTA), grid.y the matrices
+        block_q, self._q_grid = q_lowrank_geometry(r, nq, heads_per_p)
+        self._q_pack = pack = Q_LOWRANK_PROJECT.pack(p=p, num_q_heads=nq, head_dim=hd, r=r, heads_per_p=heads_per_p,
+                                                     p_stride=stride)
+        self._q_in, self._q_out, self._q_p = pack.slot("q"), pack.slot("q_proj"), pack.slot("p")
+        self._run_q = launcher(f_q, block_q, 0, pack)
         self._q_arg = _args.pointer_arg("q", 2 * nq * hd, 2, bf16, what="the [num_q_heads, head_dim] bf16 query")
         self._q_proj_out_arg = _args.pointer_arg("q_proj", 2 * nq * r, 2, bf16, write=True,
                                                  what="a [num_q_heads, r] bf16 output")
         # project_kv_block: grid (kv heads, token groups), block.y tokens per CTA
         ky = lowrank_rows(r, bs)
-        self._kv_pack = pack = KV_LOWRANK_PROJECT.pack(p=p, block_size=bs, num_kv_heads=nkv, head_dim=hd, r=r)
-        self._kv_in, self._kv_out = pack.slot("k_block"), pack.slot("k_lr")
+        self._kv_pack = pack = KV_LOWRANK_PROJECT.pack(p=p, block_size=bs, num_kv_heads=nkv, head_dim=hd, r=r,
+                                                       p_stride=stride)
+        self._kv_in, self._kv_out, self._kv_p = pack.slot("k_block"), pack.slot("k_lr"), pack.slot("p")
         self._run_kv = launcher(f_kv, (r, ky, 1), 0, pack)
         self._kv_grid = (nkv, -(-bs // ky))
         self._k_block_arg = _args.pointer_arg("k_block", 2 * bs * nkv * hd, 2, bf16,
@@ -220,6 +300,27 @@ class Predictor:
         self._k_lr_arg = _args.pointer_arg("k_lr_seq", None, 2, bf16,
                                            what="n slots of [num_kv_heads, block_size, r] bf16")
         self._scores_arg = _args.pointer_arg("scores_out", None, 4, "f32", write=True, what="an [n] f32 output")
+        if f_heads:
+            self._prepare_heads(*f_heads)
+
+    def _prepare_heads(self, f_heads: Any, f_max: Any, f_combine: Any) -> None:
+        """The per-head normalised scores' three prepared launches (``head_temperature``)."""
+        d, nq = self._dims, self._dims.num_q_heads
+        hs = self._heads.ptr
+        self._hm = hs + 4 * nq * d.max_blocks
+        # the packs stay referenced: a launcher holds only their address
+        self._hs_pack = pack = PREDICTOR_SCORE_HEADS.pack(
+            head_scores=hs, num_q_heads=nq, num_kv_heads=d.num_kv_heads, block_size=d.block_size, r=d.r,
+            gqa_ratio=d.gqa_ratio())
+        self._hs_q, self._hs_k, self._hs_n = pack.slot("q_proj"), pack.slot("k_lr"), pack.slot("num_blocks")
+        self._run_heads = launcher(f_heads, (32 * self._warps, 1, 1), 0, pack)
+        self._hm_pack = pack = PREDICTOR_HEAD_MAX.pack(head_scores=hs, head_max=self._hm, num_q_heads=nq)
+        self._hm_n = pack.slot("num_blocks")
+        self._run_max = launcher(f_max, (HEAD_THREADS, 1, 1), 0, pack)
+        self._hc_pack = pack = PREDICTOR_HEAD_COMBINE.pack(
+            head_scores=hs, head_max=self._hm, num_q_heads=nq, exp2_scale=math.log2(math.e) / self._temperature)
+        self._hc_out, self._hc_n = pack.slot("scores"), pack.slot("num_blocks")
+        self._run_combine = launcher(f_combine, (HEAD_THREADS, 1, 1), 0, pack)
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -234,8 +335,25 @@ class Predictor:
 
     @property
     def projection(self) -> np.ndarray:
-        """The host copy of P that was uploaded: ``[head_dim, r]`` bf16 (read-only)."""
+        """The host copy of P that was uploaded (read-only bf16): the seeded ``[head_dim, r]``, or the caller's
+        ``[num_layers, num_kv_heads, head_dim, r]``."""
         return self._p_host
+
+    @property
+    def head_temperature(self) -> float | None:
+        """None: blocks score the max over heads (the original); else the per-head normalisation's temperature."""
+        return self._temperature
+
+    @property
+    def layered(self) -> bool:
+        """Whether P is per layer and kv head (``projection=``): then ``project_q`` needs ``layer=``."""
+        return self._layered
+
+    def projection_of(self, layer: int, kv_head: int) -> np.ndarray:
+        """The ``[head_dim, r]`` bf16 matrix that projects ``layer``'s kv head ``kv_head`` and its q heads."""
+        layer = _args.as_index("layer", layer, self._num_layers, "layers")
+        kv_head = _args.as_index("kv_head", kv_head, self._dims.num_kv_heads, "kv heads")
+        return self._p_host[layer, kv_head] if self._layered else self._p_host
 
     def slot_ptr(self, layer: int, block: int) -> int:
         """Device address of A_g slot (layer, block): ``[num_kv_heads, block_size, r]`` bf16."""
@@ -245,20 +363,31 @@ class Predictor:
         return self._a_g_base + (layer * self._max_blocks + block) * self._slot
 
     # -- kernels --------------------------------------------------------------------------------
-    def project_q_on_stream(self, stream: Any, q: Any, q_proj: Any) -> None:
+    def project_q_on_stream(self, stream: Any, q: Any, q_proj: Any, *, layer: int | None = None) -> None:
         """Queue ``q_proj = bf16(q @ P)`` on ``stream`` (or a CudaCtx's stream: this is also ``project_q(ctx, ...)``).
 
         q: device ``[num_q_heads, head_dim]`` bf16 (the decode query, post-RoPE);
-        q_proj: device ``[num_q_heads, r]`` bf16 output.
+        q_proj: device ``[num_q_heads, r]`` bf16 output;
+        layer: the query's layer. Needed with a per-layer projection (q head h then goes through
+        ``P[layer, h // gqa_ratio]``); optional with the seeded P (checked when given, else ignored).
         """
         if self._closed:
             self._live()
         s = _args.stream(stream)
+        if layer is not None or self._layered:
+            self._q_p.value = self._p_base + self._q_layer(layer) * self._p_layer_bytes
         qp = self._q_arg(q, s)
         op = self._q_proj_out_arg(q_proj, s)
         self._q_in.value = qp
         self._q_out.value = op
-        self._run_q(s, self._q_grid)
+        self._run_q(s, *self._q_grid)
+
+    def _q_layer(self, layer: Any) -> int:
+        if layer is None:
+            raise HssError("project_q: this Predictor has a per-layer projection; pass layer= (the query's layer)")
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            layer = _args.as_index("layer", layer, self._num_layers, "layers")
+        return layer
 
     project_q = project_q_on_stream
 
@@ -278,6 +407,7 @@ class Predictor:
             block_id = _args.as_index("block_id", block_id, self._max_blocks, "blocks per layer (max_blocks)")
         kp = self._k_block_arg(k_block, s)
         self._kv_in.value = kp
+        self._kv_p.value = self._p_base + layer * self._p_layer_bytes
         self._kv_out.value = self._a_g_base + (layer * self._max_blocks + block_id) * self._slot
         self._run_kv(s, *self._kv_grid)
 
@@ -345,11 +475,29 @@ class Predictor:
             return
         if sp < self._a_g_end and self._a_g_base < sp + 4 * n:
             raise HssError("scores_out overlaps A_g; pass a separate [n] f32 buffer")
+        if self._heads is not None:
+            self._score_heads(s, qp, k_lr, sp, n)
+            return
         self._sc_q.value = qp
         self._sc_k.value = k_lr
         self._sc_out.value = sp
         self._sc_n.value = n
         self._run_score(s, -(-n // self._warps))
+
+    def _score_heads(self, s: int, qp: int, k_lr: int, sp: int, n: int) -> None:
+        """Per-head normalised scores: per-(block, head) maxima, each head's best, then the sum of exp."""
+        heads = self._heads
+        if n > self._max_blocks:
+            raise HssError(f"n = {n} blocks: with head_temperature a call scores at most max_blocks "
+                           f"({self._max_blocks}) blocks (the per-head scratch's size); split the call")
+        if sp < heads.ptr + heads.bytes and heads.ptr < sp + 4 * n:
+            raise HssError("scores_out overlaps the Predictor's per-head scratch; pass a separate [n] f32 buffer")
+        self._hs_q.value, self._hs_k.value, self._hs_n.value = qp, k_lr, n
+        self._hm_n.value = self._hc_n.value = n
+        self._hc_out.value = sp
+        self._run_heads(s, -(-n // self._warps))
+        self._run_max(s, self._dims.num_q_heads)
+        self._run_combine(s, -(-n // HEAD_THREADS))
 
     # -- host helpers, lifetime -----------------------------------------------------------------
     def read_k_lr_slot(self, ctx: Any, layer: int, block: int) -> np.ndarray:

@@ -23,8 +23,24 @@
 //    f32; only the accumulation order differs from the original.
 //  * general path otherwise: the original's arithmetic. Lanes stride over the (q head, token) pairs; each
 //    dot is a sequential f32 fma over r ascending; per-lane max, then a warp shuffle-max.
+//
+// Per-head normalised scores (SPEC §17.5, hss's option; three launches in this order):
+// predictor_score_heads(q_proj, k_lr, head_scores f32 [num_blocks, num_q_heads], the same scalars as predictor_score)
+//   head_scores[b, qh] = max over token t of dot(q_proj[qh, :], k_lr[b, qh / gqa_ratio, t, :]) (the general
+//   path's arithmetic: sequential f32 fma over r ascending; NaN dots skipped, none left: -inf). Same launch as
+//   predictor_score; lanes stride over the tokens, one q head after another.
+// predictor_head_max(head_scores, head_max f32 [num_q_heads], num_q_heads, num_blocks)
+//   head_max[qh] = max over b of head_scores[b, qh] (NaN skipped; none: -inf). Launch: block
+//   (HSS_PRED_HEAD_THREADS, 1, 1), grid (num_q_heads, 1, 1).
+// predictor_head_combine(head_scores, head_max, scores f32 [num_blocks], num_q_heads, num_blocks, exp2_scale)
+//   scores[b] = sum over qh ascending (f32) of exp2f((head_scores[b, qh] - head_max[qh]) * exp2_scale), a term
+//   whose exponent is NaN (a head with no finite score) left out: each head's best block adds 1, a block e nats of
+//   that head's logit (at exp2_scale = log2(e) / temperature) below it adds exp(-e). Launch: block
+//   (HSS_PRED_HEAD_THREADS, 1, 1), grid (ceil(num_blocks / HSS_PRED_HEAD_THREADS), 1, 1).
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
+
+#define HSS_PRED_HEAD_THREADS 256   // predictor_head_max and predictor_head_combine: threads per CTA
 
 // Tensor-core path for one K_lr block: `units` = num_kv_heads * block_size / 16 units of [16, r] rows,
 // R32 = r / 32 chunks of 16 bytes per row and lane. U units are loaded before any is used (U * 2 * R32
@@ -111,4 +127,65 @@ predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* _
     }
     best = hss_warp_max(best);
     if (lane == 0) scores[b] = best;
+}
+
+// The general path's dot for one (q head, token): sequential f32 fma over r ascending.
+__device__ __forceinline__ float hss_lowrank_dot(const __nv_bfloat16* q, const __nv_bfloat16* k, int r) {
+    float acc = 0.0f;
+    for (int i = 0; i < r; ++i) acc = fmaf(hss_bf16_to_f32(q[i]), hss_bf16_to_f32(k[i]), acc);
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+predictor_score_heads(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
+                      float* __restrict__ head_scores, int num_q_heads, int num_kv_heads, int block_size, int r,
+                      int gqa_ratio, int num_blocks) {
+    const int lane = threadIdx.x & 31;
+    const long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= num_blocks) return;   // warp-uniform; no barrier follows
+    if (num_kv_heads <= 0 || block_size <= 0 || r <= 0 || gqa_ratio <= 0 ||
+        num_q_heads != gqa_ratio * num_kv_heads)
+        return;
+    const __nv_bfloat16* blk = k_lr + (size_t)b * num_kv_heads * block_size * r;
+    for (int qh = 0; qh < num_q_heads; ++qh) {
+        const __nv_bfloat16* q = q_proj + (size_t)qh * r;
+        const __nv_bfloat16* keys = blk + (size_t)(qh / gqa_ratio) * block_size * r;
+        float best = hss_neg_inf();
+        for (int tok = lane; tok < block_size; tok += 32)
+            best = fmaxf(best, hss_lowrank_dot(q, keys + (size_t)tok * r, r));   // fmaxf skips a NaN dot
+        best = hss_warp_max(best);
+        if (lane == 0) head_scores[(size_t)b * num_q_heads + qh] = best;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HSS_PRED_HEAD_THREADS)
+predictor_head_max(const float* __restrict__ head_scores, float* __restrict__ head_max, int num_q_heads,
+                   int num_blocks) {
+    __shared__ float warp_best[HSS_PRED_HEAD_THREADS / 32];
+    const int qh = blockIdx.x;
+    if (qh >= num_q_heads || blockDim.x != HSS_PRED_HEAD_THREADS) return;   // CTA-uniform, before the barrier
+    float best = hss_neg_inf();
+    for (long long b = threadIdx.x; b < num_blocks; b += HSS_PRED_HEAD_THREADS)
+        best = fmaxf(best, head_scores[b * num_q_heads + qh]);
+    best = hss_warp_max(best);
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < HSS_PRED_HEAD_THREADS / 32; ++w) best = fmaxf(best, warp_best[w]);
+        head_max[qh] = best;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HSS_PRED_HEAD_THREADS)
+predictor_head_combine(const float* __restrict__ head_scores, const float* __restrict__ head_max,
+                       float* __restrict__ scores, int num_q_heads, int num_blocks, float exp2_scale) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= num_blocks) return;
+    const float* row = head_scores + b * num_q_heads;
+    float acc = 0.0f;
+    for (int qh = 0; qh < num_q_heads; ++qh) {
+        const float x = (row[qh] - head_max[qh]) * exp2_scale;
+        if (!isnan(x)) acc += exp2f(x);
+    }
+    scores[b] = acc;
 }

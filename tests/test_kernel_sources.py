@@ -112,6 +112,7 @@ MIRRORS = [
     ("ATT_MAX_HD", attention.MAX_HEAD_DIM),
     ("HSS_LR_ROWS", predictor.LOWRANK_ROWS),
     ("HSS_LR_HEAD_DIM", predictor.LOWRANK_HEAD_DIM),
+    ("HSS_PRED_HEAD_THREADS", predictor.HEAD_THREADS),
     ("QSA_SCORE_THREADS", qsa.SCORE_THREADS),
     ("QSA_SCORE_STEPS", qsa.SCORE_STEPS),
     ("QSP_SR_BM", qsa_prefill.SCORE_TILE),
@@ -147,6 +148,8 @@ def test_masked_score_matches_reference():
 BLOCKS = {
     **{attention.step_kernel_name(hdp): attention.STEP_THREADS for hdp in attention.PADDED_HEAD_DIMS},
     "attention_finalize": attention.FINALIZE_THREADS,
+    "predictor_head_max": predictor.HEAD_THREADS,
+    "predictor_head_combine": predictor.HEAD_THREADS,
     "qsa_score": qsa.SCORE_THREADS,
     "qsa_score_rows": qsa_prefill.score_rows_geometry(1, 1).block[0],
     "qsa_score_rows_tc": qsa_prefill.score_rows_tc_geometry(1, 1).block[0],

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hss._memory",),                                  # buffers, copies
     ("hss._launch",),                                  # modules, launches, graphs
     ("hss.cuda_min", "hss._blas"),                     # the original's driver surface; cuBLAS
-    ("hss.ptx", "hss.projection"),                     # PTX table; the projection matrix
+    ("hss.ptx", "hss.projection", "hss.calibrate"),    # PTX table; the projection matrix; its calibration
     ("hss.gpu", "hss.predictor", "hss.attention"),     # the storage side, the GpuBackend
     ("hss.qsa", "hss.swap"),                           # the indexer; the high-speed swap
     ("hss.demo",),

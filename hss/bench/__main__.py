@@ -15,7 +15,7 @@ import sys
 
 import hss.bench
 
-ORDER = ("launch", "overhead", "predictor", "attention", "qsa", "qsa_prefill", "qsa_device", "swap")
+ORDER = ("launch", "overhead", "predictor", "attention", "qsa", "qsa_prefill", "qsa_device", "swap", "recall")
 _found = {m.name for m in pkgutil.iter_modules(hss.bench.__path__) if not m.name.startswith("_")}
 SUITES = tuple(sorted(_found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)))
 

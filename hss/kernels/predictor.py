@@ -2,12 +2,13 @@
 and their emulation through :mod:`hss.reference.predictor` (float64, stored rounded to bf16 / f32)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 
-from hss.kernels._decl import Launch, declare, f32
+from hss.kernels._decl import Extent, Launch, declare, f32
 from hss.reference import predictor as ref
 
 BF16 = ml_dtypes.bfloat16
@@ -38,10 +39,33 @@ def _pos(*values: int) -> bool:
 
 
 # -- q_lowrank_project -------------------------------------------------------------------------
+def _matrices(a: SimpleNamespace, count: int) -> np.ndarray:
+    """The ``count`` [head_dim, r] matrices the kernel reads: matrix g at element g * p_stride of ``p``."""
+    size = a.head_dim * a.r
+    flat = a.p.view(BF16)
+    return np.stack([flat[g * a.p_stride:g * a.p_stride + size] for g in range(count)]).reshape(count, a.head_dim,
+                                                                                                 a.r)
+
+
+def _p_reads(count: Callable[[SimpleNamespace], int]) -> Extent:
+    """Bytes of ``p`` read when ``count(a)`` matrices p_stride elements apart are used."""
+    def extent(a: SimpleNamespace) -> int:
+        n = count(a)
+        if n <= 0 or a.head_dim <= 0 or a.r <= 0 or a.p_stride < 0:
+            return 0
+        return 2 * ((n - 1) * a.p_stride + a.head_dim * a.r)
+    return extent
+
+
+def _q_groups(a: SimpleNamespace) -> int:
+    """Matrices q_lowrank_project reads: ceil(num_q_heads / heads_per_p)."""
+    return -(-a.num_q_heads // a.heads_per_p) if a.heads_per_p > 0 and a.num_q_heads > 0 else 0
+
+
 def _emulate_q(a: SimpleNamespace, launch: Launch) -> None:
-    if not _pos(a.num_q_heads, a.head_dim, a.r):
+    if not _pos(a.num_q_heads, a.head_dim, a.r, a.heads_per_p) or a.p_stride < 0:
         return
-    out = ref.project_q(_bf16(a.q, a.num_q_heads, a.head_dim), _bf16(a.p, a.head_dim, a.r))
+    out = ref.project_q(_bf16(a.q, a.num_q_heads, a.head_dim), _matrices(a, _q_groups(a)), a.heads_per_p)
     a.q_proj.view(BF16)[:] = out.astype(np.float32).astype(BF16).ravel()
 
 
@@ -54,25 +78,33 @@ def _check_rows(block: tuple[int, int, int], r: int, head_dim: int) -> str | Non
 
 
 def _check_q(a: SimpleNamespace, launch: Launch) -> str | None:
-    if launch.grid[0] * launch.block[1] < a.num_q_heads:
-        return f"grid.x * block.y must cover num_q_heads ({a.num_q_heads})"
+    per = min(a.heads_per_p, a.num_q_heads)
+    if launch.grid[0] * launch.block[1] < per or launch.grid[1] < _q_groups(a):
+        return (f"needs grid.x * block.y >= min(heads_per_p, num_q_heads) ({per}) and grid.y >= "
+                f"ceil(num_q_heads / heads_per_p) ({_q_groups(a)})")
     return _check_rows(launch.block, a.r, a.head_dim)
 
 
+def q_lowrank_geometry(r: int, num_q_heads: int, heads_per_p: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """(block, (grid.x, grid.y)) of q_lowrank_project as hss launches it: heads_per_p q heads share a matrix."""
+    rows = lowrank_rows(r, heads_per_p)
+    return (r, rows, 1), (-(-heads_per_p // rows), -(-num_q_heads // heads_per_p))
+
+
 Q_LOWRANK_PROJECT = declare(
-    "q_lowrank_project", "q_lowrank_project", "ptr q, ptr p, ptr q_proj, i32 num_q_heads, i32 head_dim, i32 r",
-    reads={"q": lambda a: 2 * max(a.num_q_heads, 0) * max(a.head_dim, 0),
-           "p": lambda a: 2 * max(a.head_dim, 0) * max(a.r, 0)},
+    "q_lowrank_project", "q_lowrank_project",
+    "ptr q, ptr p, ptr q_proj, i32 num_q_heads, i32 head_dim, i32 r, i32 heads_per_p, i32 p_stride",
+    reads={"q": lambda a: 2 * max(a.num_q_heads, 0) * max(a.head_dim, 0), "p": _p_reads(_q_groups)},
     writes={"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0)},
     emulate=_emulate_q, check=_check_q)
 
 
 # -- kv_lowrank_project ------------------------------------------------------------------------
 def _emulate_kv(a: SimpleNamespace, launch: Launch) -> None:
-    if not _pos(a.block_size, a.num_kv_heads, a.head_dim, a.r):
+    if not _pos(a.block_size, a.num_kv_heads, a.head_dim, a.r) or a.p_stride < 0:
         return
     out = ref.project_kv_block(_bf16(a.k_block, a.block_size, a.num_kv_heads, a.head_dim),
-                               _bf16(a.p, a.head_dim, a.r))
+                               _matrices(a, a.num_kv_heads))
     a.k_lr.view(BF16)[:] = out.astype(np.float32).astype(BF16).ravel()
 
 
@@ -85,9 +117,9 @@ def _check_kv(a: SimpleNamespace, launch: Launch) -> str | None:
 
 KV_LOWRANK_PROJECT = declare(
     "kv_lowrank_project", "kv_lowrank_project",
-    "ptr k_block, ptr p, ptr k_lr, i32 block_size, i32 num_kv_heads, i32 head_dim, i32 r",
+    "ptr k_block, ptr p, ptr k_lr, i32 block_size, i32 num_kv_heads, i32 head_dim, i32 r, i32 p_stride",
     reads={"k_block": lambda a: 2 * max(a.block_size, 0) * max(a.num_kv_heads, 0) * max(a.head_dim, 0),
-           "p": lambda a: 2 * max(a.head_dim, 0) * max(a.r, 0)},
+           "p": _p_reads(lambda a: a.num_kv_heads if a.block_size > 0 else 0)},
     writes={"k_lr": lambda a: 2 * max(a.num_kv_heads, 0) * max(a.block_size, 0) * max(a.r, 0)},
     emulate=_emulate_kv, check=_check_kv)
 
@@ -126,3 +158,79 @@ PREDICTOR_SCORE = declare(
            "k_lr": _score_reads_k},
     writes={"scores": lambda a: 4 * max(a.num_blocks, 0)},
     emulate=_emulate_score, check=_check_score)
+
+
+# -- per-head normalised scores (SPEC §17.5): predictor_score_heads -> predictor_head_max -> predictor_head_combine
+HEAD_THREADS = 256   # predictor_head_max / predictor_head_combine: threads per CTA (HSS_PRED_HEAD_THREADS)
+
+
+def _emulate_score_heads(a: SimpleNamespace, launch: Launch) -> None:
+    if a.num_blocks <= 0 or not _score_params_ok(a):
+        return
+    q = _bf16(a.q_proj, a.num_q_heads, a.r)
+    k = _bf16(a.k_lr, a.num_blocks, a.num_kv_heads, a.block_size, a.r)
+    f32(a.head_scores)[:] = ref.predictor_score_heads(q, k, a.gqa_ratio).astype(np.float32).ravel()
+
+
+PREDICTOR_SCORE_HEADS = declare(
+    "predictor_score", "predictor_score_heads",
+    "ptr q_proj, ptr k_lr, ptr head_scores, i32 num_q_heads, i32 num_kv_heads, i32 block_size, i32 r, "
+    "i32 gqa_ratio, i32 num_blocks",
+    reads={"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0) if a.num_blocks > 0 else 0,
+           "k_lr": _score_reads_k},
+    writes={"head_scores": lambda a: 4 * max(a.num_blocks, 0) * max(a.num_q_heads, 0)},
+    emulate=_emulate_score_heads, check=_check_score)
+
+
+def _head_scores(a: SimpleNamespace) -> np.ndarray:
+    return f32(a.head_scores).reshape(a.num_blocks, a.num_q_heads)
+
+
+def _emulate_head_max(a: SimpleNamespace, launch: Launch) -> None:
+    if a.num_q_heads <= 0:
+        return
+    if a.num_blocks <= 0:
+        f32(a.head_max)[:] = -np.inf
+        return
+    f32(a.head_max)[:] = ref.head_max(_head_scores(a)).astype(np.float32)
+
+
+def _check_head_max(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.block != (HEAD_THREADS, 1, 1) or launch.grid[1:] != (1, 1) or launch.grid[0] < a.num_q_heads:
+        return f"needs block ({HEAD_THREADS}, 1, 1) and grid (>= num_q_heads ({a.num_q_heads}), 1, 1)"
+    return None
+
+
+def _head_scores_bytes(a: SimpleNamespace) -> int:
+    return 4 * max(a.num_blocks, 0) * max(a.num_q_heads, 0)
+
+
+PREDICTOR_HEAD_MAX = declare(
+    "predictor_score", "predictor_head_max", "ptr head_scores, ptr head_max, i32 num_q_heads, i32 num_blocks",
+    reads={"head_scores": _head_scores_bytes},
+    writes={"head_max": lambda a: 4 * max(a.num_q_heads, 0)},
+    emulate=_emulate_head_max, check=_check_head_max)
+
+
+def _emulate_head_combine(a: SimpleNamespace, launch: Launch) -> None:
+    if a.num_blocks <= 0:
+        return
+    m = f32(a.head_max)[:a.num_q_heads] if a.num_q_heads > 0 else np.zeros(0, np.float32)
+    hs = _head_scores(a) if a.num_q_heads > 0 else np.zeros((a.num_blocks, 0), np.float32)
+    f32(a.scores)[:] = ref.head_combine(hs, m, a.exp2_scale).astype(np.float32)
+
+
+def _check_head_combine(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.block != (HEAD_THREADS, 1, 1) or launch.grid[1:] != (1, 1) or \
+            launch.grid[0] * HEAD_THREADS < a.num_blocks:
+        return f"needs block ({HEAD_THREADS}, 1, 1) and grid (>= ceil(num_blocks / {HEAD_THREADS}), 1, 1)"
+    return None
+
+
+PREDICTOR_HEAD_COMBINE = declare(
+    "predictor_score", "predictor_head_combine",
+    "ptr head_scores, ptr head_max, ptr scores, i32 num_q_heads, i32 num_blocks, f32 exp2_scale",
+    reads={"head_scores": _head_scores_bytes,
+           "head_max": lambda a: 4 * max(a.num_q_heads, 0) if a.num_blocks > 0 else 0},
+    writes={"scores": lambda a: 4 * max(a.num_blocks, 0)},
+    emulate=_emulate_head_combine, check=_check_head_combine)
