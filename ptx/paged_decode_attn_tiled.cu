@@ -254,59 +254,63 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
         old[tid] = keep ? make_float2(a.m[tid], a.l[tid]) : make_float2(ninf, 0.f);
     }
     __syncthreads();
-    constexpr int PER = HDP == 256 ? 2 : 1;   // elements per thread per pass: PER * cnt partial loads in flight at once
-    const int total = a.hg * HDP;
-    for (int base = tid; base < total; base += PER * ATT_THREADS) {
-        float x[PER][ATT_GROUP], o_old[PER];
+    // four consecutive dims per thread (a float4 of every slot, all in flight at once), folded in slot order
+    const int total4 = a.hg * (HDP / 4);
+    for (int q4 = tid; q4 < total4; q4 += ATT_THREADS) {
+        const int e = 4 * q4, r = e / HDP, d = e % HDP;
+        const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
+        float oo[4] = {0.f, 0.f, 0.f, 0.f};
+        if (to_state && !a.fresh)
 #pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int e = base + k * ATT_THREADS, r = e / HDP, d = e % HDP;
-            const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
+            for (int i = 0; i < 4; ++i)
+                if (d + i < a.hd) oo[i] = a.o[r * a.hd + d + i];
+        const float2 st = old[r];
+        float M = st.x;
+        for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + r].x);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f}, lacc = 0.f;
+        constexpr int LD = HDP == 256 ? ATT_GROUP : ATT_GROUP / 2;   // slots in flight (registers permitting)
+        float4 x[ATT_GROUP];
 #pragma unroll
-            for (int j = 0; j < ATT_GROUP; ++j)
-                x[k][j] = (e < total && j < cnt) ? __ldcg(src + (long long)j * stride * HDP) : 0.f;
-            o_old[k] = (e < total && to_state && !a.fresh && d < a.hd) ? a.o[r * a.hd + d] : 0.f;
+        for (int j = 0; j < ATT_GROUP; ++j) {
+            if (j % LD == 0)
+#pragma unroll
+                for (int i = j; i < j + LD; ++i)
+                    x[i] = i < cnt ? __ldcg(reinterpret_cast<const float4*>(src + (long long)i * stride * HDP))
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (j < cnt) {
+                const float2 ml = fst[j * ATT_HG + r];
+                const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
+                acc[0] = fmaf(x[j].x, w, acc[0]);
+                acc[1] = fmaf(x[j].y, w, acc[1]);
+                acc[2] = fmaf(x[j].z, w, acc[2]);
+                acc[3] = fmaf(x[j].w, w, acc[3]);
+                lacc = fmaf(ml.y, w, lacc);
+            }
         }
+        if (!to_state) {
+            *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)first * HDP + d) =
+                make_float4(acc[0], acc[1], acc[2], acc[3]);
+            if (d == 0) *reinterpret_cast<float2*>(a.part_ml + r * a.row_ml + 2LL * first) = make_float2(M, lacc);
+            continue;
+        }
+        if (d >= a.hd) continue;
+        float m2 = st.x, l2 = st.y, s_old = 1.f;   // nothing attended: the state as it is (fresh: the initial one)
+        if (cnt > 0) {
+            s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
+            m2 = M;
+            l2 = fmaf(st.y, s_old, lacc);
+        }
+        const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
 #pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int e = base + k * ATT_THREADS;
-            if (e >= total) break;
-            const int r = e / HDP, d = e % HDP;
-            const float2 st = old[r];
-            float M = st.x;
-            for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + r].x);
-            float acc = 0.f, lacc = 0.f;   // folded in slot order
-#pragma unroll
-            for (int j = 0; j < ATT_GROUP; ++j) {
-                if (j < cnt) {
-                    const float2 ml = fst[j * ATT_HG + r];
-                    const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
-                    acc = fmaf(x[k][j], w, acc);
-                    lacc = fmaf(ml.y, w, lacc);
-                }
-            }
-            if (!to_state) {
-                a.part_o[r * a.row_o + (long long)first * HDP + d] = acc;
-                if (d == 0) *reinterpret_cast<float2*>(a.part_ml + r * a.row_ml + 2LL * first) = make_float2(M, lacc);
-                continue;
-            }
-            if (d >= a.hd) continue;
-            float m2 = st.x, l2 = st.y, o2 = o_old[k];   // nothing attended: the state as it is (fresh: initial)
-            if (cnt > 0) {
-                const float s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
-                m2 = M;
-                l2 = fmaf(st.y, s_old, lacc);
-                o2 = fmaf(o_old[k], s_old, acc);
-            }
-            a.o[r * a.hd + d] = o2;
-            if (d == 0) {
-                a.m[r] = m2;
-                a.l[r] = l2;
-            }
-            if (a.out) {
-                const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
-                a.out[r * a.hd + d] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
-            }
+        for (int i = 0; i < 4; ++i) {
+            if (d + i >= a.hd) break;
+            const float o2 = cnt > 0 ? fmaf(oo[i], s_old, acc[i]) : oo[i];
+            a.o[r * a.hd + d + i] = o2;
+            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
+        }
+        if (d == 0) {
+            a.m[r] = m2;
+            a.l[r] = l2;
         }
     }
     __threadfence();   // a group's slot is visible device-wide before the group is counted
