@@ -7,7 +7,9 @@ After every rule: the allocator, the store's validity and the diagnostic counts 
 in the scratch pool holds exactly the bytes of its (readable) page; a step's output equals, bit for bit, in-HBM tiled
 attention over the tiles it recorded, and float64 attention over its pages under the bf16 bound; a failed rule
 changed nothing (a failed store write leaves that one page unreadable: the only state a failure may change, and the
-model says so). At teardown the swap is closed: ``mem_info`` is back to its start value, the files are gone.
+model says so). Steps run exact or in the sparse mode (SPEC §17.6): the model picks the attended pages from the
+predictor's own scores, and only those that were not resident are read. At teardown the swap is closed:
+``mem_info`` is back to its start value, the files are gone.
 """
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ LAYERS, BLOCKS, NQ, NKV, HD, BS = 2, 10, 4, 2, 64, 16
 PAGE = (BS, NKV, HD)
 RUNS = {"emulator": dict(max_examples=20, stateful_step_count=20), "gpu": dict(max_examples=20, stateful_step_count=25),
         "sanitize": dict(max_examples=2, stateful_step_count=8)}
+
+
+SPARSE = st.none() | st.tuples(st.integers(0, 6), st.integers(0, 3), st.integers(0, 3))   # (K, F, R) or exact
+
+
+def sparse_kw(sparse: tuple[int, int, int] | None) -> dict:
+    return {} if sparse is None else dict(budget_pages=sparse[0], keep_first=sparse[1], keep_recent=sparse[2])
 
 
 class Allocator:
@@ -123,10 +132,39 @@ class SwapMachine(RuleBasedStateMachine):
     def readable(self, layer: int) -> list[int]:
         return sorted(b for (lay, b) in self.valid if lay == layer)
 
-    def check_step(self, layer: int, ids: list[int], lbvs: int, rec) -> None:
+    def scores(self, layer: int, ids: list[int]) -> list[float]:
+        """The swap's predictor kernels run directly: the scores of ``ids`` for the machine's query."""
+        n = max(ids) + 1
+        q_proj, scores = cm.DeviceBuffer(2 * NQ * self.cfg.rank), cm.DeviceBuffer(4 * n)
+        self.h.predictor.project_q_on_stream(self.s, self.q_dev, q_proj)
+        self.h.predictor.score_layer_on_stream(self.s, q_proj, layer, 0, n, scores)
+        got = download(scores, n, np.float32, self.s)[ids]
+        q_proj.close()
+        scores.close()
+        return got.tolist()
+
+    def attended(self, layer: int, ids: list[int], sparse: tuple[int, int, int] | None) -> list[int]:
+        """The model of SPEC §17.6: every page (exact), or the first F and last R plus the K others that score best
+        (ties to the earlier page), in sequence order."""
+        if sparse is None or not ids:
+            return ids
+        k, f, r = sparse
+        sc = self.scores(layer, ids)
+        forced = set(range(min(f, len(ids)))) | set(range(max(len(ids) - r, 0), len(ids)))
+        others = sorted((i for i in range(len(ids)) if i not in forced), key=lambda i: (-sc[i], i))
+        return [ids[i] for i in sorted(forced | set(others[:k]))]
+
+    def check_step(self, layer: int, ids: list[int], lbvs: int, rec, sparse: tuple[int, int, int] | None = None
+                   ) -> None:
+        assert rec.block_ids.tolist() == ids
+        want = self.attended(layer, ids, sparse)
+        assert list(rec.attended) == want and list(rec.skipped) == [b for b in ids if b not in want]
+        if want and want[-1] != ids[-1]:
+            lbvs = BS          # the sequence's partial last page is skipped: every attended page is whole
+        ids = want
         got = download(self.out, (NQ, HD), BF16, self.s)
         flat = [b for t in rec.tiles for b in t.block_ids]
-        assert sorted(flat) == sorted(ids), "the schedule must attend every page once"
+        assert sorted(flat) == sorted(ids), "the schedule must attend every selected page once"
         # in-HBM replay of the recorded tiles over NHD pools indexed by block id: the same bits
         kd, vd = upload(self.k[layer], self.s), upload(self.v[layer], self.s)
         cap = max([len(t.block_ids) for t in rec.tiles] + [1])
@@ -197,25 +235,35 @@ class SwapMachine(RuleBasedStateMachine):
         self.k[layer, b], self.v[layer, b] = k, v
         self.valid.add((layer, b))
 
-    @rule(layer=st.integers(0, LAYERS - 1), data=st.data(), lbvs=st.integers(-1, BS + 1))
-    def step(self, layer: int, data, lbvs: int) -> None:
+    @rule(layer=st.integers(0, LAYERS - 1), data=st.data(), lbvs=st.integers(-1, BS + 1), sparse=SPARSE)
+    def step(self, layer: int, data, lbvs: int, sparse: tuple[int, int, int] | None) -> None:
         pages = self.readable(layer)
         ids = data.draw(st.permutations(pages).flatmap(lambda p: st.integers(0, len(p)).map(lambda n: p[:n])))
-        rec = self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, lbvs)
+        before = set(p for (lay, p) in self.h.pool.residents() if lay == layer)
+        read0 = self.h.diagnostic_summary().bytes_read
+        rec = self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, lbvs, **sparse_kw(sparse))
         event(f"step: {min(len(ids), 4)}{'+' if len(ids) >= 4 else ''} pages, {'some' if rec.hits else 'no'} hits, "
-              f"{'some' if rec.promoted else 'no'} promotions")
-        self.check_step(layer, list(ids), lbvs, rec)
+              f"{'some' if rec.promoted else 'no'} promotions, {'exact' if sparse is None else 'sparse'}"
+              + (f", {'some' if rec.skipped else 'none'} skipped" if sparse else ""))
+        self.check_step(layer, list(ids), lbvs, rec, sparse)
+        attended = set(rec.attended)           # only the attended pages that were not resident are read
+        assert set(rec.misses) == attended - before and set(rec.hits) == attended & before
+        assert self.h.diagnostic_summary().bytes_read - read0 == len(rec.misses) * self.h.layout.block_bytes
 
     @precondition(lambda self: any((lay, b) not in self.valid for lay in range(LAYERS) for b in range(BLOCKS)))
     @rule(layer=st.integers(0, LAYERS - 1), data=st.data())
     def step_over_an_unreadable_page(self, layer: int, data) -> None:
+        """Exact, or sparse with the unreadable page anywhere (one it would skip too): a StoreError, nothing queued."""
         missing = [b for b in range(BLOCKS) if (layer, b) not in self.valid]
         if not missing:
             return
-        ids = self.readable(layer)[:3] + [data.draw(st.sampled_from(missing))]
-        self.nothing_queued(lambda: self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out), StoreError)
+        ids = self.readable(layer)[:3]
+        ids.insert(data.draw(st.integers(0, len(ids))), data.draw(st.sampled_from(missing)))
+        sparse = data.draw(SPARSE)
+        self.nothing_queued(lambda: self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out,
+                                                        **sparse_kw(sparse)), StoreError)
 
-    @rule(kind=st.integers(0, 8), layer=st.integers(0, LAYERS - 1))
+    @rule(kind=st.integers(0, 12), layer=st.integers(0, LAYERS - 1))
     def hostile(self, kind: int, layer: int) -> None:
         """A bad argument: an error naming it before any device work; nothing changed (the invariants)."""
         h, k, v = self.h, *self.page()
@@ -231,26 +279,32 @@ class SwapMachine(RuleBasedStateMachine):
             (lambda: h.offload_block_no_predict_on_stream(self.s, layer, 0, np.ascontiguousarray(
                 k.transpose(1, 0, 2)), v), HssError),                                                   # HND
             (lambda: h.attend_layer(self.ctx, 1.0, ids, self.q_dev, self.out), TypeError),
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, budget_pages=-1), HssError),
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, budget_pages=True), TypeError),
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, budget_pages=1, keep_recent=1.0),
+             TypeError),
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, keep_first=1), HssError),
         ]
         call, exc = cases[kind]
         if kind == 3 and not ids:
             return
         self.nothing_queued(call, exc)
 
-    @rule(layer=st.integers(0, LAYERS - 1), at=st.integers(0, 25), interrupt=st.booleans(), data=st.data())
-    def driver_fault(self, layer: int, at: int, interrupt: bool, data) -> None:
-        """A step whose ``at``-th driver call fails or is interrupted: the model does not move; a step with fewer
-        driver calls succeeds and is exact."""
+    @rule(layer=st.integers(0, LAYERS - 1), at=st.integers(0, 25), interrupt=st.booleans(), data=st.data(),
+          sparse=SPARSE)
+    def driver_fault(self, layer: int, at: int, interrupt: bool, data, sparse: tuple[int, int, int] | None) -> None:
+        """A step (exact or sparse) whose ``at``-th driver call fails or is interrupted: the model does not move; a
+        step with fewer driver calls succeeds and is exact."""
         pages = data.draw(st.permutations(self.readable(layer)))
         with driver_calls(at, interrupt) as seen:
             try:
-                rec = self.h.attend_layer(self.ctx, layer, pages, self.q_dev, self.out)
+                rec = self.h.attend_layer(self.ctx, layer, pages, self.q_dev, self.out, **sparse_kw(sparse))
             except (CudaError, KeyboardInterrupt):
                 assert len(seen) > at
                 event(f"driver fault: failed at {seen[at]}")
                 return
         event("driver fault: the step had fewer calls")
-        self.check_step(layer, list(pages), BS, rec)
+        self.check_step(layer, list(pages), BS, rec, sparse)
 
     @precondition(lambda self: self.cfg.store == "file")
     @rule(layer=st.integers(0, LAYERS - 1), at=st.integers(0, 6), data=st.data())

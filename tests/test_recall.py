@@ -105,7 +105,7 @@ def test_attention_mass_recall_by_rank(ctx, stream, record_property) -> None:
 def _check_rows(rows: list[dict]) -> None:
     """Every recall is a share in [0, 1]; the oracle keeps at least what any method keeps (per item, so its mean and
     worst decile too), with and without first/recent pages; a larger budget never keeps less."""
-    data = [r for r in rows if r.get("kind") != "meta"]
+    data = [r for r in rows if r.get("kind") is None]
     assert data
     for row in data:
         assert 0.0 <= row["p10"] <= row["mean"] + 1e-12 <= 1.0 + 1e-9, row
@@ -128,13 +128,56 @@ def test_recall_bench_smoke() -> None:
     from hss.bench import recall as bench
     rows = bench.run(bench.parse_args(["--smoke"]))
     _check_rows(rows)
-    methods = {r["method"] for r in rows if r.get("kind") != "meta"}
+    _check_swap_rows(rows, 4)
+    methods = {r["method"] for r in rows if r.get("kind") is None}
     assert methods == set(bench.ORDER)
     text = bench.table(rows)
     for words in ("recall by budget", "+F/R", "by layer group", "| calibrated +norm | 8 | 16 |", "target (calibrated",
-                  "| Quest min/max |  | 8 |"):
+                  "| Quest min/max |  | 8 |", "sparse swap mode (SPEC §17.6)", "| all | 16 | 0.500 |"):
         assert words in text, words
     assert "recall" in __import__("hss.bench.__main__", fromlist=["SUITES"]).SUITES
+
+
+def _check_swap_rows(rows: list[dict], steps: int) -> None:
+    """The sparse swap section: an all row and one per layer group; every error, mass and rate in range, the exact
+    step's error within bf16 rounding, the last sparse step of every layer replayed bitwise."""
+    swap = [r for r in rows if r.get("kind") == "swap"]
+    assert swap and swap[0]["layers"] == "all" and all(r["steps_per_layer"] == steps for r in swap)
+    assert sum(r["steps"] for r in swap[1:]) == swap[0]["steps"]
+    for r in swap:
+        assert r["replay_equal"] and 0 <= r["hit_rate"] <= 1 and 0 < r["attended"] <= 1
+        assert 0 <= r["mass_p10"] <= r["mass_mean"] <= 1 + 1e-9 and r["err_mean"] <= r["err_max"]
+        assert r["exact_err_max"] < 2 ** -7, "the exact step is float64 attention within bf16 rounding"
+        assert r["us_sparse"] > 0 and r["us_exact"] > 0
+
+
+def test_recall_swap_section_attends_what_spec_17_6_says(ctx) -> None:
+    """The sparse swap section over the smoke keys: at every decode step and layer the swap attends SPEC §17.6's pages
+    for the original predictor's scores as the recall tables compute them (``kernel_scores``: the same kernels, the
+    same masking of later keys), with budget_pages = round(f x visible) - F - R, and the mass it keeps agrees with the
+    recall rule's for those scores; a budget of every page makes each sparse step the exact step (the same errors)."""
+    from fractions import Fraction
+
+    from hss.bench import recall as bench
+    from hss.swap import SparseBudget, select_pages
+    args = bench.parse_args(["--smoke", "--swap-budget", "1/2", "--recent", "2"])
+    work = bench.synthetic_workload(args)
+    for _, layers in work.texts:
+        got = bench.swap_decode(ctx, layers, 16, args)
+        scores = bench.kernel_scores(ctx, layers, 16, args.swap_rank, args.seed, None, None)
+        for layer, res, sc in zip(layers, got, scores):
+            tot, _ = bench.truth_and_baselines(layer, 16)
+            kept = bench.recall(sc, tot, layer.positions, 16, [Fraction(1, 2)], 1, 2)["1/2", True]
+            for i, p in enumerate(layer.positions):
+                n = int(p) // 16 + 1
+                assert res["budget"][i] == max(0, max(1, round(n / 2)) - 3) == 2
+                want = select_pages(sc[i, :n], SparseBudget(res["budget"][i], 1, 2))
+                assert list(res["pages"][i]) == want.tolist(), (i, res["pages"][i], want)
+                assert np.isclose(res["mass"][i], kept[i], rtol=0, atol=2e-2)
+            assert res["steps"] == len(layer.positions) and res["replay_equal"]
+    full = bench.swap_decode(ctx, work.texts[0][1][:1], 16, bench.parse_args(["--smoke", "--swap-budget", "1"]))[0]
+    assert all(len(p) == v for p, v in zip(full["pages"], full["visible"]))
+    assert full["err_sparse"] == full["err_exact"], "a budget of every page is the exact step"
 
 
 def test_recall_selection_rules() -> None:
@@ -204,6 +247,7 @@ def test_recall_bench_on_smollm2(smollm_available) -> None:
     rows = bench.run(bench.parse_args(["--texts", "1", "--tokens", "256", "--calibration-tokens", "300", "--queries",
                                        "8", "--layers", "3,20", "--ranks", "8", "--budgets", "1/4", "1/2"]))
     _check_rows(rows)
+    _check_swap_rows(rows, 8)
     meta = rows[0]
     assert meta["layers"] == [3, 20] and meta["queries"] == 8 and len(meta["texts"]) == 1
     assert any("calibration text" in note and "300 tokens" in note for note in meta["notes"])

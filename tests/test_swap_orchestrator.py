@@ -5,7 +5,10 @@ a copy stream) gives bit for bit what in-HBM TiledAttention gives over the same 
 which each step records. Every schedule is also checked to attend every page once (the last one with its
 valid slots) and the output against float64 attention with the bf16 bound, shown to bite. Eviction is
 checked against the predictor's own scores; a missing cross-stream wait is shown to change results on the
-emulator. Both stores run everything; files go to tmp_path.
+emulator. Both stores run everything; files go to tmp_path. The sparse mode (SPEC §17.6) is checked against a
+plain-Python model of its page choice over the predictor's own scores, with the same bounds over exactly the pages it
+attends, its store reads counted, its resident set's preference for high scores, and a covering budget's bits against
+an exact step's.
 """
 from __future__ import annotations
 
@@ -715,3 +718,265 @@ def test_bench_smoke_measures_the_disk_floor(tmp_path) -> None:
     text = bench.table(rows)
     assert "FileStore step within 1.25x of its floor" in text and "HostStore step within 1.25x" in text
     assert list(tmp_path.iterdir()) == [], "the probe file and the store's files are removed"
+    # the sparse mode's rows: both query modes at each length, beside the exact HostStore step, replayed bitwise
+    sparse = [r for r in rows if "sparse" in r]
+    assert [(r["tokens"], r["sparse"]) for r in sparse] == [(n, m) for n in ("256", "512")
+                                                             for m in ("same query", "new query")]
+    for r in sparse:
+        assert r["replay_equal"] and 0 <= r["hit_rate"] <= 1 and r["skipped"] > 0 and r["ratio"] > 0
+        exact = next(x for x in rows if x.get("store") == "host" and x["tokens"] == r["tokens"])
+        assert np.isclose(r["ratio"], r["us"] / exact["us"]) and "first 1 / recent 4" in r["variant"]
+    assert "sparse step (budget 2 + first 1 / recent 4, a new query each step) within 0.2x" in text
+
+
+# -- the sparse mode (SPEC §17.6; issue 15) -------------------------------------------------------------------
+def model_attended(ids: list[int], scores: list[float], budget: int, first: int, recent: int) -> list[int]:
+    """SPEC §17.6 in plain Python: the first ``first`` and last ``recent`` pages, then the ``budget`` others ranked by
+    (score descending, earlier page first; NaN below every number), in sequence order."""
+    n = len(ids)
+    forced = set(range(min(first, n))) | set(range(max(n - recent, 0), n))
+    others = sorted((i for i in range(n) if i not in forced),
+                    key=lambda i: (np.isnan(scores[i]), 0.0 if np.isnan(scores[i]) else -scores[i], i))
+    return [ids[i] for i in sorted(forced | set(others[:budget]))]
+
+
+def predictor_scores(s: Setup, layer: int, q_dev, ids: list[int]) -> np.ndarray:
+    """The swap's predictor kernels run directly over pages 0..max(ids) of ``layer``: the scores of ``ids``."""
+    d, r = s.model, s.h.config.rank
+    n = max(ids) + 1
+    q_proj, scores = cm.DeviceBuffer(2 * d.num_q_heads * r), cm.DeviceBuffer(4 * n)
+    s.h.predictor.project_q_on_stream(s.stream, q_dev, q_proj)
+    s.h.predictor.score_layer_on_stream(s.stream, q_proj, layer, 0, n, scores)
+    got = download(scores, n, np.float32, s.stream)[ids]
+    q_proj.close()
+    scores.close()
+    return got
+
+
+def count_reads(monkeypatch, s: Setup) -> list[int]:
+    """Every page the swap's store is asked to read (prepare_reads), in order."""
+    pages: list[int] = []
+    real = s.h.store.prepare_reads
+
+    def prepare(layer, p, dsts, bounds):
+        pages.extend(np.asarray(p).tolist())
+        return real(layer, p, dsts, bounds)
+    monkeypatch.setattr(s.h.store, "prepare_reads", prepare)
+    return pages
+
+
+def check_sparse(s: Setup, layer: int, ids: list[int], q, q_dev, rec: StepRecord, got: np.ndarray, lbvs: int,
+                 sparse: tuple[int, int, int], what: str) -> list[int]:
+    """The recorded scores are the predictor's own (bitwise); the attended set is SPEC §17.6's over them, the rest
+    recorded as skipped; the tiles cover exactly the attended pages (the last page of the sequence, if attended, with
+    ``lbvs``) and equal their in-HBM replay bit for bit; the output meets the bf16 bound against float64 attention
+    over exactly those pages (and the bound bites). Returns the attended pages."""
+    direct = predictor_scores(s, layer, q_dev, ids)
+    assert np.array_equal(rec.block_scores.view(np.uint32), direct.view(np.uint32)), what
+    assert rec.block_ids.tolist() == ids and rec.sparse == sparse, what
+    want = model_attended(ids, direct.tolist(), *sparse)
+    assert list(rec.attended) == want, f"{what}: attended {rec.attended}, SPEC §17.6 says {want}"
+    assert list(rec.skipped) == [b for b in ids if b not in want], what
+    check_step(s, layer, want, q, q_dev, rec, got, lbvs if want and want[-1] == ids[-1] else s.model.block_size,
+               what)
+    return want
+
+
+@pytest.mark.parametrize("store", ["host", "file"])
+def test_sparse_step_attends_reads_and_keeps_what_spec_says(ctx, tmp_path, rng, monkeypatch, store: str) -> None:
+    """Sparse steps (various K / F / R, the last page partial) interleaved with exact ones over 24 pages in a
+    permuted order: each attends SPEC §17.6's pages and only those, reads exactly the attended pages that were not
+    resident, and leaves a resident set that prefers high scores (every resident page scores at least as well as
+    every attended page left out of it; a cold step keeps the best attended pages)."""
+    s = Setup(ctx, tmp_path, rng, store, resident_blocks=10, tile=2, max_blocks=28)     # 6 resident slots
+    ids = [int(b) for b in rng.permutation(24)]
+    s.offload(0, ids)
+    reads = count_reads(monkeypatch, s)
+    bb, R = s.h.layout.block_bytes, s.h.resident_capacity
+    plan = [(5, 1, 2), (5, 1, 2), None, (3, 0, 0), (8, 2, 1), (0, 1, 4), (7, 0, 3), None, (4, 3, 3), (0, 0, 0)]
+    sparse_steps = skipped = 0
+    for n, sparse in enumerate(plan):
+        q, q_dev = s.query()
+        before = set(p for _, p in s.h.pool.residents())
+        diag0 = s.h.diagnostic_summary()
+        del reads[:]
+        kw = dict(q_pos=23 * 16 + 6)
+        if sparse is not None:
+            kw.update(budget_pages=sparse[0], keep_first=sparse[1], keep_recent=sparse[2])
+        rec, got = s.step(0, ids, q_dev, **kw)
+        what = f"{store} step {n} {sparse}"
+        if sparse is None:
+            check_step(s, 0, ids, q, q_dev, rec, got, 7, what)
+            att = ids
+            assert rec.skipped == () and rec.sparse is None
+        else:
+            att = check_sparse(s, 0, ids, q, q_dev, rec, got, 7, sparse, what)
+            sparse_steps += 1
+            skipped += 24 - len(att)
+            assert len(att) == min(24, sparse[0] + sparse[1] + sparse[2])
+        assert sorted(reads) == sorted(set(att) - before) == sorted(rec.misses), f"{what}: only misses are read"
+        assert set(rec.hits) == set(att) & before
+        diag = s.h.diagnostic_summary()
+        assert diag.bytes_read - diag0.bytes_read == len(rec.misses) * bb
+        sc = rec.scores
+        resident = set(p for _, p in s.h.pool.residents())
+        assert resident <= set(att) | before and len(resident) == min(R, len(resident | set(att)))
+        if resident:
+            left_out = [sc[b] for b in att if b not in resident]
+            assert min(sc[b] for b in resident) >= max(left_out, default=-np.inf), f"{what}: resident set"
+        if n == 0:
+            assert resident == set(sorted(att, key=lambda b: (-sc[b], ids.index(b)))[:R]), "cold step keeps the best"
+        q_dev.close()
+    diag = s.h.diagnostic_summary()
+    assert (diag.sparse_steps, diag.skipped, diag.steps) == (sparse_steps, skipped, len(plan))
+    assert diag.hits + diag.misses == 24 * len(plan) - skipped
+    s.close()
+
+
+def test_sparse_step_with_a_covering_budget_is_the_exact_step(ctx, tmp_path, rng) -> None:
+    """Two swaps holding the same pages: steps whose budget covers every other page (K = n - F - R, and larger) give
+    the exact step's bits, tiles, hits and promotions, step after step with evictions; one page less skips exactly
+    the lowest-scoring other page."""
+    a = Setup(ctx, tmp_path / "a", rng, "host", resident_blocks=8, tile=2, max_blocks=20)
+    b = Setup(ctx, tmp_path / "b", rng, "host", resident_blocks=8, tile=2, max_blocks=20)
+    ids = [int(x) for x in rng.permutation(18)]
+    a.offload(0, ids)
+    for p in ids:
+        b.k[0, p], b.v[0, p] = a.k[0, p], a.v[0, p]
+        kdev = upload(a.k[0, p], b.stream)
+        b.h.offload_block(ctx, 0, p, kdev, a.k[0, p], a.v[0, p])
+        cm.stream_sync(b.stream)
+        kdev.close()
+    for n, (k, f, r) in enumerate([(18, 0, 0), (16, 1, 1), (17, 0, 1), (0, 9, 9), (100, 3, 2), (13, 2, 3)]):
+        q, q_dev = a.query()
+        ra, ga = a.step(0, ids, q_dev, q_pos=17 * 16 + 3)
+        rb, gb = b.step(0, ids, q_dev, q_pos=17 * 16 + 3, budget_pages=k, keep_first=f, keep_recent=r)
+        assert np.array_equal(ga.view(np.uint16), gb.view(np.uint16)), f"step {n}: not the exact step's bits"
+        assert (ra.tiles, ra.hits, ra.misses, ra.promoted, ra.evicted) == (rb.tiles, rb.hits, rb.misses, rb.promoted,
+                                                                            rb.evicted)
+        assert rb.skipped == () and rb.sparse == (k, f, r) and ra.sparse is None
+        q_dev.close()
+    assert a.h.diagnostic_summary().evictions > 0
+    q, q_dev = a.query()
+    rec, got = b.step(0, ids, q_dev, budget_pages=15, keep_first=1, keep_recent=1)   # one other page too few
+    others = ids[1:-1]
+    worst = max(others, key=lambda p: (-rec.scores[p], others.index(p)))
+    assert rec.skipped == (worst,)
+    check_sparse(b, 0, ids, q, q_dev, rec, got, 16, (15, 1, 1), "one page skipped")
+    assert b.h.diagnostic_summary().sparse_steps == 7
+    q_dev.close()
+    a.close()
+    b.close()
+
+
+def test_sparse_edge_cases(ctx, tmp_path, rng) -> None:
+    """A budget of nothing attends nothing (the empty state's zeros), F + R past the sequence attends it all, an empty
+    sequence is the exact empty step, the last page skipped leaves every attended page whole; NaN scores rank last."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=1, max_blocks=10,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = [3, 0, 7, 5, 1, 8]
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    rec, got = s.step(0, ids, q_dev, budget_pages=0)
+    assert rec.tiles == () and rec.skipped == tuple(ids) and rec.attended == () and not got.view(np.uint16).any()
+    rec, got = s.step(0, ids, q_dev, q_pos=5, budget_pages=0, keep_first=4, keep_recent=4)
+    assert rec.skipped == () and rec.attended == tuple(ids)
+    check_step(s, 0, ids, q, q_dev, rec, got, 6, "F + R past the end")
+    rec, got = s.step(0, [], q_dev, budget_pages=2, keep_recent=1)
+    assert rec.tiles == () and rec.skipped == () and not got.view(np.uint16).any()
+    rec, got = s.step(0, ids, q_dev, q_pos=9, budget_pages=2, keep_first=1)     # the last page only if it scores
+    check_sparse(s, 0, ids, q, q_dev, rec, got, 10, (2, 1, 0), "no recent page")
+    # a page whose keys are all NaN scores -inf (the predictor skips NaN dots) and is the one left out
+    s.offload(0, [7], k=np.full((16, 2, 64), np.nan, BF16))
+    rec, got = s.step(0, [3, 0, 7, 5], q_dev, budget_pages=3)
+    assert rec.scores[7] == -np.inf and rec.skipped == (7,)
+    check_sparse(s, 0, [3, 0, 7, 5], q, q_dev, rec, got, 16, (3, 0, 0), "a -inf page")
+    q_dev.close()
+    s.close()
+
+
+def test_select_pages_is_spec_17_6() -> None:
+    """select_pages against the plain-Python rule on scores with ties, -inf and NaN, every K / F / R up to past the
+    sequence; the covering budget is every page."""
+    from hss.swap import SparseBudget, select_pages
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        n = int(rng.integers(0, 12))
+        scores = rng.choice(np.array([0.0, 1.0, 2.5, -1.0, -np.inf, np.inf, np.nan, -0.0], np.float32), n)
+        for k in range(n + 2):
+            for f, r in ((0, 0), (1, 0), (0, 1), (1, 4), (3, 2), (n, 1), (2, n + 3)):
+                got = select_pages(scores, SparseBudget(k, f, r))
+                assert got.dtype == np.int64
+                assert got.tolist() == model_attended(list(range(n)), scores.tolist(), k, f, r), (scores, k, f, r)
+                assert SparseBudget(k, f, r).covers(n) == (got.size == n)
+
+
+def test_sparse_arguments_are_checked_before_any_device_work(ctx, tmp_path, rng, monkeypatch) -> None:
+    """budget_pages / keep_first / keep_recent: a non-int (bool, float, str) is a TypeError naming the parameter, a
+    negative one or keep_* without budget_pages an HssError; a page never offloaded is a StoreError even where it
+    would be skipped; all before any device work. numpy integers are taken."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=4, tile=1, max_blocks=8,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    s.offload(0, [0, 1, 2, 4])
+    q, q_dev = s.query()
+    cm.stream_sync(s.stream)
+    work = record_device_work(monkeypatch)
+    for kw, err, words in [
+        (dict(budget_pages=-1), HssError, "budget_pages = -1 must be >= 0"),
+        (dict(budget_pages=1.0), TypeError, "budget_pages must be an int, got float"),
+        (dict(budget_pages=True), TypeError, "budget_pages must be an int, got bool"),
+        (dict(budget_pages=np.bool_(False)), TypeError, "budget_pages must be an int, got bool"),
+        (dict(budget_pages="2"), TypeError, "budget_pages must be an int, got str"),
+        (dict(budget_pages=2, keep_first=-1), HssError, "keep_first = -1 must be >= 0"),
+        (dict(budget_pages=2, keep_first=False), TypeError, "keep_first must be an int, got bool"),
+        (dict(budget_pages=2, keep_recent=0.5), TypeError, "keep_recent must be an int, got float"),
+        (dict(budget_pages=2, keep_recent=-3), HssError, "keep_recent = -3 must be >= 0"),
+        (dict(budget_pages=2, keep_recent=None), TypeError, "keep_recent must be an int, got NoneType"),
+        (dict(keep_first=1), HssError, r"keep_first \(1\) and keep_recent \(0\) choose pages of the sparse mode: "
+                                       "pass budget_pages too"),
+        (dict(keep_recent=2), HssError, "pass budget_pages too"),
+        (dict(budget_pages=1, keep_first=1, keep_recent=1, ids=[0, 3, 1, 2]), StoreError,
+         r"layer 0 blocks \[3\] were never offloaded"),
+        (dict(budget_pages=1, ids=[0, 1, 0]), HssError, "seq_block_ids repeats"),
+        (dict(budget_pages=1, q_pos=-1), HssError, "q_pos must be >= 0")]:
+        ids = kw.pop("ids", [0, 1, 2])
+        with pytest.raises(err, match=words):
+            s.h.attend_layer(ctx, 0, ids, q_dev, s.out, **kw)
+        assert work == [], f"{words}: device work was queued before the error"
+    assert s.h.diagnostic_summary().steps == 0 and s.h.last_step is None
+    monkeypatch.undo()
+    rec, got = s.step(0, [0, 1, 2, 4], q_dev, budget_pages=np.int64(1), keep_first=np.uint8(1),
+                      keep_recent=np.int16(1))
+    assert rec.sparse == (1, 1, 1) and type(rec.sparse.budget_pages) is int and len(rec.skipped) == 1
+    check_sparse(s, 0, [0, 1, 2, 4], q, q_dev, rec, got, 16, (1, 1, 1), "numpy ints")
+    q_dev.close()
+    s.close()
+
+
+def test_a_sparse_step_failing_after_its_score_wait_leaves_the_next_exact(ctx, tmp_path, rng, monkeypatch) -> None:
+    """A sparse step that fails after the host waited for its scores (in the page choice, then in its tiles): the
+    pool keeps only pages whose copies were queued and the next steps, sparse and exact, are exact."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=1, max_blocks=12,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = list(range(10))
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    from hss.swap import orchestrator
+
+    def broken(*a, **kw):
+        raise HssError("injected")
+
+    for obj, name in ((orchestrator, "select_pages"), (s.h._timer, "begin")):
+        monkeypatch.setattr(obj, name, broken)
+        with pytest.raises(HssError, match="injected"):
+            s.step(0, ids, q_dev, budget_pages=4, keep_first=1, keep_recent=1)
+        monkeypatch.undo()
+        for sparse in ((4, 1, 1), None, (3, 0, 2)):
+            kw = {} if sparse is None else dict(budget_pages=sparse[0], keep_first=sparse[1], keep_recent=sparse[2])
+            rec, got = s.step(0, ids, q_dev, **kw)
+            if sparse is None:
+                check_step(s, 0, ids, q, q_dev, rec, got, 16, f"exact after a failed sparse step ({name})")
+            else:
+                check_sparse(s, 0, ids, q, q_dev, rec, got, 16, sparse, f"after a failed sparse step ({name})")
+    q_dev.close()
+    s.close()

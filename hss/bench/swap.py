@@ -21,11 +21,19 @@ all in one run:
   the resident set settled), hit rate, bytes read, device stall on reads, and the floor
   max(non-resident bytes / H2D bandwidth, all K+V bytes / copy bandwidth) -- for the FileStore also
   non-resident bytes / the best disk bandwidth. The last timed step's recorded tile schedule is replayed with
-  in-HBM tiled attention: the outputs must agree bit for bit.
+  in-HBM tiled attention: the outputs must agree bit for bit;
+* the sparse swap mode (SPEC §17.6) on the HostStore swap, right after its exact steps: ``--sparse-steps``
+  consecutive steps attending the first ``--keep-first`` and last ``--keep-recent`` pages plus ``--budget`` of the
+  pages by predictor score, with the exact step's query every step (the resident set settles on what the query
+  picks) and with a new random query every step (the worst case for the resident set: random keys make each
+  query's picks independent). Per row: host wall time per step and its ratio to the exact HostStore step, hit rate,
+  pages read, pages attended, the last step's output against the exact step's for the same query (relative L2:
+  random keys spread attention evenly, so this measures nothing about quality; see ``python -m hss.bench
+  recall``), and the last step's tiles replayed in HBM (bitwise).
 
 Targets (printed with met / not met): in-HBM tiled attention >= 50 % of copy bandwidth at 32K; HostStore and
-FileStore steps within 1.25x of their floors. FileStore reads go through the page cache unless the store runs
-O_DIRECT (shown).
+FileStore steps within 1.25x of their floors; the sparse step (1/8 budget, a new query every step) at 32K within
+0.2x of the exact HostStore step. FileStore reads go through the page cache unless the store runs O_DIRECT (shown).
 """
 from __future__ import annotations
 
@@ -43,9 +51,10 @@ from typing import Any
 import numpy as np
 
 SMOKE = dict(tokens="256,512", num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tile=2, iters=1, warmup=1,
-             disk_threads="1,2", disk_sizes="64K,256K")
+             disk_threads="1,2", disk_sizes="64K,256K", sparse_steps=4)
 TARGET_ATTN = 0.5      # in-HBM tiled attention bandwidth / copy bandwidth at 32K
 TARGET_FLOOR = 1.25    # HostStore and FileStore step time / floor
+TARGET_SPARSE = 0.2    # sparse step (1/8 budget, a new query each step) / exact HostStore step at 32K
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CHUNK = 4 << 20       # the disk probe's write size
 
@@ -74,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disk-sizes", default="256K,1M,4M", help="request sizes of the disk read probe")
     p.add_argument("--dir", default=None, help="where FileStore puts its layer file (default: a temp dir)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--budget", type=float, default=0.125, help="sparse mode: budget_pages as a fraction of the pages "
+                                                               "(0: no sparse rows)")
+    p.add_argument("--keep-first", type=int, default=1, help="sparse mode: first pages always attended")
+    p.add_argument("--keep-recent", type=int, default=4, help="sparse mode: last pages always attended")
+    p.add_argument("--sparse-steps", type=int, default=64, help="sparse mode: consecutive timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: a code-path check")
@@ -292,7 +306,8 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
             rows.append(row(r["variant"], r["us"], r["GB/s"], r["check"]))
         step = functools.partial(_swap_step, args, ctx, k=k, v=v, k_dev=k_dev, v_dev=v_dev, q_dev=q_dev,
                                  kv_bytes=kv_bytes, h2d_bw=h2d_bw, copy_bw=copy_bw, row=row)
-        rows.append(step(store="host"))
+        host = step(store="host", sparse=args.budget > 0)
+        rows += [host, *host.pop("sparse_rows", [])]
         with tempfile.TemporaryDirectory(prefix="hss-swap-", dir=args.dir) as tmp:
             disk_row = _disk_row(args, tmp, pages, nkv, bs, hd, row)
             rows += [disk_row, step(store="file", directory=tmp, disk=disk_row["disk"])]
@@ -341,10 +356,11 @@ def _sdpa_rows(args: argparse.Namespace, stream: int, q: np.ndarray, k: np.ndarr
 
 def _swap_step(args: argparse.Namespace, ctx: Any, *, store: str, k: np.ndarray, v: np.ndarray, k_dev: Any,
                v_dev: Any, q_dev: Any, kv_bytes: int, h2d_bw: float, copy_bw: float, row: Any,
-               directory: str | None = None, disk: dict | None = None) -> dict:
+               directory: str | None = None, disk: dict | None = None, sparse: bool = False) -> dict:
     """Offload every page, settle the resident set, time ``args.iters`` steps, replay the last schedule. A FileStore
     (``directory``) reads with ``disk``'s best threads and request size (unless --qd / --run-cap) and its floor also
-    counts the bytes read at ``disk``'s best bandwidth."""
+    counts the bytes read at ``disk``'s best bandwidth. ``sparse``: then the sparse mode's rows (:func:`_sparse_rows`)
+    under the row's ``sparse_rows``."""
     from hss import cuda_min as cm
     from hss.bench._timer import Case, host_us
     from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims
@@ -392,12 +408,82 @@ def _swap_step(args: argparse.Namespace, ctx: Any, *, store: str, k: np.ndarray,
                 f"{(after.host_read_ms - before.host_read_ms) / n * 1e3:.0f} us, floor {floor_us:.0f} us ({bound}; "
                 + ", ".join(f"{k} {v:.0f}" for k, v in floors.items() if k != bound)
                 + f") = {us / floor_us:.2f}x, replay {'bitwise equal' if same else 'DIFFERS'}")
-        return dict(row(f"HighSpeedSwap step, {kind} store, {resident} resident + 2 x {tile} streamed", us,
-                        kv_bytes / us / 1e3, note), store=store, floor_us=floor_us, floor_bound=bound,
-                    replay_equal=same)
+        result = dict(row(f"HighSpeedSwap step, {kind} store, {resident} resident + 2 x {tile} streamed", us,
+                          kv_bytes / us / 1e3, note), store=store, floor_us=floor_us, floor_bound=bound,
+                      replay_equal=same)
+        if sparse:
+            result["sparse_rows"] = _sparse_rows(args, ctx, h, ids, k_dev, v_dev, q_dev, out, us, row)
+        return result
     finally:
         out.close()
         h.close()
+
+
+def _sparse_rows(args: argparse.Namespace, ctx: Any, h: Any, ids: np.ndarray, k_dev: Any, v_dev: Any, q_dev: Any,
+                 out: Any, exact_us: float, row: Any) -> list[dict]:
+    """The sparse mode on ``h`` (its exact steps done, ``out`` holding the exact output for ``q_dev``): per query mode
+    (the exact step's query every step; a new one each step) 2 untimed steps, then ``args.sparse_steps`` timed ones
+    (host wall time, sync included)."""
+    import ml_dtypes
+
+    from hss import cuda_min as cm
+    from hss.bench._timer import Case, host_us, rotating
+    d, stream = h.model, ctx.stream
+    pages = int(ids.size)
+    budget = dict(budget_pages=int(round(args.budget * pages)), keep_first=args.keep_first,
+                  keep_recent=args.keep_recent)
+    n = max(1, args.sparse_steps)
+    rng = np.random.default_rng(pages + 1)
+    queries = [cm.DeviceBuffer(2 * d.num_q_heads * d.head_dim) for _ in range(n + 2)]
+    mine = cm.DeviceBuffer(2 * d.num_q_heads * d.head_dim)
+    exact = np.empty((d.num_q_heads, d.head_dim), ml_dtypes.bfloat16)
+    cm.copy_d_to_h_async(exact, out, exact.nbytes, stream)
+    rows = []
+    try:
+        for buf in queries:
+            q = _data(rng, (1, d.num_q_heads, d.head_dim), 1.0)
+            cm.copy_h_to_d_async(buf, q, q.nbytes, stream)
+        cm.stream_sync(stream)
+        for mode in ("same query", "new query"):
+            query = (lambda i: q_dev) if mode == "same query" else (lambda i: queries[i % len(queries)])
+            records = []
+
+            def step(i: int) -> None:
+                records.append(h.attend_layer(ctx, 0, ids, query(i), mine, **budget))
+            for i in range(2):
+                step(i)
+            cm.stream_sync(stream)
+            before = h.diagnostic_summary()
+            us = host_us({"step": Case(rotating(step, 2), lambda: cm.stream_sync(stream))}, batch=n, batches=1,
+                         warmup=0, timed_sync=True)["step"].us
+            after = h.diagnostic_summary()
+            rec = records[-1]
+            last_q = query(n + 1)
+            h.attend_layer(ctx, 0, ids, last_q, out)                  # the exact step of the last query
+            got, want = (np.empty((d.num_q_heads, d.head_dim), ml_dtypes.bfloat16) for _ in range(2))
+            cm.copy_d_to_h_async(got, mine, got.nbytes, stream)
+            cm.copy_d_to_h_async(want, out, want.nbytes, stream)
+            cm.stream_sync(stream)
+            g, w = got.astype(np.float64), want.astype(np.float64)
+            err = float(np.linalg.norm(g - w) / (np.linalg.norm(w) or 1.0))
+            h.attend_layer(ctx, 0, ids, last_q, mine, **budget)       # the sparse step again: replay it in HBM
+            same = _replay_matches(ctx, h, h.last_step, k_dev, v_dev, last_q, mine)
+            hits, misses = after.hits - before.hits, after.misses - before.misses
+            read = (after.bytes_read - before.bytes_read) / n
+            attended = (hits + misses) / n
+            rate = hits / (hits + misses) if hits + misses else 0.0
+            note = (f"{exact_us and us / exact_us:.3f}x the exact HostStore step; hit rate {rate:.3f}; "
+                    f"{attended:.0f} of {pages} pages attended, {misses / n:.0f} read ({read / 2**20:.1f} MiB); last "
+                    f"step vs the exact step: rel. L2 {err:.3g}; replay {'bitwise equal' if same else 'DIFFERS'}")
+            rows.append(dict(row(f"sparse step ({mode}), budget {budget['budget_pages']} + first "
+                                 f"{args.keep_first} / recent {args.keep_recent}", us, read / us / 1e3, note),
+                             sparse=mode, ratio=us / exact_us if exact_us else float("nan"), hit_rate=rate,
+                             replay_equal=same, skipped=len(rec.skipped)))
+        return rows
+    finally:
+        cm.stream_sync(stream)
+        for buf in [*queries, mine]:
+            buf.close()
 
 
 def _replay_matches(ctx: Any, h: Any, rec: Any, k_dev: Any, v_dev: Any, q_dev: Any, out: Any) -> bool:
@@ -450,9 +536,21 @@ def table(rows: list[dict]) -> str:
             name = "HostStore" if r["store"] == "host" else "FileStore"
             lines.append(f"- target: {name} step within {TARGET_FLOOR}x of its floor ({r['floor_bound']}) at "
                          f"{r['tokens']}: {x:.2f}x -> {'met' if x <= TARGET_FLOOR else 'not met'}")
+    for r in rows:
+        if r.get("sparse") == "new query":
+            x = r["ratio"]
+            lines.append(f"- target: sparse step (budget {args_budget(r)}, a new query each step) within "
+                         f"{TARGET_SPARSE}x of the exact HostStore step at {r['tokens']}: {x:.3f}x -> "
+                         f"{'met' if x <= TARGET_SPARSE else 'not met'}" + ("" if r["tokens"] == "32K" else
+                                                                            " (the target is set at 32K)"))
     if any(r.get("replay_equal") is False for r in rows):
         lines.append("- CHECK FAILED: a streamed step differs from its in-HBM replay")
     return "\n".join(lines)
+
+
+def args_budget(r: dict) -> str:
+    """The budget words of a sparse row's variant ('budget K + first F / recent R')."""
+    return r["variant"].split("budget ", 1)[1]
 
 
 def main(argv: list[str] | None = None) -> int:

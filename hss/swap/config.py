@@ -200,7 +200,8 @@ class HighSpeedSwapDiagnostic:
     (streamed pages copied into the resident set), ``evictions`` (resident pages replaced),
     ``read_stall_ms`` (device time the attention stream waited for reads), ``host_read_ms`` (host time in
     store reads: planning and checking a step's reads, issuing them, file I/O, bounce waits),
-    ``score_wait_ms`` (host time blocked on the predictor scores event).
+    ``score_wait_ms`` (host time blocked on the predictor scores event), ``sparse_steps`` (steps in the sparse
+    mode, SPEC §17.6) and ``skipped`` (pages those steps did not attend; hits and misses count attended pages).
     """
 
     num_layers: int
@@ -222,6 +223,8 @@ class HighSpeedSwapDiagnostic:
     read_stall_ms: float = 0.0
     host_read_ms: float = 0.0
     score_wait_ms: float = 0.0
+    sparse_steps: int = 0
+    skipped: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -31,6 +31,14 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
 5. The step's last tile also writes ``out`` (the bits ``finalize`` would write; a step with no page
    finalizes the empty state instead); ``s`` records ``step_done``.
 
+The **sparse mode** (SPEC §17.6; ``budget_pages=K, keep_first=F, keep_recent=R``, opt in: exact stays the default)
+attends only the first F and last R pages plus the K others that score best. Its step checks that every page is
+readable, then on ``s`` (after ``step_done``; ``go`` as above) queues the scores and the host waits for them at
+once; it picks the pages (:func:`~hss.swap.sparse.select_pages`), records this query's scores for the resident
+pages it skips (so they are the first victims when they score low), and runs 1-5 above over the pages picked
+(hits = those resident; only the picked misses are read, then promoted best score first). A budget covering every
+other page is the exact step: the same code path, the same bits.
+
 Every tile is recorded (:class:`StepRecord`): the ordered slots, the block ids they hold and the
 last_block_valid_slots each tile was applied with. Replaying the same block ids in the same tiles with
 in-HBM :class:`~hss.attention.TiledAttention` gives the same bits (a tile's result depends only on its token list).
@@ -39,11 +47,13 @@ last_block_valid_slots.
 
 Nothing else synchronizes the host, except as documented: FileStore reads (pread, and reusing a bounce page
 only after its copy ran), HostStore writes (wait for queued reads of the bytes they replace), a step after one
-that failed before its score wait (waits for that step's table upload), and ``diagnostic_summary`` (waits for
+that failed before its score wait and an exact step after a sparse one (each waits for that step's table
+upload), and ``diagnostic_summary`` (waits for
 the stall timers of issued steps). One instance is used from one thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -61,7 +71,8 @@ from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSw
 from hss.swap.eviction import EvictionPolicy
 from hss.swap.layout import GroupLayout
 from hss.swap.pool import ScratchPool
-from hss.swap.stores import BackingStore, FileStore, HostStore, StoreError
+from hss.swap.sparse import SparseBudget, select_pages, sparse_budget
+from hss.swap.stores import BackingStore, FileStore, HostStore, PreparedReads, StoreError
 
 __all__ = ["HighSpeedSwap", "StepRecord", "TileRecord"]
 
@@ -79,7 +90,11 @@ class TileRecord(NamedTuple):
 class StepRecord:
     """What one ``attend_layer`` did: its tiles in launch order, the predictor score of each block, the hits
     and misses, and the promotions ((block id, resident slot)) and evictions (((layer, page), slot)) in decision
-    order: the best-scoring miss first, the first-ranked (lowest score, least recent) victim first."""
+    order: the best-scoring miss first, the first-ranked (lowest score, least recent) victim first.
+
+    A sparse step (SPEC §17.6) also records its arguments (``sparse``; None for an exact step) and the blocks it
+    did not attend (``skipped``, sequence order); hits and misses are of the attended blocks, and ``block_ids`` /
+    ``block_scores`` cover every block of the step, attended or not."""
     layer: int
     tiles: tuple[TileRecord, ...]
     hits: tuple[int, ...]
@@ -88,11 +103,32 @@ class StepRecord:
     evicted: tuple[tuple[tuple[int, int], int], ...]
     block_ids: np.ndarray = field(repr=False)        # the step's seq_block_ids
     block_scores: np.ndarray = field(repr=False)     # f32 predictor score of each
+    skipped: tuple[int, ...] = ()
+    sparse: SparseBudget | None = None
 
     @functools.cached_property
     def scores(self) -> dict[int, float]:
         """{block id: predictor score} of the step's blocks."""
         return dict(zip(self.block_ids.tolist(), self.block_scores.tolist()))
+
+    @property
+    def attended(self) -> tuple[int, ...]:
+        """The blocks attended, in sequence order (every block of an exact step)."""
+        if not self.skipped:
+            return tuple(self.block_ids.tolist())
+        skipped = set(self.skipped)
+        return tuple(b for b in self.block_ids.tolist() if b not in skipped)
+
+
+class _Plan(NamedTuple):
+    """A step's hits and misses over the pages it attends, its streamed tile count and its reads."""
+    slots: np.ndarray         # each page's resident slot, -1 where not resident
+    hit_pos: np.ndarray
+    miss_pos: np.ndarray
+    miss_ids: np.ndarray
+    streamed_tiles: int
+    reads: PreparedReads
+    last_is_hit: bool
 
 
 class _StallTimer:
@@ -147,6 +183,11 @@ def _missing_dirs(path: Path) -> list[Path]:
         out.append(path)
         path = path.parent
     return out
+
+
+def _never_offloaded(layer: int, pages: np.ndarray) -> StoreError:
+    return StoreError(f"layer {layer} blocks {pages[:8].tolist()} were never offloaded (or their last write failed): "
+                      "offload_block them before attending", pages)
 
 
 def _owned_ranges(h: HighSpeedSwap) -> _args.OwnedRanges:
@@ -276,7 +317,8 @@ class HighSpeedSwap:
         self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
         self._stepped = False
         self.last_step: StepRecord | None = None
-        self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0)
+        self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0, sparse_steps=0,
+                       skipped=0)
         self._host_read = self._score_wait = 0.0
 
     def _own(self, obj: Any) -> Any:
@@ -407,10 +449,12 @@ class HighSpeedSwap:
 
     # -- attention -------------------------------------------------------------------------------
     def attend_layer(self, ctx: cm.CudaCtx, layer: int, seq_block_ids: Any, q_dev: Any, out_dev: Any,
-                     last_block_valid_slots: int | None = None, *, q_pos: int | None = None) -> StepRecord:
+                     last_block_valid_slots: int | None = None, *, q_pos: int | None = None,
+                     budget_pages: int | None = None, keep_first: int = 0, keep_recent: int = 0) -> StepRecord:
         """:meth:`attend_layer_on_stream` on ``ctx.stream``."""
         return self.attend_layer_on_stream(_args.stream(ctx, "ctx"), layer, seq_block_ids, q_dev, out_dev,
-                                           last_block_valid_slots, q_pos=q_pos)
+                                           last_block_valid_slots, q_pos=q_pos, budget_pages=budget_pages,
+                                           keep_first=keep_first, keep_recent=keep_recent)
 
     def attend_layer_on_stream_with_q_pos(self, stream: Any, layer: int, seq_block_ids: Any, q_dev: Any,
                                           out_dev: Any, last_block_valid_slots: int) -> StepRecord:
@@ -418,8 +462,9 @@ class HighSpeedSwap:
         return self.attend_layer_on_stream(stream, layer, seq_block_ids, q_dev, out_dev, last_block_valid_slots)
 
     def attend_layer_on_stream(self, stream: Any, layer: int, seq_block_ids: Any, q_dev: Any, out_dev: Any,
-                               last_block_valid_slots: int | None = None, *,
-                               q_pos: int | None = None) -> StepRecord:
+                               last_block_valid_slots: int | None = None, *, q_pos: int | None = None,
+                               budget_pages: int | None = None, keep_first: int = 0,
+                               keep_recent: int = 0) -> StepRecord:
         """Exact attention of one decode query over the pages ``seq_block_ids`` of ``layer`` (see the module
         docstring for the queue order); returns (and keeps as :attr:`last_step`) the step's record.
 
@@ -431,43 +476,112 @@ class HighSpeedSwap:
         tables), nor out_dev q_dev. Waits on the host for the predictor scores; otherwise asynchronous on
         ``stream``. A step that fails part way (a read error, a driver error, an interrupt) changes no page: the
         pool keeps only resident pages whose copies were queued, and the next step is exact.
+
+        The sparse mode (SPEC §17.6; opt in with ``budget_pages``, an int >= 0): the step attends the first
+        ``keep_first`` and the last ``keep_recent`` pages of ``seq_block_ids`` plus the ``budget_pages`` others with
+        the highest predictor scores (ties to the earlier page, NaN last), in sequence order, and reads only those
+        of them that are not resident: exact attention over exactly those pages (the last page keeps its valid
+        slots if attended). It waits for the scores before queueing any read; the record says what it skipped. A
+        budget covering every other page is the exact step, bits included.
         """
         self._live()
         s = _args.stream(stream)
         layer = self._layer(layer)
         ids = self._seq_ids(seq_block_ids)
         lbvs = self._lbvs(last_block_valid_slots, q_pos)
-        d = self.model
-        rowbytes = 2 * d.num_q_heads * d.head_dim
+        sparse = sparse_budget(budget_pages, keep_first, keep_recent)
+        rowbytes = 2 * self.model.num_q_heads * self.model.head_dim
         with _args.deferred_joins():
             q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
             self._mine.check(q, rowbytes, "q_dev", "this HighSpeedSwap")
             self._mine.check(out, rowbytes, "out_dev", "this HighSpeedSwap")
             _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
+        if sparse is not None and not sparse.covers(ids.size):
+            rec = self._sparse_step(s, layer, ids, q, out, lbvs, sparse)
+        else:
+            rec = self._step(s, layer, ids, q, out, lbvs, self._plan(layer, ids), None)
+            if sparse is not None:
+                rec = dataclasses.replace(rec, sparse=sparse)
+                self._n["sparse_steps"] += 1
+        self.last_step = rec
+        return rec
+
+    def _sparse_step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int,
+                     sparse: SparseBudget) -> StepRecord:
+        """The sparse step (SPEC §17.6): the scores first (the host waits), then :meth:`_step` over the pages
+        chosen. Every page must be readable, checked before any device work like the exact step's reads."""
+        missing = self.store.missing_pages(layer, ids)
+        if missing.size:
+            raise _never_offloaded(layer, missing)
+        self._begin(s)
+        try:
+            self._queue_scores(s, layer, q, ids)
+            self._ev_scores.record(s)
+            scores = self._wait_scores(ids)
+            keep = select_pages(scores, sparse)
+            skip = np.ones(ids.size, dtype=bool)
+            skip[keep] = False
+            slots = self.pool.lookup_many(layer, ids[skip])
+            held = slots >= 0      # resident pages not attended rank by this query's scores too (never touched)
+            self.eviction.record_scores(slots[held], scores[skip][held])
+            att = ids[keep]
+            plan = self._plan(layer, att)
+        except BaseException:
+            self._end(s)
+            raise
+        last = bool(keep.size) and int(keep[-1]) == ids.size - 1
+        rec = self._step(s, layer, att, q, out, lbvs if last else self.model.block_size, plan, scores[keep])
+        self._n["sparse_steps"] += 1
+        self._n["skipped"] += int(skip.sum())
+        ids.setflags(write=False)
+        scores.setflags(write=False)
+        return dataclasses.replace(rec, block_ids=ids, block_scores=scores, skipped=tuple(ids[skip].tolist()),
+                                   sparse=sparse)
+
+    def _plan(self, layer: int, ids: np.ndarray) -> _Plan:
+        """Hits, misses, streamed tiles and every read of a step over ``ids``, checked (StoreError naming pages
+        never offloaded) and planned: the step's loop only issues them."""
         slots = self.pool.lookup_many(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)
-        T, bs, m = self.tile_blocks, d.block_size, int(miss_pos.size)
+        m, T = int(miss_pos.size), self.tile_blocks
         ns = -(-m // T)                                      # streamed tiles: the misses in sequence order
         miss_ids = ids[miss_pos]
         t0 = time.perf_counter()
         bounds = self._tile_bounds[:ns + 1].copy()
         bounds[-1] = m
-        try:   # checks every read of the step and plans its transfers: the loop below only issues them
+        try:
             reads = self.store.prepare_reads(layer, miss_ids, self._stream_dsts[:m], bounds)
         except StoreError as exc:
             if exc.pages is None:
                 raise
-            raise StoreError(f"layer {layer} blocks {exc.pages[:8].tolist()} were never offloaded (or their last "
-                             "write failed): offload_block them before attending", exc.pages) from None
+            raise _never_offloaded(layer, exc.pages) from None
         self._host_read += time.perf_counter() - t0
-        c = self.copy_stream.handle
+        return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]))
+
+    def _begin(self, s: int) -> None:
+        """Order the step after the previous one on ``s`` and the copy stream after ``s`` (the stream buffers may
+        still be read by the previous step)."""
         if self._stepped:
             cm.stream_wait_event(s, self._ev_step_done)
         self._ev_go.record(s)
-        cm.stream_wait_event(c, self._ev_go)
+        cm.stream_wait_event(self.copy_stream.handle, self._ev_go)
+
+    def _end(self, s: int) -> None:
+        self._ev_step_done.record(s)
+        self._stepped = True
+
+    def _step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int, plan: _Plan,
+              known: np.ndarray | None) -> StepRecord:
+        """Attend the pages ``ids`` (sequence order) as ``plan`` says. ``known`` None: the exact step (the module
+        doc: reads and the score work queued before the host waits for the scores); else the sparse step's tiles,
+        begun by the caller, with ``known`` the scores of ``ids``."""
+        slots, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit = plan
+        bs, m = self.model.block_size, int(miss_pos.size)
+        c = self.copy_stream.handle
+        if known is None:
+            self._begin(s)
         first = 1 if hit_pos.size else 0                    # the resident tile, if any, is row 0
-        last_is_hit = bool(ids.size) and bool(hit[-1])
         ta, cap = self.attn, self.attn.dims.tile_capacity
         kp, vp, blk, tok, kvh = self._operands
         tables, counts = self._tables_dev, self._counts_dev
@@ -500,7 +614,8 @@ class HighSpeedSwap:
             for i in range(min(2, ns)):     # the first reads run while the host queues and waits for the scores
                 read(i)
             if ids.size:
-                self._queue_scores(s, layer, q, ids)
+                if known is None:
+                    self._queue_scores(s, layer, q, ids)
                 self._upload_tables(s, slots[hit_pos], first, ns, m)
                 self._ev_scores.record(s)   # covers the table upload: the next step may refill the pinned tables
             ta.begin_step(s, 1)
@@ -508,16 +623,16 @@ class HighSpeedSwap:
                 attend(0, lbvs if last_is_hit else bs)
             if ns:
                 attend_streamed(0)
-            scores = self._wait_scores(ids)
+            scores = self._wait_scores(ids) if known is None else known
             if hit_pos.size:
                 self.eviction.record_scores(slots[hit_pos], scores[hit_pos])
                 self.eviction.touch_many(slots[hit_pos])
-            plan = self._plan_promotions(scores, miss_pos, miss_ids)
+            plan_p = self._plan_promotions(scores, miss_pos, miss_ids)
             pool, bb = self.pool, self.layout.block_bytes
             for i in range(ns):
                 if i:
                     attend_streamed(i)
-                for src, slot, rank, block, score in plan.get(i, ()):   # after the tile's attention, before done
+                for src, slot, rank, block, score in plan_p.get(i, ()):   # after the tile's attention, before done
                     cm.copy_d_to_d_async(pool.ptr + slot * bb, src, bb, s)
                     old = pool.put((layer, block), slot)
                     self.eviction.record_score(slot, score)
@@ -531,8 +646,7 @@ class HighSpeedSwap:
             if not first + ns:   # no tile: the output of the empty state
                 ta.finalize(s, out, 1)
         finally:
-            self._ev_step_done.record(s)
-            self._stepped = True
+            self._end(s)
             n["promotions"] += len(promoted)
             n["evictions"] += len(evicted)
         self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
@@ -543,10 +657,8 @@ class HighSpeedSwap:
         n["misses"] += m
         ids.setflags(write=False)
         scores.setflags(write=False)
-        self.last_step = StepRecord(layer, tiles, tuple(ids[hit_pos].tolist()), tuple(miss_ids.tolist()),
-                                    tuple(p[1:] for p in sorted(promoted)), tuple(e[1:] for e in sorted(evicted)),
-                                    ids, scores)
-        return self.last_step
+        return StepRecord(layer, tiles, tuple(ids[hit_pos].tolist()), tuple(miss_ids.tolist()),
+                          tuple(p[1:] for p in sorted(promoted)), tuple(e[1:] for e in sorted(evicted)), ids, scores)
 
     def _queue_scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> None:
         """Queue the predictor scores of pages 0..max(ids) and their copy into pinned host memory on ``s``."""
