@@ -57,10 +57,10 @@ class Setup:
     """A HighSpeedSwap plus the host truth: k, v bf16 [layers, max_blocks, bs, nkv, hd] of every offloaded page."""
 
     def __init__(self, ctx, tmp_path, rng, store: str, direct=None, *, layers: int = 1, max_blocks: int = 40,
-                 resident_blocks: int = 8, tile: int = 2, dims: dict = ORIGINAL, rank: int = 32) -> None:
+                 resident_blocks: int = 8, tile: int = 2, dims: dict = ORIGINAL, rank: int = 32, **cfg) -> None:
         self.ctx, self.stream, self.rng = ctx, ctx.stream, rng
         self.cfg = HighSpeedSwapConfig(tmp_path / f"kv-{store}", 1 << 36, resident_blocks, rank, 2, False, SEED,
-                                       store=store, stream_tile_blocks=tile, direct=direct)
+                                       store=store, stream_tile_blocks=tile, direct=direct, **cfg)
         self.model = ModelDims(layers, max_blocks, **dims)
         self.h = HighSpeedSwap(ctx, self.cfg, self.model)
         d = self.model
@@ -980,3 +980,32 @@ def test_a_sparse_step_failing_after_its_score_wait_leaves_the_next_exact(ctx, t
                 check_sparse(s, 0, ids, q, q_dev, rec, got, 16, sparse, f"after a failed sparse step ({name})")
     q_dev.close()
     s.close()
+
+
+def test_a_projection_per_layer_reaches_the_predictor(ctx, tmp_path, rng) -> None:
+    """``HighSpeedSwapConfig(projection=)`` builds the swap's predictor with that P per layer and kv head (``project_q``
+    gets the step's layer): the seeded P repeated everywhere gives the default swap's scores and output bits; another
+    P gives other scores; ``head_temperature`` reaches the predictor."""
+    base = Setup(ctx, tmp_path / "a", np.random.default_rng(5), "host", layers=2, max_blocks=12)
+    d = base.model
+    p = np.broadcast_to(base.h.predictor.projection, (2, d.num_kv_heads, d.head_dim, 32)).copy()
+    same = Setup(ctx, tmp_path / "b", np.random.default_rng(5), "host", layers=2, max_blocks=12, projection=p)
+    assert same.h.predictor.layered and not base.h.predictor.layered
+    other_p = p.copy()
+    other_p[1] = other_p[1, :, ::-1]   # layer 1: the head dims reversed
+    other = Setup(ctx, tmp_path / "c", np.random.default_rng(5), "host", layers=2, max_blocks=12, projection=other_p,
+                  head_temperature=8.0)
+    assert other.h.predictor.head_temperature == 8.0
+    q_dev = upload(randn(rng, (d.num_q_heads, d.head_dim), 1.0), base.stream)   # the setups' rngs stay in step
+    for s in (base, same, other):
+        for layer in (0, 1):
+            s.offload(layer, list(range(12)))
+    for layer in (0, 1):
+        (ra, oa), (rb, ob) = base.step(layer, list(range(12)), q_dev), same.step(layer, list(range(12)), q_dev)
+        assert np.array_equal(ra.block_scores.view(np.uint32), rb.block_scores.view(np.uint32))
+        assert np.array_equal(oa.view(np.uint16), ob.view(np.uint16))
+    rc, _ = other.step(1, list(range(12)), q_dev)
+    assert not np.array_equal(rc.block_scores, ra.block_scores)
+    q_dev.close()
+    for s in (base, same, other):
+        s.close()

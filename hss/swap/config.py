@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hss import _args
 from hss.errors import HssError
@@ -30,7 +31,10 @@ class HighSpeedSwapConfig:
     ``stream_tile_blocks``: pages per streamed tile T; the scratch is ``resident_blocks - 2*T`` resident
     slots plus a double buffer of 2*T slots (default T = max(1, resident_blocks // 4)); ``direct``: the
     FileStore's O_DIRECT choice (None: where the filesystem allows it); ``run_cap_bytes``: the FileStore's largest
-    read (consecutive pages in one pread; default 1 MiB; at least one page is read at a time).
+    read (consecutive pages in one pread; default 1 MiB; at least one page is read at a time); ``projection``: the
+    predictor's P per layer and kv head (bf16 ``[num_layers, num_kv_heads, head_dim, rank]``, e.g. from
+    :func:`hss.calibrate.calibrate_projection`; None: the seeded P of ``projection_seed``); ``head_temperature``: the
+    predictor's per-head normalised scores (SPEC §17.5; None: max over heads).
     """
 
     dir: str | os.PathLike
@@ -44,6 +48,8 @@ class HighSpeedSwapConfig:
     stream_tile_blocks: int | None = None
     direct: bool | None = None
     run_cap_bytes: int = 1 << 20
+    projection: Any = field(default=None, compare=False, repr=False)
+    head_temperature: float | None = None
 
     def __post_init__(self) -> None:
         _args.int_fields(self)      # numpy integers become Python ints; float, bool, str: TypeError naming the field

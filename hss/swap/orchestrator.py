@@ -265,7 +265,9 @@ class HighSpeedSwap:
                                         reserved_slots=2 * T, ctx=ctx))
             pdims = PredictorDims(model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
                                   cfg.rank, model.block_size, model.max_blocks_per_layer)
-            self.predictor = own(Predictor.new_on_stream(stream, pdims, cfg.projection_seed))
+            seed = cfg.projection_seed if cfg.projection is None else None
+            self.predictor = own(Predictor.new_on_stream(stream, pdims, seed, projection=cfg.projection,
+                                                         head_temperature=cfg.head_temperature))
             cap = max(R, T)
             self.attn = own(TiledAttention(ctx, TiledAttentionDims(1, model.num_q_heads, model.num_kv_heads,
                                                                    model.head_dim, model.block_size, cap)))
@@ -663,7 +665,7 @@ class HighSpeedSwap:
     def _queue_scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> None:
         """Queue the predictor scores of pages 0..max(ids) and their copy into pinned host memory on ``s``."""
         n = int(ids.max()) + 1
-        self.predictor.project_q_on_stream(s, q, self._q_proj)
+        self.predictor.project_q_on_stream(s, q, self._q_proj, layer=layer)
         self.predictor.score_layer_on_stream(s, self._q_proj, layer, 0, n, self._scores_dev)
         cm.copy_d_to_h_async(self._scores_host, self._scores_dev, 4 * n, s)
 
