@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="driver, device, PTX freshness and loading, and a smoke launch")
     from hss import demo
-    demo_parser = sub.add_parser("demo", help="decode loop on a Qwen3.8-Flash-Next-like layer: predictor, "
-                                 "QSA selection, sparse vs dense attention", description=demo.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hss.model import demo as model_demo
+    demo_parser = sub.add_parser("demo", help="SmolLM2 decoded on the GPU with its KV history in HBM or behind the "
+                                 "high-speed swap ('demo qsa': the synthetic QSA layer)",
+                                 description=model_demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(demo_parser)
     args = parser.parse_args(argv)
     if args.command in (None, "info"):

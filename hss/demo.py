@@ -1,12 +1,8 @@
-"""``python -m hss demo``: a decode loop on one Qwen3.8-Flash-Next-like attention layer.
+"""``python -m hss demo`` and ``python -m hss demo qsa``.
 
-Seeded synthetic weights, hidden states and paged KV (pages in a shuffled order, as a real pool).
-Prefill ingests the indexer keys and projects every KV page into the predictor's low-rank store;
-each decode step then runs the predictor over the KV pages (``project_q`` + ``score_layer``), the
-QSA indexer's selection (``decode_select``: ingest, score, host top-k, gather), attention over the
-selected tokens (``TiledAttention`` over the gathered scratch with its identity table) and over all
-tokens (dense, the real block table), and prints per-stage time, selection size and the cosine
-between sparse and dense attention outputs.
+``demo`` (the main job, :mod:`hss.model.demo`): SmolLM2-135M-Instruct decoded on the GPU through hss, its KV history
+in HBM or behind the high-speed swap. ``demo qsa``: a decode loop on one Qwen3.8-Flash-Next-like attention layer
+(:data:`QSA_DOC`).
 """
 from __future__ import annotations
 
@@ -24,12 +20,45 @@ from hss.gpu import CudaBackend
 from hss.predictor import Predictor, PredictorDims
 from hss.qsa import QsaIndexer
 
+QSA_DOC = """``python -m hss demo qsa``: a decode loop on one Qwen3.8-Flash-Next-like attention layer.
+
+Seeded synthetic weights, hidden states and paged KV (pages in a shuffled order, as a real pool).
+Prefill ingests the indexer keys and projects every KV page into the predictor's low-rank store;
+each decode step then runs the predictor over the KV pages (``project_q`` + ``score_layer``), the
+QSA indexer's selection (``decode_select``: ingest, score, host top-k, gather), attention over the
+selected tokens (``TiledAttention`` over the gathered scratch with its identity table) and over all
+tokens (dense, the real block table), and prints per-stage time, selection size and the cosine
+between sparse and dense attention outputs.
+"""
+
 BF16 = ml_dtypes.bfloat16
 N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6
 NQ, NKV, HD_ATTN, BS, RANK = 24, 2, 256, 16, 32
 
 
+QSA_HELP = ("decode loop on a synthetic Qwen3.8-Flash-Next-like layer: predictor, QSA selection, sparse vs dense "
+            "attention")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The main demo's options (:func:`hss.model.demo.add_arguments`) and the ``qsa`` subcommand's."""
+    from hss.model import demo as model_demo
+    model_demo.add_arguments(p)
+    sub = p.add_subparsers(dest="demo_command", metavar="{qsa}")
+    qsa = sub.add_parser("qsa", help=QSA_HELP, description=QSA_DOC,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_qsa_arguments(qsa)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``demo qsa``: :func:`run_qsa`; plain ``demo``: :func:`hss.model.demo.run`."""
+    if getattr(args, "demo_command", None) == "qsa":
+        return run_qsa(args)
+    from hss.model import demo as model_demo
+    return model_demo.run(args)
+
+
+def add_qsa_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, help="tokens ingested before decoding (default 4096; emulator 2052)")
     p.add_argument("--steps", type=int, help="decode steps (default 8; emulator 3)")
     p.add_argument("--hidden", type=int, help="hidden size (default 2560, the model's; emulator 256)")
@@ -67,7 +96,7 @@ class _Timer:
             self.ms[n].append(a.elapsed_ms(b))
 
 
-def run(args: argparse.Namespace) -> int:
+def run_qsa(args: argparse.Namespace) -> int:
     status = cm.driver_status()
     emulated = status.kind == "emulator"
     prefill = args.prefill or (2052 if emulated else 4096)

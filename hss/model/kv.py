@@ -1,0 +1,294 @@
+"""Where a decoder's KV history lives and how a decode step attends it: :class:`HbmKV` (in HBM) and
+:class:`SwapKV` (in a :class:`~hss.swap.HighSpeedSwap` host store, exact or sparse).
+
+Both give the forward pass the cache rows its ``rope_kv`` writes (``prefill_cache`` / ``decode_cache``: bf16
+``[rows, n_kv_head, head_dim]`` with row ``pos % rows``), attend a decode step's query (``decode_attention``) and
+keep their history up to date (``end_prefill``, ``after_step``). The prefill always attends positional caches in
+HBM (``model_prefill_attn``); a swap mode hands them to its store at ``end_prefill`` and frees them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import shutil
+import tempfile
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from hss import cuda_min as cm
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.errors import HssError
+from hss.model.forward import Op
+from hss.realmodel import Config
+from hss.swap import GroupLayout, HighSpeedSwap, HighSpeedSwapConfig, ModelDims
+
+__all__ = ["HbmKV", "SwapKV", "sparse_support", "swap_block_size"]
+
+BF16 = ml_dtypes.bfloat16
+
+
+class HbmKV:
+    """Paged KV in HBM (pages of one token, identity page table), attended by :class:`~hss.attention.TiledAttention`
+    in one tile whose token count is the device ``state.visible``: a decode step queues the same launches whatever
+    the position, so it is capturable. K and V: bf16 ``[n_layer, max_tokens, n_kv_head, head_dim]``."""
+
+    mode = "hbm"
+    capturable = True
+
+    def __init__(self, ctx: cm.CudaCtx, config: Config, max_tokens: int, stream: int) -> None:
+        c = self.config = config
+        self.max_tokens, self._stream = max_tokens, stream
+        self._row = 2 * c.n_kv_head * c.head_dim
+        self._owned = contextlib.ExitStack()
+        own = self._owned.enter_context
+        try:
+            self.k = own(cm.DeviceBuffer(c.n_layer * max_tokens * self._row, ctx))
+            self.v = own(cm.DeviceBuffer(c.n_layer * max_tokens * self._row, ctx))
+            self.table = own(cm.DeviceBuffer(4 * max_tokens, ctx))
+            ids = np.arange(max_tokens, dtype=np.int32)
+            cm.copy_h_to_d_async(self.table, ids, ids.nbytes, stream)
+            self.attn = own(TiledAttention(ctx, TiledAttentionDims(1, c.n_head, c.n_kv_head, c.head_dim, 1,
+                                                                   max_tokens)))
+        except BaseException:
+            self._owned.close()
+            raise
+
+    def cache(self, layer: int) -> tuple[int, int, int]:
+        """(k, v, rows) of ``layer``: positional rows."""
+        off = layer * self.max_tokens * self._row
+        return self.k.ptr + off, self.v.ptr + off, self.max_tokens
+
+    prefill_cache = decode_cache = cache
+
+    def begin_prefill(self, stream: int, tokens: int) -> None:
+        pass
+
+    def end_prefill(self, stream: int, tokens: int) -> None:
+        pass
+
+    def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
+        """A capturable op: one tile over pages 0 .. counts[0] - 1 of ``layer`` (on this KV's stream)."""
+        k, v, _ = self.cache(layer)
+        attn, table = self.attn, self.table.ptr
+        tiles = attn.begin_tiles(self._stream, q, k, v, 1, *attn.paged_strides())
+
+        def run(s: int) -> None:
+            attn.begin_step(s, 1)
+            tiles.tile(table, counts, 1, output=out)
+        return "attention", run
+
+    def after_step(self, stream: int, pos: int) -> None:
+        pass
+
+    def read_keys(self, stream: int, tokens: int) -> np.ndarray:
+        """The cached post-RoPE keys of positions ``0 .. tokens - 1``: bf16 ``[n_layer, tokens, n_kv_head, head_dim]``
+        (waits for the stream)."""
+        c = self.config
+        out = np.empty((c.n_layer, tokens, c.n_kv_head, c.head_dim), BF16)
+        for layer in range(c.n_layer):
+            cm.copy_d_to_h_async(out[layer], self.cache(layer)[0], out[layer].nbytes, stream)
+        cm.stream_sync(stream)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self._owned.close()
+
+
+def swap_block_size(head_dim: int) -> int:
+    """Tokens per swap page: the smallest page whose bf16 stripes fill whole 4 KiB groups (no padding streamed),
+    at least 16 (32 for head_dim 64)."""
+    return max(16, 4096 // (2 * head_dim))
+
+
+def sparse_support() -> str | None:
+    """None when :mod:`hss.swap` offers the sparse mode (``attend_layer(..., budget_pages=, keep_first=,
+    keep_recent=)`` and a way to hand its predictor a calibrated ``projection=`` / ``head_temperature=``), else a
+    sentence saying what is missing."""
+    params = inspect.signature(HighSpeedSwap.attend_layer_on_stream).parameters
+    missing = [p for p in ("budget_pages", "keep_first", "keep_recent") if p not in params]
+    if missing:
+        return f"HighSpeedSwap.attend_layer has no {', '.join(missing)} yet"
+    if _projection_route() is None:
+        return "HighSpeedSwap takes no calibrated projection= yet"
+    return None
+
+
+def _projection_route() -> str | None:
+    if {"projection", "head_temperature"} <= {f.name for f in dataclasses.fields(HighSpeedSwapConfig)}:
+        return "config"
+    if {"projection", "head_temperature"} <= set(inspect.signature(HighSpeedSwap.__init__).parameters):
+        return "constructor"
+    return None
+
+
+class SwapKV:
+    """The history in a :class:`~hss.swap.HighSpeedSwap` ``HostStore`` (pinned host memory): pages of
+    :func:`swap_block_size` tokens, a resident set of ``resident`` pages (all layers) and two streamed tiles of
+    ``tile`` pages in HBM. Only each layer's last, incomplete page stays on the device (the *tail*, bf16 ``[bs,
+    n_kv_head, head_dim]``): a step attends the complete pages through ``attend_layer`` (exact; or sparse with
+    ``budget``) and folds the tail into the same running state with one more tile, which writes the output. A page
+    is offloaded when it completes (one host sync per ``bs`` tokens, for all layers).
+
+    ``budget`` (pages, sparse mode) needs :func:`sparse_support`; ``projection`` / ``head_temperature`` go to the
+    swap's predictor (a calibrated ``[n_layer, n_kv_head, head_dim, rank]`` bf16 projection)."""
+
+    capturable = False
+
+    def __init__(self, ctx: cm.CudaCtx, config: Config, max_tokens: int, stream: int, *, resident: int, tile: int,
+                 rank: int = 32, seed: int = 0x5EED, budget: int | None = None, keep_first: int = 1,
+                 keep_recent: int = 1, projection: np.ndarray | None = None,
+                 head_temperature: float | None = None) -> None:
+        c = self.config = config
+        self.mode = "swap" if budget is None else "sparse"
+        bs = self.block_size = swap_block_size(c.head_dim)
+        self._stream, self._ctx = stream, ctx
+        self._sparse: dict[str, int] = {}
+        extra: dict[str, Any] = {}
+        if budget is not None or projection is not None or head_temperature is not None:
+            problem = sparse_support()
+            if problem:
+                raise HssError(f"the sparse KV mode needs hss.swap's sparse attention: {problem}; use --kv swap "
+                               "or --kv hbm")
+            if budget is not None:
+                self._sparse = {"budget_pages": budget, "keep_first": keep_first, "keep_recent": keep_recent}
+            extra = {"projection": projection, "head_temperature": head_temperature}
+        dims = ModelDims(c.n_layer, -(-max_tokens // bs), c.n_head, c.n_kv_head, c.head_dim, bs)
+        layout = GroupLayout(dims.max_blocks_per_layer, c.n_kv_head, bs, c.head_dim)
+        self._dir = tempfile.mkdtemp(prefix="hss-model-swap-")
+        cfg = HighSpeedSwapConfig(dir=self._dir, bytes=c.n_layer * layout.bytes_per_layer,
+                                  resident_blocks=resident + 2 * tile, rank=rank, qd=8, graph=False,
+                                  projection_seed=seed, store="host", stream_tile_blocks=tile)
+        self._owned = contextlib.ExitStack()
+        self._owned.callback(shutil.rmtree, self._dir, True)
+        own = self._owned.enter_context
+        try:
+            if extra and _projection_route() == "config":
+                cfg, extra = dataclasses.replace(cfg, **extra), {}
+            self.swap = own(HighSpeedSwap(ctx, cfg, dims, **extra))
+            self._page = 2 * bs * c.n_kv_head * c.head_dim      # bytes of one page's K (or V), NHD
+            self.k_tail = own(cm.DeviceBuffer(c.n_layer * self._page, ctx))
+            self.v_tail = own(cm.DeviceBuffer(c.n_layer * self._page, ctx))
+            cap = self.swap.attn.dims.tile_capacity
+            self._table = own(cm.DeviceBuffer(4 * cap, ctx))         # one entry: page 0 of a tail
+            self._count = own(cm.DeviceBuffer(4, ctx))
+            cm.memset_d32_async(self._table, 0, cap, stream)
+            cm.memset_d32_async(self._count, 1, 1, stream)
+            self._host_k = own(cm.PinnedBuffer(c.n_layer * self._page, ctx))
+            self._host_v = own(cm.PinnedBuffer(c.n_layer * self._page, ctx))
+        except BaseException:
+            self._owned.close()
+            raise
+        self._blocks: list[int] = []
+        self._ids = np.zeros(0, np.int64)
+        self._prefill: contextlib.ExitStack | None = None
+        self._prefill_rows = 0
+        self._pos = 0   # the position the next decode step writes (host mirror)
+
+    # -- caches ------------------------------------------------------------------------------------
+    def begin_prefill(self, stream: int, tokens: int) -> None:
+        """Positional HBM caches for the prompt's ``tokens`` rows (freed by :meth:`end_prefill`)."""
+        c = self.config
+        self._prefill = contextlib.ExitStack()
+        row = 2 * c.n_kv_head * c.head_dim
+        self._pk = self._prefill.enter_context(cm.DeviceBuffer(c.n_layer * tokens * row, self._ctx))
+        self._pv = self._prefill.enter_context(cm.DeviceBuffer(c.n_layer * tokens * row, self._ctx))
+        self._prefill_rows = tokens
+
+    def prefill_cache(self, layer: int) -> tuple[int, int, int]:
+        if self._prefill is None:
+            raise HssError("SwapKV.prefill_cache outside a prefill")
+        c, t = self.config, self._prefill_rows
+        off = layer * t * 2 * c.n_kv_head * c.head_dim
+        return self._pk.ptr + off, self._pv.ptr + off, t
+
+    def decode_cache(self, layer: int) -> tuple[int, int, int]:
+        return self.k_tail.ptr + layer * self._page, self.v_tail.ptr + layer * self._page, self.block_size
+
+    def end_prefill(self, stream: int, tokens: int) -> None:
+        """Offload the prompt's complete pages (waits for the stream), move each layer's last partial page into its
+        tail, free the prefill caches."""
+        c, bs = self.config, self.block_size
+        full, rest = divmod(tokens, bs)
+        shape = (c.n_layer, tokens, c.n_kv_head, c.head_dim)
+        k, v = np.empty(shape, BF16), np.empty(shape, BF16)
+        cm.copy_d_to_h_async(k, self._pk, k.nbytes, stream)
+        cm.copy_d_to_h_async(v, self._pv, v.nbytes, stream)
+        cm.stream_sync(stream)
+        self._grow(full)
+        page = self._page
+        for layer in range(c.n_layer):
+            kd = self.prefill_cache(layer)[0]
+            for p in range(full):
+                rows = slice(p * bs, (p + 1) * bs)
+                self.swap.offload_block_on_stream(stream, layer, self._blocks[p], kd + p * page, k[layer, rows],
+                                                  v[layer, rows])
+            if rest:
+                src = full * page
+                kt, vt, _ = self.decode_cache(layer)
+                cm.copy_d_to_d_async(kt, kd + src, rest * page // bs, stream)
+                cm.copy_d_to_d_async(vt, self.prefill_cache(layer)[1] + src, rest * page // bs, stream)
+        cm.stream_sync(stream)   # the projections and tail copies read the prefill caches
+        self._prefill.close()
+        self._prefill = None
+        self._pos = tokens
+
+    def _grow(self, pages: int) -> None:
+        while len(self._blocks) < pages:
+            block = self.swap.alloc_disk_block()
+            if block is None:
+                raise HssError("SwapKV: the swap's disk block ids are exhausted (max_tokens too small)")
+            self._blocks.append(block)
+        self._ids = np.asarray(self._blocks, np.int64)
+
+    # -- decode ------------------------------------------------------------------------------------
+    def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
+        """A host op (not capturable: ``attend_layer`` waits for the predictor scores): the complete pages through
+        the swap, then the tail tile, which writes ``out``."""
+        swap, attn, bs = self.swap, self.swap.attn, self.block_size
+        kt, vt, _ = self.decode_cache(layer)
+        strides = attn.paged_strides()
+        table, count, sparse = self._table.ptr, self._count.ptr, self._sparse
+
+        def run(s: int) -> None:
+            full = self._pos // bs
+            if full:
+                swap.attend_layer_on_stream(s, layer, self._ids[:full], q, out, **sparse)
+            else:
+                attn.begin_step(s, 1)
+            attn.step_tile(s, q, kt, vt, table, count, 1, *strides, self._pos % bs + 1, output=out)
+        return "attention", run
+
+    def after_step(self, stream: int, pos: int) -> None:
+        """After the step that wrote position ``pos``: offload the tails when that completed a page."""
+        c, bs = self.config, self.block_size
+        self._pos = pos + 1
+        if self._pos % bs:
+            return
+        p = pos // bs
+        self._grow(p + 1)
+        cm.copy_d_to_h_async(self._host_k, self.k_tail, self._host_k.bytes, stream)
+        cm.copy_d_to_h_async(self._host_v, self.v_tail, self._host_v.bytes, stream)
+        cm.stream_sync(stream)
+        shape = (c.n_layer, bs, c.n_kv_head, c.head_dim)
+        hk, hv = self._host_k.view(BF16).reshape(shape), self._host_v.view(BF16).reshape(shape)
+        for layer in range(c.n_layer):
+            self.swap.offload_block_on_stream(stream, layer, self._blocks[p], self.decode_cache(layer)[0], hk[layer],
+                                              hv[layer])
+
+    def stats(self) -> dict[str, Any]:
+        d = self.swap.diagnostic_summary()
+        return {"hits": d.hits, "misses": d.misses, "bytes_read": d.bytes_read, "steps": d.steps,
+                "skipped": getattr(d, "skipped", 0), "resident_capacity": d.resident_capacity,
+                "tile_pages": d.stream_tile_blocks, "block_size": self.block_size}
+
+    def close(self) -> None:
+        if self._prefill is not None:
+            self._prefill.close()
+            self._prefill = None
+        self._owned.close()
