@@ -435,19 +435,6 @@ extern "C" __global__ void __launch_bounds__(QSA_TOPK_THREADS)
 // ------------------------------------------------------------------------------------------------
 // qsa_sparse_attn
 // ------------------------------------------------------------------------------------------------
-// ldmatrix: four (x4) or two (x2) 8x8 b16 matrices; lane i supplies the address of row i % 8 of matrix i / 8.
-__device__ __forceinline__ void qsd_ldsm_x4(uint32_t (&r)[4], const void* p) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-__device__ __forceinline__ void qsd_ldsm_x2_trans(uint32_t& r0, uint32_t& r1, const void* p) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(s));
-}
-
 // Shared memory of one CTA for head dim HD (hss.kernels.qsa_device.attn_smem_bytes mirrors it): Q [16][HD+8] bf16,
 // K and V [QSA_SPLIT][HD+8] bf16, S [16][QSA_SPLIT+8] f32, token row offsets [QSA_SPLIT] i64, the valid tokens as a
 // QSA_SPLIT-bit mask. P hi and lo ([16][QSA_SPLIT+8] bf16 each) reuse K's space once S is done. The +8 pads make
@@ -550,8 +537,8 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
 #pragma unroll
         for (u32 kk = 0; kk < HD / 16; ++kk) {
             uint32_t a[4], b[4];
-            qsd_ldsm_x4(a, qs + arow * RS + kk * 16 + acol);
-            qsd_ldsm_x4(b, ks + krow * RS + kk * 16 + kcol);
+            hss_ldsm_x4(a, qs + arow * RS + kk * 16 + acol);
+            hss_ldsm_x4(b, ks + krow * RS + kk * 16 + kcol);
             hss_mma16816(acc[0][kk & 3], a, b[0], b[1]);
             hss_mma16816(acc[1][kk & 3], a, b[2], b[3]);
         }
@@ -621,14 +608,14 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
 #pragma unroll
         for (u32 kk = 0; kk < QSA_SPLIT / 16; ++kk) {
             uint32_t ah[4], al[4];
-            qsd_ldsm_x4(ah, ph + arow * SS + kk * 16 + acol);
-            qsd_ldsm_x4(al, pl + arow * SS + kk * 16 + acol);
+            hss_ldsm_x4(ah, ph + arow * SS + kk * 16 + acol);
+            hss_ldsm_x4(al, pl + arow * SS + kk * 16 + acol);
 #pragma unroll
             for (u32 jj = 0; jj < NJ; ++jj) {
                 const u32 j = warp + 8 * jj;
                 if (j < NT) {   // warp-uniform
                     uint32_t b0, b1;
-                    qsd_ldsm_x2_trans(b0, b1, vs + (kk * 16 + vrow) * RS + j * 8);
+                    hss_ldsm_x2_trans(b0, b1, vs + (kk * 16 + vrow) * RS + j * 8);
                     float t[4] = {0.f, 0.f, 0.f, 0.f};
                     hss_mma16816(t, ah, b0, b1);
                     hss_mma16816(t, al, b0, b1);
