@@ -351,18 +351,22 @@ class TiledAttention:
         vp = self._v_arg(v_pool, s, pool_bytes)
         tp = self._table_arg(tile_blocks, s, n * self._table_bytes)
         cp = self._counts_arg(tile_block_counts, s, 4 * n)
-        self._q_slot.value = qp
-        self._k_slot.value = kp
-        self._v_slot.value = vp
-        self._table_slot.value = tp
-        self._counts_slot.value = cp
-        self._blk_slot.value = blk_stride
-        self._tok_slot.value = tok_stride
-        self._kvh_slot.value = kvh_stride
-        self._lbvs_slot.value = lbvs
+        self._fill(qp, kp, vp, blk_stride, tok_stride, kvh_stride, tp, cp, lbvs)
         self._launch(s, n, out)
 
     step_tile_on_stream = step_tile
+
+    def _fill(self, q: int, k: int, v: int, blk: int, tok: int, kvh: int, table: int, counts: int, lbvs: int) -> None:
+        """The step launch's per-tile slots (checked values)."""
+        self._q_slot.value = q
+        self._k_slot.value = k
+        self._v_slot.value = v
+        self._blk_slot.value = blk
+        self._tok_slot.value = tok
+        self._kvh_slot.value = kvh
+        self._table_slot.value = table
+        self._counts_slot.value = counts
+        self._lbvs_slot.value = lbvs
 
     def _next_tile(self, s: int, tile_blocks: int, tile_block_counts: int, last_block_valid_slots: int,
                    output: int = 0) -> None:
@@ -443,13 +447,5 @@ class TileStep:
         out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
         if out:
             ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
-        ta._q_slot.value = self._q
-        ta._k_slot.value = self._k
-        ta._v_slot.value = self._v
-        ta._blk_slot.value = self._blk
-        ta._tok_slot.value = self._tok
-        ta._kvh_slot.value = self._kvh
-        ta._table_slot.value = tp
-        ta._counts_slot.value = cp
-        ta._lbvs_slot.value = lbvs
+        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
         ta._launch(s, self._n, out)

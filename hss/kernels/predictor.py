@@ -150,12 +150,17 @@ def _score_reads_k(a: SimpleNamespace) -> int:
     return 2 * max(a.num_blocks, 0) * max(a.num_kv_heads, 0) * max(a.block_size, 0) * max(a.r, 0)
 
 
+def _score_signature(out: str) -> str:
+    """The parameters predictor_score and predictor_score_heads share (``out``: their output's name)."""
+    return (f"ptr q_proj, ptr k_lr, ptr {out}, i32 num_q_heads, i32 num_kv_heads, i32 block_size, i32 r, "
+            "i32 gqa_ratio, i32 num_blocks")
+
+
+_SCORE_READS = {"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0) if a.num_blocks > 0 else 0,
+                "k_lr": _score_reads_k}
+
 PREDICTOR_SCORE = declare(
-    "predictor_score", "predictor_score",
-    "ptr q_proj, ptr k_lr, ptr scores, i32 num_q_heads, i32 num_kv_heads, i32 block_size, i32 r, "
-    "i32 gqa_ratio, i32 num_blocks",
-    reads={"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0) if a.num_blocks > 0 else 0,
-           "k_lr": _score_reads_k},
+    "predictor_score", "predictor_score", _score_signature("scores"), reads=_SCORE_READS,
     writes={"scores": lambda a: 4 * max(a.num_blocks, 0)},
     emulate=_emulate_score, check=_check_score)
 
@@ -173,11 +178,7 @@ def _emulate_score_heads(a: SimpleNamespace, launch: Launch) -> None:
 
 
 PREDICTOR_SCORE_HEADS = declare(
-    "predictor_score", "predictor_score_heads",
-    "ptr q_proj, ptr k_lr, ptr head_scores, i32 num_q_heads, i32 num_kv_heads, i32 block_size, i32 r, "
-    "i32 gqa_ratio, i32 num_blocks",
-    reads={"q_proj": lambda a: 2 * max(a.num_q_heads, 0) * max(a.r, 0) if a.num_blocks > 0 else 0,
-           "k_lr": _score_reads_k},
+    "predictor_score", "predictor_score_heads", _score_signature("head_scores"), reads=_SCORE_READS,
     writes={"head_scores": lambda a: 4 * max(a.num_blocks, 0) * max(a.num_q_heads, 0)},
     emulate=_emulate_score_heads, check=_check_score)
 
