@@ -6,8 +6,9 @@
 // units of U tokens counted from the tile's start, U = unit_tokens(n, ctas) (below): n the sequence's tokens in
 // this tile, ctas = gridDim.x * gridDim.y (sequences x CTA rows). CTA z of one (sequence, kv head, group of up
 // to 16 query heads) takes units z, z + gridDim.z, ...; in a unit, warp w of 8 takes the 8-token steps w, w + 8,
-// ... (tokens u*U + 8*(8i + w) ..), each staged by the warp alone (an ATT_STAGES-deep cp.async ring per warp, no
-// block barrier inside a unit), and keeps an online-softmax state per query head in log2 units:
+// ... (tokens u*U + 8*(8i + w) ..), each staged by the warp alone (a Cfg<HDP>::STAGES-deep cp.async ring per
+// warp: 2, or 4 at HDP 64; no block barrier inside a unit), and keeps an online-softmax state per query head in
+// log2 units:
 //   x_t = (q . K_t) * rsqrt(head_dim) * log2(e)   (bf16 mma m16n8k16, f32 accumulate in 4 chains over head_dim)
 //   per step: m' = max(m, max_t x_t), a = exp2(m - m'), p_t = exp2(x_t - m'), l' = l*a + sum_t p_t,
 //   o' = o*a + sum_t p_t*V_t   (p as bf16 hi + lo, >= 16 bits (SPEC §0); bf16 mma m16n8k8, f32 accumulate).
@@ -64,6 +65,30 @@
 #define ATT_COUNTERS 9       // fold counters per (sequence, CTA row): one per group, then the groups' own
 #define ATT_MAX_HD 256
 
+// Timeline instrumentation for experiments, off in every shipped build: built with -DATT_TRACE, thread 0 of each
+// CTA records %globaltimer into att_trace[linear CTA id][point] at: 0 start, 1 q staged, 2 the first warp step
+// done, 3 the unit's steps done, 4 the unit's partial written, 5 its group folded, 6 the state folded, 7 exit;
+// point 15 holds the SM id. (Read it back with cuModuleGetGlobal(module, "att_trace").)
+#ifdef ATT_TRACE
+__device__ unsigned long long att_trace[4096][16];
+__device__ __forceinline__ void att_mark(int k) {
+    if (threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        if (b < 4096) {
+            att_trace[b][k] = t;
+            att_trace[b][15] = sm;
+        }
+    }
+}
+#define ATT_MARK(k) att_mark(k)
+#else
+#define ATT_MARK(k)
+#endif
+
 namespace {
 
 // Shared memory of one CTA (bytes): Q bf16 [16][RS]; per warp a ring of STAGES steps (K bf16 [8][RS], then V);
@@ -71,7 +96,7 @@ namespace {
 // end the rings hold every warp's o, f32 [8 warps][16][HDP]. RS = HDP + 8 makes every ldmatrix conflict-free.
 template <int HDP>
 struct Cfg {
-    static constexpr int STAGES = HDP == 64 ? 4 : 3;
+    static constexpr int STAGES = HDP == 64 ? 4 : 2;
     static constexpr int TARGET = HDP == 256 ? 128 : 256;   // CTAs a launch aims at (1 resp. 2 per SM, 132 SMs)
     static constexpr int RS = HDP + 8;
     static constexpr int STEP = 2 * ATT_ROWS * RS * 2;
@@ -347,8 +372,10 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
         __syncwarp();
         step<HDP>(qs, buffer(i), min(ATT_ROWS, uend - t0_of(i)), sl2, m0, m1, l0, l1, o, lane);
         __syncwarp();   // this stage is refilled next
+        if (i == 0) ATT_MARK(2);
     }
     hss_cp_wait<0>();
+    ATT_MARK(3);
     l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 1);
     l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 1);
     l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 2);
@@ -387,6 +414,7 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
     }
     __threadfence();   // the partial is visible device-wide before this CTA counts it
     __syncthreads();
+    ATT_MARK(4);
     // Count it; the last unit of a group folds the group, the last group the groups.
     int* flag = reinterpret_cast<int*>(smem + C::FLAG);
     const int grp = u / ATT_GROUP, n_groups = (a.n_units + ATT_GROUP - 1) / ATT_GROUP;
@@ -403,8 +431,10 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
     const int what = *flag;
     if (what == 2) {
         fold<HDP>(a, 0, 1, a.n_units, true, smem);
+        ATT_MARK(6);
     } else if (what == 1) {
         fold<HDP>(a, grp * ATT_GROUP, 1, gs, false, smem);
+        ATT_MARK(5);
         if (tid == 0) {
             const bool last = atomicAdd(a.count + ATT_GROUP, 1u) + 1u == (unsigned)n_groups;
             if (last) {
@@ -414,7 +444,10 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
             *flag = last ? 3 : 0;
         }
         __syncthreads();
-        if (*flag == 3) fold<HDP>(a, 0, ATT_GROUP, n_groups, true, smem);
+        if (*flag == 3) {
+            fold<HDP>(a, 0, ATT_GROUP, n_groups, true, smem);
+            ATT_MARK(6);
+        }
     }
     __syncthreads();   // the rings, (m, l) areas and flag are reused by the next unit
 }
@@ -428,6 +461,7 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
         return;
     }
     if (z >= a.n_units) return;
+    ATT_MARK(0);
     // Query heads (rows past the group and dims past head_dim zero).
     unsigned short* qs = reinterpret_cast<unsigned short*>(smem + C::Q);
     for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
@@ -435,7 +469,9 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
         qs[r * C::RS + d] = (r < a.hg && d < a.hd) ? __ldg(a.q + r * a.hd + d) : (unsigned short)0;
     }
     __syncthreads();
+    ATT_MARK(1);
     for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP>(a, u, smem);
+    ATT_MARK(7);
 }
 
 template <int HDP>

@@ -40,7 +40,7 @@ def step_kernel_name(head_dim: int) -> str:
 
 def stages(hdp: int) -> int:
     """Cfg<HDP>::STAGES: warp steps staged ahead per warp."""
-    return 4 if hdp == 64 else 3
+    return 4 if hdp == 64 else 2
 
 
 def target_ctas(hdp: int) -> int:
