@@ -1009,3 +1009,117 @@ def test_a_projection_per_layer_reaches_the_predictor(ctx, tmp_path, rng) -> Non
     q_dev.close()
     for s in (base, same, other):
         s.close()
+
+
+def resident_bytes_match(s: Setup) -> None:
+    """Every page resident in the scratch pool holds exactly its page image (after the step's work ran)."""
+    cm.stream_sync(s.stream)
+    s.h.copy_stream.synchronize()
+    for (layer, page), slot in s.h.pool.residents().items():
+        got = download(s.h.pool.slot_ptr(slot), (s.h.layout.block_bytes,), np.uint8, s.stream)
+        assert np.array_equal(got, s.h.layout.pack_page(s.k[layer, page], s.v[layer, page])), (layer, page, slot)
+
+
+def test_sparse_misses_go_out_as_one_batch_per_tile_straight_into_their_slots(ctx, tmp_path, rng,
+                                                                              monkeypatch) -> None:
+    """A sparse step plans its promotions before its reads: every streamed tile's misses are one batched copy (one
+    cuMemcpyBatchAsync per tile), the promoted ones land straight in their resident slots (no device-to-device copy),
+    the tables go up in one copy; the resident pages then hold exactly their bytes, and promotions follow the rule
+    (the best attended misses, replacing the lowest-scoring residents). New random queries every step, so resident
+    pages attended in the resident tile are evicted by misses of the same step (their slots read into only after the
+    resident tile)."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
+    ids = [int(b) for b in rng.permutation(36)]
+    s.offload(0, ids)
+    T = s.h.tile_blocks
+    waited = 0
+    for n in range(12):
+        q, q_dev = s.query()
+        before = s.h.pool.residents()
+        calls = record_device_work(monkeypatch)
+        rec, got = s.step(0, ids, q_dev, q_pos=35 * 16 + 4, budget_pages=7, keep_first=1, keep_recent=1)
+        monkeypatch.undo()
+        check_sparse(s, 0, ids, q, q_dev, rec, got, 5, (7, 1, 1), f"step {n}")
+        streamed = [t for t in rec.tiles if t.streamed]
+        assert len(streamed) == -(-len(rec.misses) // T)
+        assert calls.count("cuMemcpyBatchAsync") == len(streamed), f"step {n}: {calls}"
+        assert calls.count("cuMemcpyDtoDAsync") == 0 and calls.count("cuMemcpyHtoDAsync") == 1, f"step {n}: {calls}"
+        promoted = dict(rec.promoted)
+        for t in streamed:       # a promoted miss is attended from its resident slot, the others from the buffers
+            for b, slot in zip(t.block_ids, t.slots):
+                assert slot == promoted[b] if b in promoted else slot >= s.h.resident_capacity, (n, b, slot)
+        resident_bytes_match(s)
+        for (_, page), slot in rec.evicted:
+            assert before[(0, page)] == slot
+        hit_slots = {before[(0, b)] for b in rec.hits}
+        waited += any(slot in hit_slots for _, slot in rec.promoted)
+        sc = rec.scores
+        now = {p for _, p in s.h.pool.residents()}
+        assert now == (set(p for _, p in before) - {p for (_, p), _ in rec.evicted}) | set(promoted)
+        if now:         # the resident set prefers high scores: no attended page left out beats one kept
+            left_out = [sc[b] for b in rec.attended if b not in now]
+            kept = [sc[p] for p in now if p in set(rec.attended)]
+            assert min(kept, default=np.inf) >= max(left_out, default=-np.inf), f"step {n}"
+        q_dev.close()
+    assert waited, "no step evicted a hit: the resident tile's wait was not exercised"
+    diag = s.h.diagnostic_summary()
+    assert diag.promotions >= diag.evictions > 0
+    s.close()
+
+
+def test_a_missing_wait_for_the_resident_tile_changes_results(ctx, tmp_path, rng, monkeypatch) -> None:
+    """A sparse step whose promotion overwrites the slot of a page attended in its resident tile: without the copy
+    stream's wait for that tile the emulator attends the overwritten bytes (the copy stream is run first, as a
+    device may), with it the same run is exact."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
+    ids = [int(b) for b in rng.permutation(36)]
+    s.offload(0, ids)
+    d = s.model
+    seen = {True: 0, False: 0}
+    for n in range(48):
+        drop = n % 3 == 2
+        q, q_dev = s.query()
+        before = s.h.pool.residents()
+        real = cm.stream_wait_event
+        if drop:
+            monkeypatch.setattr(cm, "stream_wait_event",
+                                lambda st, ev: None if ev is s.h._ev_resident else real(st, ev))
+        rec = s.h.attend_layer(ctx, 0, ids, q_dev, s.out, budget_pages=7, keep_first=1, keep_recent=1)
+        monkeypatch.undo()
+        s.h.copy_stream.synchronize()          # the reads run before the attention stream's work
+        got = download(s.out, (d.num_q_heads, d.head_dim), BF16, s.stream)
+        hit_slots = {before[(0, b)] for b in rec.hits}
+        if any(slot in hit_slots for _, slot in rec.promoted):
+            same = np.array_equal(got.view(np.uint16), replay(s, 0, rec, q_dev).view(np.uint16))
+            if drop:
+                seen[True] += not same
+            else:
+                assert same, f"step {n}: with the wait"
+                check_sparse(s, 0, ids, q, q_dev, rec, got, 16, (7, 1, 1), f"step {n}")
+                seen[False] += 1
+        if drop:
+            s.h.pool.clear()         # forget what the broken step left in the pool
+        q_dev.close()
+    assert seen[True] and seen[False], f"no step evicted a hit with and without the wait: {seen}"
+    s.close()
+
+
+def test_sparse_host_profile_counts_its_parts(ctx, tmp_path, rng) -> None:
+    """host_profile() sums the host time of each part of a step; a sparse step adds to the sparse parts."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=2, max_blocks=10,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    s.offload(0, list(range(8)))
+    q, q_dev = s.query()
+    p0 = s.h.host_profile()
+    s.step(0, list(range(8)), q_dev)
+    p1 = s.h.host_profile()
+    assert set(p0) == {"checks", "sparse_queue", "sparse_wait", "sparse_select", "sparse_plan", "tiles_queue",
+                       "tiles_rest", "record"}
+    assert p1["sparse_plan"] == p0["sparse_plan"] and p1["tiles_queue"] > p0["tiles_queue"]
+    s.step(0, list(range(8)), q_dev, budget_pages=2, keep_recent=1)
+    p2 = s.h.host_profile()
+    assert all(p2[k] > p1[k] for k in ("sparse_queue", "sparse_wait", "sparse_select", "sparse_plan", "record"))
+    q_dev.close()
+    s.close()

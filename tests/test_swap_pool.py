@@ -175,6 +175,75 @@ def test_pool_fifo_assign_evict_invalidate_clear(pool: ScratchPool) -> None:
     assert pool.free_slots() == [0, 1, 2, 3] and pool.residents() == {} and pool.lookup((2, 9)) is None
 
 
+def test_pool_put_many_equals_put_one_by_one(ctx) -> None:
+    """put_many (vectorized) leaves the pool exactly as put of each (page, slot) in order would: free slots leave the
+    free list (the others keep their order), residents are evicted and returned; keys_of / holds see it; a bad call
+    (a resident page, repeats, out of range) raises and changes nothing; invalidate_slots frees in order."""
+    layout = GroupLayout(num_blocks=30, num_kv_heads=2, block_size=4, head_dim=64)
+    for trial in range(40):
+        a, b = (ScratchPool(layout, 9, num_layers=2, reserved_slots=1, ctx=ctx) for _ in range(2))
+        for p in (a, b):                                # the same history for both pools
+            rng = np.random.default_rng(trial)
+            for page in rng.permutation(30)[:int(rng.integers(0, 9))].tolist():
+                p.assign((page % 2, page))
+            for slot in rng.permutation(8)[:2].tolist():
+                key = p.key_of(slot)
+                if key is not None:
+                    p.invalidate(key)
+        rng = np.random.default_rng(100 + trial)
+        layer = int(rng.integers(0, 2))
+        fresh = [pg for pg in rng.permutation(30).tolist() if a.lookup((layer, pg)) is None]
+        n = int(rng.integers(0, 9))
+        pages, slots = fresh[:n], rng.permutation(8)[:n].tolist()
+        olds = [b.put((layer, pg), sl) for pg, sl in zip(pages, slots)]
+        got_l, got_p = a.put_many(layer, np.array(pages, dtype=np.int64), np.array(slots))
+        assert [None if l < 0 else (l, p) for l, p in zip(got_l.tolist(), got_p.tolist())] == olds
+        assert a.residents() == b.residents() and a.free_slots() == b.free_slots(), trial
+        assert a.keys_of(np.arange(8))[1].tolist() == [-1 if k is None else k[1] for k in map(b.key_of, range(8))]
+        assert a.holds(np.arange(8)).tolist() == [b.key_of(i) is not None for i in range(8)]
+        for p in (a, b):
+            p.close()
+    pool = ScratchPool(layout, 5, num_layers=2, reserved_slots=1, ctx=ctx)
+    pool.assign((0, 3))
+    state = (pool.residents(), pool.free_slots())
+    for args, err, words in [((0, [3], [1]), HssError, r"pages \[3\] of layer 0 are already resident"),
+                             ((0, [4, 4], [1, 2]), HssError, "distinct"), ((0, [4, 5], [1, 1]), HssError, "distinct"),
+                             ((0, [4], [4]), HssError, "out of range 0..3"), ((2, [4], [1]), HssError, "layer 2"),
+                             ((0, [4, 5], [1]), HssError, "2 pages but 1 slots"),
+                             ((0, [0.5], [1]), TypeError, "pages must be integers")]:
+        with pytest.raises(err, match=words):
+            pool.put_many(*args)
+        assert (pool.residents(), pool.free_slots()) == state
+    pool.put_many(1, [7, 8], [2, 0])
+    assert pool.residents() == {(1, 8): 0, (1, 7): 2} and pool.free_slots() == [1, 3]
+    pool.invalidate_slots([0, 1, 2])
+    assert pool.residents() == {} and pool.free_slots() == [1, 3, 0, 2]
+    pool.close()
+
+
+def test_select_pages_on_long_random_sequences() -> None:
+    """select_pages (a partition, no sort) against a stable sort of (-score, position) on long sequences with many
+    ties, NaN and infinities, every budget from none to past the end."""
+    from hss.swap import SparseBudget, select_pages
+    rng = np.random.default_rng(17)
+    for _ in range(30):
+        n = int(rng.integers(1, 3000))
+        scores = rng.choice(np.array([0.5, -0.0, 0.0, 1.0, np.nan, np.inf, -np.inf], np.float32), n)
+        scores = np.where(rng.random(n) < 0.5, rng.standard_normal(n).astype(np.float32), scores)
+        f, r = int(rng.integers(0, 4)), int(rng.integers(0, 6))
+        for k in sorted({0, 1, int(rng.integers(0, n + 1)), n // 8, n}):
+            got = select_pages(scores, SparseBudget(k, f, r))
+            forced = np.zeros(n, bool)
+            forced[:f] = True
+            forced[max(n - r, 0):] = True
+            others = np.flatnonzero(~forced)
+            key = np.where(np.isnan(scores[others]), np.inf, -scores[others])
+            nan_last = np.isnan(scores[others])
+            order = others[np.lexsort((others, key, nan_last))][:k]
+            want = np.flatnonzero(forced | np.isin(np.arange(n), order))
+            assert got.tolist() == want.tolist(), (n, k, f, r)
+
+
 def test_pool_exhaustion_and_errors(pool: ScratchPool) -> None:
     for p in range(4):
         pool.assign((0, p))

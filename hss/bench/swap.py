@@ -27,6 +27,9 @@ all in one run:
   pages by predictor score, with the exact step's query every step (the resident set settles on what the query
   picks) and with a new random query every step (the worst case for the resident set: random keys make each
   query's picks independent). Per row: host wall time per step and its ratio to the exact HostStore step, hit rate,
+  the host µs of a step split into its parts (``HighSpeedSwap.host_profile``: argument checks, the sparse step's
+  score launches, score wait, page choice, read planning, tiles up to the first streamed one, the other tiles, the
+  record) and, over a few more untimed steps, the driver calls per step (by name) and the host µs inside them,
   pages read, pages attended, the last step's output against the exact step's for the same query (relative L2:
   random keys spread attention evenly, so this measures nothing about quality; see ``python -m hss.bench
   recall``), and the last step's tiles replayed in HBM (bitwise).
@@ -453,11 +456,13 @@ def _sparse_rows(args: argparse.Namespace, ctx: Any, h: Any, ids: np.ndarray, k_
             for i in range(2):
                 step(i)
             cm.stream_sync(stream)
-            before = h.diagnostic_summary()
+            before, prof0 = h.diagnostic_summary(), h.host_profile()
             us = host_us({"step": Case(rotating(step, 2), lambda: cm.stream_sync(stream))}, batch=n, batches=1,
                          warmup=0, timed_sync=True)["step"].us
-            after = h.diagnostic_summary()
+            after, prof1 = h.diagnostic_summary(), h.host_profile()
             rec = records[-1]
+            parts = {k: (prof1[k] - prof0[k]) / n * 1e6 for k in prof1}
+            census = _driver_census(rotating(step, n + 2), lambda: cm.stream_sync(stream), min(n, 8))
             last_q = query(n + 1)
             h.attend_layer(ctx, 0, ids, last_q, out)                  # the exact step of the last query
             got, want = (np.empty((d.num_q_heads, d.head_dim), ml_dtypes.bfloat16) for _ in range(2))
@@ -472,18 +477,62 @@ def _sparse_rows(args: argparse.Namespace, ctx: Any, h: Any, ids: np.ndarray, k_
             read = (after.bytes_read - before.bytes_read) / n
             attended = (hits + misses) / n
             rate = hits / (hits + misses) if hits + misses else 0.0
+            host = sum(v for k, v in parts.items() if k != "sparse_wait")
             note = (f"{exact_us and us / exact_us:.3f}x the exact HostStore step; hit rate {rate:.3f}; "
                     f"{attended:.0f} of {pages} pages attended, {misses / n:.0f} read ({read / 2**20:.1f} MiB); last "
-                    f"step vs the exact step: rel. L2 {err:.3g}; replay {'bitwise equal' if same else 'DIFFERS'}")
+                    f"step vs the exact step: rel. L2 {err:.3g}; replay {'bitwise equal' if same else 'DIFFERS'}; "
+                    f"host us/step {host:.0f} besides the score wait ({parts['sparse_wait']:.0f}): "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "sparse_wait")
+                    + f"; {census['calls']:.1f} driver calls/step ({census['driver_us']:.0f} us in them: "
+                    + ", ".join(f"{k} {v:g}" for k, v in census["by_name"].items()) + ")")
             rows.append(dict(row(f"sparse step ({mode}), budget {budget['budget_pages']} + first "
                                  f"{args.keep_first} / recent {args.keep_recent}", us, read / us / 1e3, note),
                              sparse=mode, ratio=us / exact_us if exact_us else float("nan"), hit_rate=rate,
-                             replay_equal=same, skipped=len(rec.skipped)))
+                             replay_equal=same, skipped=len(rec.skipped), host_parts_us=parts, driver=census))
         return rows
     finally:
         cm.stream_sync(stream)
         for buf in [*queries, mine]:
             buf.close()
+
+
+def _driver_census(step: Any, sync: Any, n: int) -> dict:
+    """``n`` untimed calls of ``step`` (then ``sync``, not counted) with every driver call counted and timed at the
+    driver seam: {"calls": per step, "driver_us": host µs inside them per step, "by_name": {name: per step}}."""
+    from hss import _driver
+    seen: dict[str, int] = {}
+    inside = [0.0]
+    module = _driver.api._module
+    names = [name for name in dir(module) if name.startswith("cu") and callable(getattr(module, name))]
+    saved = {name: getattr(_driver.api, name) for name in names}
+
+    def wrap(name: str, real: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                inside[0] += time.perf_counter() - t
+                seen[name] = seen.get(name, 0) + 1
+        return call
+
+    spent = 0.0
+    try:
+        for name, real in saved.items():
+            setattr(_driver.api, name, wrap(name, real))
+        for _ in range(n):
+            at = inside[0]
+            step()
+            spent += inside[0] - at
+            seen_before = dict(seen)
+            sync()
+            seen.clear()
+            seen.update(seen_before)
+    finally:
+        for name, real in saved.items():
+            setattr(_driver.api, name, real)
+    by_name = {k: v / n for k, v in sorted(seen.items(), key=lambda kv: -kv[1])}
+    return dict(calls=sum(seen.values()) / n, driver_us=spent / n * 1e6, by_name=by_name)
 
 
 def _replay_matches(ctx: Any, h: Any, rec: Any, k_dev: Any, v_dev: Any, q_dev: Any, out: Any) -> bool:

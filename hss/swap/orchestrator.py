@@ -36,7 +36,11 @@ attends only the first F and last R pages plus the K others that score best. Its
 readable, then on ``s`` (after ``step_done``; ``go`` as above) queues the scores and the host waits for them at
 once; it picks the pages (:func:`~hss.swap.sparse.select_pages`), records this query's scores for the resident
 pages it skips (so they are the first victims when they score low), and runs 1-5 above over the pages picked
-(hits = those resident; only the picked misses are read, then promoted best score first). A budget covering every
+(hits = those resident; only the picked misses are read, each tile's in one prepared batch). Its scores being known
+before any read, its promotions (the same rule, best score first) are planned first and those misses are read
+straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool
+bookkeeping of a tile is one vectorized update after its reads are queued. A tile whose reads overwrite the slot of
+a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. A budget covering every
 other page is the exact step: the same code path, the same bits.
 
 Every tile is recorded (:class:`StepRecord`): the ordered slots, the block ids they hold and the
@@ -120,8 +124,24 @@ class StepRecord:
         return tuple(b for b in self.block_ids.tolist() if b not in skipped)
 
 
+class _Promotions(NamedTuple):
+    """The misses a step promotes into the resident set, in sequence order: ``take`` (indices into the misses),
+    ``into`` (resident slots), ``rank`` (decision ranks: the best score first), ``old_layer`` / ``old_page`` (what
+    each slot held, -1 where free); streamed tile i's are ``at[i]:at[i + 1]``. ``wait_tile``: the first tile with
+    one whose slot holds a page attended in the resident tile (the streamed tile count where none does)."""
+    take: np.ndarray
+    into: np.ndarray
+    rank: np.ndarray
+    old_layer: np.ndarray
+    old_page: np.ndarray
+    at: list[int]
+    wait_tile: int
+
+
 class _Plan(NamedTuple):
-    """A step's hits and misses over the pages it attends, its streamed tile count and its reads."""
+    """A step's hits and misses over the pages it attends, its streamed tile count and its reads. A sparse step
+    knows its promotions before its reads (``promotions``): those misses are read straight into their resident
+    slots (``miss_slots``: the slot each miss is read into and attended from; None: the stream buffers)."""
     slots: np.ndarray         # each page's resident slot, -1 where not resident
     hit_pos: np.ndarray
     miss_pos: np.ndarray
@@ -129,6 +149,12 @@ class _Plan(NamedTuple):
     streamed_tiles: int
     reads: PreparedReads
     last_is_hit: bool
+    promotions: _Promotions | None = None
+    miss_slots: np.ndarray | None = None
+
+
+_PHASES = ("checks", "sparse_queue", "sparse_wait", "sparse_select", "sparse_plan", "tiles_queue", "tiles_rest",
+           "record")
 
 
 class _StallTimer:
@@ -283,7 +309,7 @@ class HighSpeedSwap:
             self._tile_index_host = own(cm.PinnedBuffer(index_bytes, ctx))
             self.copy_stream = own(cm.CudaStream(ctx))
             ev = lambda: own(cm.CudaEvent(ctx=ctx))   # noqa: E731
-            self._ev_scores, self._ev_go, self._ev_step_done = ev(), ev(), ev()
+            self._ev_scores, self._ev_go, self._ev_step_done, self._ev_resident = ev(), ev(), ev(), ev()
             self._ev_loaded, self._ev_done = (ev(), ev()), (ev(), ev())
             self._timer = own(_StallTimer(ctx))
         except BaseException:
@@ -303,7 +329,8 @@ class HighSpeedSwap:
         self._tables_pending = False
         # streamed miss j goes to slot R + (j // T % 2) * T + j % T: tile j // T in stream buffer (j // T) % 2
         j = np.arange(nb, dtype=np.int64)
-        self._stream_dsts = self.pool.ptr + self.layout.block_bytes * (R + j // T % 2 * T + j % T)
+        self._stream_slots = R + j // T % 2 * T + j % T
+        self._stream_dsts = self.pool.ptr + self.layout.block_bytes * self._stream_slots
         self._tile_bounds = np.arange(0, (self._max_tiles + 1) * T, T, dtype=np.int64)
         self._buffer_slots = (tuple(range(R, R + T)), tuple(range(R + T, R + 2 * T)))
         self._stream_table = np.zeros((self._max_tiles, cap), dtype=np.int32)
@@ -322,6 +349,7 @@ class HighSpeedSwap:
         self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0, sparse_steps=0,
                        skipped=0)
         self._host_read = self._score_wait = 0.0
+        self._prof = dict.fromkeys(_PHASES, 0.0)     # host_profile()
 
     def _own(self, obj: Any) -> Any:
         self._owned.append(obj)
@@ -486,6 +514,7 @@ class HighSpeedSwap:
         slots if attended). It waits for the scores before queueing any read; the record says what it skipped. A
         budget covering every other page is the exact step, bits included.
         """
+        t0 = time.perf_counter()
         self._live()
         s = _args.stream(stream)
         layer = self._layer(layer)
@@ -498,6 +527,7 @@ class HighSpeedSwap:
             self._mine.check(q, rowbytes, "q_dev", "this HighSpeedSwap")
             self._mine.check(out, rowbytes, "out_dev", "this HighSpeedSwap")
             _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
+        self._prof["checks"] += time.perf_counter() - t0
         if sparse is not None and not sparse.covers(ids.size):
             rec = self._sparse_step(s, layer, ids, q, out, lbvs, sparse)
         else:
@@ -511,7 +541,11 @@ class HighSpeedSwap:
     def _sparse_step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int,
                      sparse: SparseBudget) -> StepRecord:
         """The sparse step (SPEC §17.6): the scores first (the host waits), then :meth:`_step` over the pages
-        chosen. Every page must be readable, checked before any device work like the exact step's reads."""
+        chosen. Every page must be readable, checked before any device work like the exact step's reads. With the
+        scores known before any read, the promotions are planned first and those misses are read straight into
+        their resident slots (no device-to-device copy); every tile's reads are one prepared batch."""
+        prof = self._prof
+        t0 = time.perf_counter()
         missing = self.store.missing_pages(layer, ids)
         if missing.size:
             raise _never_offloaded(layer, missing)
@@ -519,47 +553,64 @@ class HighSpeedSwap:
         try:
             self._queue_scores(s, layer, q, ids)
             self._ev_scores.record(s)
+            resident = self.pool.lookup_many(layer, ids)     # host work while the device scores
+            t1 = time.perf_counter()
             scores = self._wait_scores(ids)
+            t2 = time.perf_counter()
             keep = select_pages(scores, sparse)
-            skip = np.ones(ids.size, dtype=bool)
-            skip[keep] = False
-            slots = self.pool.lookup_many(layer, ids[skip])
-            held = slots >= 0      # resident pages not attended rank by this query's scores too (never touched)
-            self.eviction.record_scores(slots[held], scores[skip][held])
-            att = ids[keep]
-            plan = self._plan(layer, att)
+            held = np.flatnonzero(resident >= 0)   # every resident page ranks by this query's score (the skipped
+            self.eviction.record_scores(resident[held], scores[held])    # are never touched; hits are, in _plan)
+            t3 = time.perf_counter()
+            plan = self._plan(layer, ids[keep], scores[keep], resident[keep])
         except BaseException:
             self._end(s)
             raise
+        prof["sparse_queue"] += t1 - t0
+        prof["sparse_wait"] += t2 - t1
+        prof["sparse_select"] += t3 - t2
+        prof["sparse_plan"] += time.perf_counter() - t3
         last = bool(keep.size) and int(keep[-1]) == ids.size - 1
-        rec = self._step(s, layer, att, q, out, lbvs if last else self.model.block_size, plan, scores[keep])
         self._n["sparse_steps"] += 1
-        self._n["skipped"] += int(skip.sum())
-        ids.setflags(write=False)
-        scores.setflags(write=False)
-        return dataclasses.replace(rec, block_ids=ids, block_scores=scores, skipped=tuple(ids[skip].tolist()),
-                                   sparse=sparse)
+        self._n["skipped"] += ids.size - keep.size
+        return self._step(s, layer, ids[keep], q, out, lbvs if last else self.model.block_size, plan, scores[keep],
+                          whole=(ids, scores, keep, sparse))
 
-    def _plan(self, layer: int, ids: np.ndarray) -> _Plan:
+    def _plan(self, layer: int, ids: np.ndarray, known: np.ndarray | None = None,
+              slots: np.ndarray | None = None) -> _Plan:
         """Hits, misses, streamed tiles and every read of a step over ``ids``, checked (StoreError naming pages
-        never offloaded) and planned: the step's loop only issues them."""
-        slots = self.pool.lookup_many(layer, ids)
+        never offloaded) and planned: the step's loop only issues them. ``known`` (a sparse step: the scores of
+        ``ids``, already waited for): the hits are recorded and touched and the promotions planned here, before
+        the reads (``slots``: the pages' resident slots, if looked up already)."""
+        if slots is None:
+            slots = self.pool.lookup_many(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)
         m, T = int(miss_pos.size), self.tile_blocks
         ns = -(-m // T)                                      # streamed tiles: the misses in sequence order
         miss_ids = ids[miss_pos]
+        promo = miss_slots = None
+        dsts = self._stream_dsts[:m]
+        if known is not None:
+            if hit_pos.size:
+                self.eviction.record_scores(slots[hit_pos], known[hit_pos])
+                self.eviction.touch_many(slots[hit_pos])
+            promo = self._plan_promotions(known, miss_pos, ns, slots[hit_pos])
+            if promo is not None:
+                miss_slots = self._stream_slots[:m].copy()
+                miss_slots[promo.take] = promo.into
+                dsts = self.pool.ptr + self.layout.block_bytes * miss_slots
         t0 = time.perf_counter()
         bounds = self._tile_bounds[:ns + 1].copy()
         bounds[-1] = m
         try:
-            reads = self.store.prepare_reads(layer, miss_ids, self._stream_dsts[:m], bounds)
+            reads = self.store.prepare_reads(layer, miss_ids, dsts, bounds)
         except StoreError as exc:
             if exc.pages is None:
                 raise
             raise _never_offloaded(layer, exc.pages) from None
         self._host_read += time.perf_counter() - t0
-        return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]))
+        return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]), promo,
+                     miss_slots)
 
     def _begin(self, s: int) -> None:
         """Order the step after the previous one on ``s`` and the copy stream after ``s`` (the stream buffers may
@@ -574,13 +625,17 @@ class HighSpeedSwap:
         self._stepped = True
 
     def _step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int, plan: _Plan,
-              known: np.ndarray | None) -> StepRecord:
+              known: np.ndarray | None, whole: tuple | None = None) -> StepRecord:
         """Attend the pages ``ids`` (sequence order) as ``plan`` says. ``known`` None: the exact step (the module
         doc: reads and the score work queued before the host waits for the scores); else the sparse step's tiles,
-        begun by the caller, with ``known`` the scores of ``ids``."""
-        slots, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit = plan
+        begun by the caller, with ``known`` the scores of ``ids`` and its promotions in ``plan`` (read straight
+        into their resident slots; a tile whose reads overwrite a hit's slot waits for the resident tile).
+        ``whole``: the sparse step's (every block id, their scores, the positions attended, its budget), for the
+        record."""
+        slots, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit, promo, miss_slots = plan
         bs, m = self.model.block_size, int(miss_pos.size)
         c = self.copy_stream.handle
+        t_start = time.perf_counter()
         if known is None:
             self._begin(s)
         first = 1 if hit_pos.size else 0                    # the resident tile, if any, is row 0
@@ -588,14 +643,32 @@ class HighSpeedSwap:
         kp, vp, blk, tok, kvh = self._operands
         tables, counts = self._tables_dev, self._counts_dev
         loaded, done, timer, n = self._ev_loaded, self._ev_done, self._timer, self._n
-        promoted: list[tuple[int, int, int]] = []                 # (decision rank, block id, slot)
-        evicted: list[tuple[int, tuple[int, int], int]] = []      # (decision rank, (layer, page), slot)
+        promoted: list[tuple[int, int, int]] = []                 # exact: (decision rank, block id, slot)
+        evicted: list[tuple[int, tuple[int, int], int]] = []      # exact: (decision rank, (layer, page), slot)
+        wait_tile = promo.wait_tile if known is not None and promo is not None else ns
+        put = [0]                                                 # sparse: streamed tiles whose promotions are in
+        pool = self.pool
 
         def read(i: int) -> None:
             if i >= 2:
                 cm.stream_wait_event(c, done[i % 2])
+            if i == wait_tile:        # its reads overwrite a slot the resident tile reads
+                cm.stream_wait_event(c, self._ev_resident)
             t = time.perf_counter()
-            n["bytes_read"] += reads.issue(i, c)
+            if known is None or promo is None or promo.at[i] == promo.at[i + 1]:
+                n["bytes_read"] += reads.issue(i, c)
+            else:
+                lo, hi = promo.at[i], promo.at[i + 1]
+                into = promo.into[lo:hi]
+                try:
+                    n["bytes_read"] += reads.issue(i, c)
+                except BaseException:
+                    pool.invalidate_slots(into)    # (some of) its reads may be queued: the old pages are gone
+                    raise
+                pool.put_many(layer, miss_ids[promo.take[lo:hi]], into)
+                self.eviction.record_scores(into, known[miss_pos[promo.take[lo:hi]]])
+                self.eviction.touch_many(into)
+                put[0] = i + 1
             self._host_read += time.perf_counter() - t
             loaded[i % 2].record(c)
 
@@ -613,35 +686,48 @@ class HighSpeedSwap:
             attend(first + i, lbvs if i == ns - 1 and not last_is_hit else bs)
 
         try:
-            for i in range(min(2, ns)):     # the first reads run while the host queues and waits for the scores
+            early = min(2, ns)          # the first reads run while the host queues (and waits for) the scores
+            for i in range(min(early, wait_tile)):
                 read(i)
             if ids.size:
                 if known is None:
                     self._queue_scores(s, layer, q, ids)
-                self._upload_tables(s, slots[hit_pos], first, ns, m)
+                self._upload_tables(s, slots[hit_pos], first, ns, m, promo)
                 self._ev_scores.record(s)   # covers the table upload: the next step may refill the pinned tables
             ta.begin_step(s, 1)
             if first:
                 attend(0, lbvs if last_is_hit else bs)
+                if wait_tile < ns:
+                    self._ev_resident.record(s)
+            for i in range(wait_tile, early):
+                read(i)
             if ns:
                 attend_streamed(0)
-            scores = self._wait_scores(ids) if known is None else known
-            if hit_pos.size:
-                self.eviction.record_scores(slots[hit_pos], scores[hit_pos])
-                self.eviction.touch_many(slots[hit_pos])
-            plan_p = self._plan_promotions(scores, miss_pos, miss_ids)
-            pool, bb = self.pool, self.layout.block_bytes
+            t_queued = time.perf_counter()
+            if known is None:
+                scores = self._wait_scores(ids)
+                if hit_pos.size:
+                    self.eviction.record_scores(slots[hit_pos], scores[hit_pos])
+                    self.eviction.touch_many(slots[hit_pos])
+                promo = self._plan_promotions(scores, miss_pos, ns)
+            else:
+                scores = known
+            bb = self.layout.block_bytes
             for i in range(ns):
                 if i:
                     attend_streamed(i)
-                for src, slot, rank, block, score in plan_p.get(i, ()):   # after the tile's attention, before done
-                    cm.copy_d_to_d_async(pool.ptr + slot * bb, src, bb, s)
-                    old = pool.put((layer, block), slot)
-                    self.eviction.record_score(slot, score)
-                    self.eviction.touch(slot)
-                    promoted.append((rank, block, slot))
-                    if old is not None:
-                        evicted.append((rank, old, slot))
+                if known is None and promo is not None:     # after the tile's attention, before done
+                    lo, hi = promo.at[i], promo.at[i + 1]
+                    for j, slot, rank in zip(promo.take[lo:hi].tolist(), promo.into[lo:hi].tolist(),
+                                             promo.rank[lo:hi].tolist()):
+                        cm.copy_d_to_d_async(pool.ptr + slot * bb, int(self._stream_dsts[j]), bb, s)
+                        block = int(miss_ids[j])
+                        old = pool.put((layer, block), slot)
+                        self.eviction.record_score(slot, scores[miss_pos[j]])
+                        self.eviction.touch(slot)
+                        promoted.append((rank, block, slot))
+                        if old is not None:
+                            evicted.append((rank, old, slot))
                 done[i % 2].record(s)
                 if i + 2 < ns:
                     read(i + 2)
@@ -649,18 +735,48 @@ class HighSpeedSwap:
                 ta.finalize(s, out, 1)
         finally:
             self._end(s)
-            n["promotions"] += len(promoted)
-            n["evictions"] += len(evicted)
+            if known is None:
+                n["promotions"] += len(promoted)
+                n["evictions"] += len(evicted)
+            elif promo is not None and put[0]:
+                k = promo.at[put[0]]
+                n["promotions"] += k
+                n["evictions"] += int(np.count_nonzero(promo.old_layer[:k] >= 0))
+        t_issued = time.perf_counter()
         self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
-        tiles = self._tiles(ids, slots, hit_pos, miss_ids, lbvs, last_is_hit)
+        tiles = self._tiles(ids, slots, hit_pos, miss_ids, lbvs, last_is_hit, miss_slots)
         n["steps"] += 1
         n["tiles"] += len(tiles)
         n["hits"] += int(hit_pos.size)
         n["misses"] += m
-        ids.setflags(write=False)
-        scores.setflags(write=False)
-        return StepRecord(layer, tiles, tuple(ids[hit_pos].tolist()), tuple(miss_ids.tolist()),
-                          tuple(p[1:] for p in sorted(promoted)), tuple(e[1:] for e in sorted(evicted)), ids, scores)
+        if known is None:
+            moves = (tuple(p[1:] for p in sorted(promoted)), tuple(e[1:] for e in sorted(evicted)))
+        else:
+            moves = self._moves(promo, miss_ids)
+        block_ids, block_scores, kept, sparse = (ids, scores, None, None) if whole is None else whole
+        block_ids.setflags(write=False)
+        block_scores.setflags(write=False)
+        skipped = () if kept is None else tuple(np.delete(block_ids, kept).tolist())
+        rec = StepRecord(layer, tiles, tuple(ids[hit_pos].tolist()), tuple(miss_ids.tolist()), *moves, block_ids,
+                         block_scores, skipped, sparse)
+        prof = self._prof
+        prof["tiles_queue"] += t_queued - t_start
+        prof["tiles_rest"] += t_issued - t_queued
+        prof["record"] += time.perf_counter() - t_issued
+        return rec
+
+    @staticmethod
+    def _moves(promo: _Promotions | None, miss_ids: np.ndarray) -> tuple[tuple, tuple]:
+        """A sparse step's (promoted, evicted) for its record, in decision order."""
+        if promo is None:
+            return (), ()
+        order = np.argsort(promo.rank)
+        into = promo.into[order].tolist()
+        promoted = tuple(zip(miss_ids[promo.take[order]].tolist(), into))
+        layers, pages = promo.old_layer[order], promo.old_page[order]
+        held = layers >= 0
+        evicted = tuple(zip(zip(layers[held].tolist(), pages[held].tolist()), promo.into[order][held].tolist()))
+        return promoted, evicted
 
     def _queue_scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> None:
         """Queue the predictor scores of pages 0..max(ids) and their copy into pinned host memory on ``s``."""
@@ -679,12 +795,12 @@ class HighSpeedSwap:
         self._tables_pending = False
         return self._scores_host.view(np.float32)[ids]
 
-    def _plan_promotions(self, scores: np.ndarray, miss_pos: np.ndarray,
-                         miss_ids: np.ndarray) -> dict[int, list[tuple[int, int, int, int, float]]]:
-        """The misses to promote (see the module doc), by streamed tile: {tile: [(stream slot address, resident
-        slot, decision rank, block id, score), ...]}, each tile's in sequence order."""
+    def _plan_promotions(self, scores: np.ndarray, miss_pos: np.ndarray, ns: int,
+                         hit_slots: np.ndarray | None = None) -> _Promotions | None:
+        """The misses to promote (see the module doc), or None. ``hit_slots`` (a sparse step, whose promoted misses
+        are read into their slots): the slots the resident tile reads, for ``wait_tile``."""
         if self.resident_capacity == 0 or miss_pos.size == 0:
-            return {}
+            return None
         miss_scores = scores[miss_pos]
         free = self.pool.free_slots()[:miss_pos.size]
         victims = None
@@ -692,7 +808,7 @@ class HighSpeedSwap:
             victims = self.eviction.rank(free)
             victims = victims[self.pool.holds(victims)]
             if not free and (not victims.size or (miss_scores < self.eviction.last_score[victims[0]]).all()):
-                return {}       # the usual steady state: every miss scores below the first victim
+                return None     # the usual steady state: every miss scores below the first victim
         order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
         k = 0
         if victims is not None:
@@ -703,20 +819,26 @@ class HighSpeedSwap:
                 if bad.any():
                     k = int(np.argmax(bad))
             if not free and not k:
-                return {}
+                return None
         take = order[:len(free) + k]
         into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]]) if k else np.asarray(free, np.int64)
         rank = np.argsort(take, kind="stable")                   # decision rank of each, in sequence order
         take, into = take[rank], into[rank]
-        plan: dict[int, list[tuple[int, int, int, int, float]]] = {}
-        for j, *row in zip(take.tolist(), self._stream_dsts[take].tolist(), into.tolist(), rank.tolist(),
-                           miss_ids[take].tolist(), miss_scores[take].tolist()):
-            plan.setdefault(j // self.tile_blocks, []).append(tuple(row))
-        return plan
+        old_layer, old_page = self.pool.keys_of(into)
+        at = np.searchsorted(take, self._tile_bounds[:ns + 1]).tolist()
+        wait_tile = ns
+        if hit_slots is not None and hit_slots.size and k:
+            hit = np.zeros(self.resident_capacity, dtype=bool)
+            hit[hit_slots] = True
+            over = np.flatnonzero(hit[into])
+            if over.size:
+                wait_tile = int(take[over[0]]) // self.tile_blocks
+        return _Promotions(take, into, rank, old_layer, old_page, at, wait_tile)
 
     def _tiles(self, ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss_ids: np.ndarray, lbvs: int,
-               last_is_hit: bool) -> tuple[TileRecord, ...]:
-        """The step's TileRecords: the resident tile (hits in sequence order), then the misses in tiles of T."""
+               last_is_hit: bool, miss_slots: np.ndarray | None = None) -> tuple[TileRecord, ...]:
+        """The step's TileRecords: the resident tile (hits in sequence order), then the misses in tiles of T (read
+        into the stream buffers, or into ``miss_slots``)."""
         bs, T = self.model.block_size, self.tile_blocks
         tiles = []
         if hit_pos.size:
@@ -726,13 +848,16 @@ class HighSpeedSwap:
         ns = -(-len(misses) // T)
         for i in range(ns):
             part = tuple(misses[i * T:(i + 1) * T])
-            tiles.append(TileRecord(self._buffer_slots[i % 2][:len(part)], part,
+            where = (self._buffer_slots[i % 2][:len(part)] if miss_slots is None else
+                     tuple(miss_slots[i * T:(i + 1) * T].tolist()))
+            tiles.append(TileRecord(where, part,
                                     lbvs if i == ns - 1 and not last_is_hit else bs, True))
         return tuple(tiles)
 
-    def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int) -> None:
-        """Fill the pinned per-tile slot tables and counts (row 0 the resident tile when ``first``) and queue
-        their copy to the device on ``s``."""
+    def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int,
+                       promo: _Promotions | None = None) -> None:
+        """Fill the pinned per-tile slot tables and counts (row 0 the resident tile when ``first``; a sparse step's
+        ``promo``: those misses in their resident slots) and queue their copy to the device on ``s``."""
         nt = first + ns
         if not nt:
             return
@@ -745,6 +870,9 @@ class HighSpeedSwap:
             count[0] = hit_slots.size
         if ns:
             table[first:nt] = self._stream_table[:ns]
+            if promo is not None:
+                T = self.tile_blocks
+                table[first + promo.take // T, promo.take % T] = promo.into
             count[first:nt] = self.tile_blocks
             count[nt - 1] = misses - (ns - 1) * self.tile_blocks
         cap = self.attn.dims.tile_capacity
@@ -753,6 +881,15 @@ class HighSpeedSwap:
         self._tables_pending = True
 
     # -- diagnostics, lifetime -------------------------------------------------------------------
+    def host_profile(self) -> dict[str, float]:
+        """Host seconds spent so far in each part of ``attend_layer`` (totals; pure host clock, waits included):
+        ``checks`` (arguments), ``sparse_queue`` (a sparse step's page checks, pool lookup and score launches),
+        ``sparse_wait`` (its wait for the scores), ``sparse_select`` (its page choice), ``sparse_plan`` (hits,
+        misses, promotions, read planning), ``tiles_queue`` (reads, tables and tiles up to the first streamed tile;
+        an exact step's score launches too), ``tiles_rest`` (the other tiles; an exact step's score wait and
+        promotions too), ``record`` (the step record). Nothing is synchronized."""
+        return dict(self._prof)
+
     def diagnostic_summary(self) -> HighSpeedSwapDiagnostic:
         """The original's fields and hss's counters; waits for the stall timers of issued steps."""
         self._live()

@@ -6,14 +6,16 @@ A slot holds one KV page in the backing stores' page layout (:class:`~hss.swap.l
 :meth:`TiledAttention.scratch_pool_strides(group_stride) <hss.attention.TiledAttention.scratch_pool_strides>`,
 so padded stripes are addressed correctly (SPEC §7.4's latent assumption gs == block_size*head_dim*2 is gone).
 
-Bookkeeping covers the first ``num_slots - reserved_slots`` slots: residents[slot] = (layer, page) or free,
-a lookup table, and a FIFO free list (initially 0, 1, ...). The last ``reserved_slots`` slots are never
+Bookkeeping covers the first ``num_slots - reserved_slots`` slots: residents[slot] = (layer, page) or free (two
+int arrays), a lookup table, and a FIFO free list (initially 0, 1, ...). :meth:`ScratchPool.put_many` places many
+pages at once, vectorized (a decode step's promotions). The last ``reserved_slots`` slots are never
 assigned: the orchestrator streams pages through them. Bookkeeping is host-only and immediate; the
 device contents change only through copies the caller orders on its streams.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,8 +54,8 @@ class ScratchPool:
         self.slot_bytes = layout.block_bytes
         self.buffer = cm.DeviceBuffer(n * self.slot_bytes, ctx)
         self._slot_of = np.full((nl, layout.num_blocks), -1, dtype=np.int32)
-        self._key_of: list[Key | None] = [None] * (n - r)
-        self._held = np.zeros(n - r, dtype=bool)     # _key_of[slot] is not None, for vectorized checks
+        self._layer_of = np.full(n - r, -1, dtype=np.int64)      # residents[slot] = (layer, page); -1: free
+        self._page_of = np.full(n - r, -1, dtype=np.int64)
         self._free: collections.deque[int] = collections.deque(range(n - r))
 
     # -- device addresses ------------------------------------------------------------------------
@@ -113,11 +115,18 @@ class ScratchPool:
 
     def key_of(self, slot: int) -> Key | None:
         """The (layer, page) that ``slot`` holds, or None (free)."""
-        return self._key_of[self._poolable(slot)]
+        s = self._poolable(slot)
+        layer = int(self._layer_of[s])
+        return None if layer < 0 else (layer, int(self._page_of[s]))
+
+    def keys_of(self, slots: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(layers, pages) held by each of ``slots`` (poolable slots, an int array): int64 arrays, -1 where free."""
+        arr = self._ints("slots", slots, self.poolable_slots)
+        return self._layer_of[arr], self._page_of[arr]
 
     def holds(self, slots: Any) -> np.ndarray:
         """Whether each of ``slots`` (poolable slots, an int array) holds a page (bool array)."""
-        return self._held[self._ints("slots", slots, self.poolable_slots)]
+        return self._layer_of[self._ints("slots", slots, self.poolable_slots)] >= 0
 
     def _poolable(self, slot: Any) -> int:
         s = _args.as_int("slot", slot)
@@ -150,8 +159,9 @@ class ScratchPool:
         return list(self._free)
 
     def residents(self) -> dict[Key, int]:
-        """{(layer, page): slot} of every resident page."""
-        return {k: s for s, k in enumerate(self._key_of) if k is not None}
+        """{(layer, page): slot} of every resident page, by slot."""
+        held = np.flatnonzero(self._layer_of >= 0)
+        return dict(zip(zip(self._layer_of[held].tolist(), self._page_of[held].tolist()), held.tolist()))
 
     def assign(self, key: Key, candidates: Iterable[int] = ()) -> int:
         """The slot for ``key``: its own if resident; else the front of the free list; else the first of
@@ -166,7 +176,7 @@ class ScratchPool:
         else:
             for i, c in enumerate(candidates):
                 c = _args.as_int(f"candidates[{i}]", c)
-                if 0 <= c < self.poolable_slots and self._key_of[c] is not None:
+                if 0 <= c < self.poolable_slots and self._layer_of[c] >= 0:
                     slot = c
                     break
             else:
@@ -183,7 +193,7 @@ class ScratchPool:
         key, slot = self._key(key), self._poolable(slot)
         if self._slot_of[key] >= 0:
             raise HssError(f"{key} is already resident in slot {int(self._slot_of[key])}")
-        old = self._key_of[slot]
+        old = self.key_of(slot)
         if old is None:
             if self._free and self._free[0] == slot:
                 self._free.popleft()
@@ -193,6 +203,53 @@ class ScratchPool:
             self._drop(slot)
         self._set(key, slot)
         return old
+
+    def put_many(self, layer: int, pages: Any, slots: Any) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`put` of (layer, pages[i]) into slots[i] for every i, at once (vectorized): ``pages`` distinct and
+        none resident, ``slots`` distinct poolable slots (free or resident). Returns the (layers, pages) each slot held
+        before (int64 arrays, -1 where it was free). Everything is checked first; an error changes nothing."""
+        layer = _args.as_int("layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise HssError(f"layer {layer} is out of range 0..{self.num_layers - 1}")
+        pages = self._ints("pages", pages, self.layout.num_blocks)
+        slots = self._ints("slots", slots, self.poolable_slots)
+        if pages.size != slots.size:
+            raise HssError(f"{pages.size} pages but {slots.size} slots")
+        if not pages.size:
+            return pages, pages
+        if np.unique(pages).size != pages.size or np.unique(slots).size != slots.size:
+            raise HssError("put_many: pages and slots must each be distinct")
+        now = self._slot_of[layer, pages]
+        if (now >= 0).any():
+            bad = pages[now >= 0]
+            raise HssError(f"pages {bad[:8].tolist()} of layer {layer} are already resident")
+        old_layer, old_page = self._layer_of[slots], self._page_of[slots]
+        held = old_layer >= 0
+        freed = slots[~held]
+        if freed.size:
+            self._take_free(freed)
+        self._slot_of[old_layer[held], old_page[held]] = -1
+        self._slot_of[layer, pages] = slots
+        self._layer_of[slots] = layer
+        self._page_of[slots] = pages
+        return old_layer, old_page
+
+    def _take_free(self, slots: np.ndarray) -> None:
+        """Remove ``slots`` (free ones, distinct) from the free list, keeping the others' order."""
+        k = int(slots.size)
+        free = self._free
+        if sorted(itertools.islice(free, k)) == sorted(slots.tolist()):     # the usual case: the front of the list
+            self._free = collections.deque(itertools.islice(free, k, None))
+        else:
+            gone = set(slots.tolist())
+            self._free = collections.deque(s for s in free if s not in gone)
+
+    def invalidate_slots(self, slots: Any) -> None:
+        """:meth:`invalidate` the page held by each of ``slots`` (poolable slots; free ones are skipped), in order."""
+        arr = self._ints("slots", slots, self.poolable_slots)
+        for s in arr[self._layer_of[arr] >= 0].tolist():    # failure path only
+            self._drop(s)
+            self._free.append(s)
 
     def invalidate(self, key: Key) -> int | None:
         """Forget ``key``; its slot goes to the BACK of the free list. Returns the slot, or None."""
@@ -219,21 +276,19 @@ class ScratchPool:
     def clear(self) -> None:
         """Everything free, in order 0..n-1."""
         self._slot_of.fill(-1)
-        self._key_of = [None] * self.poolable_slots
-        self._held.fill(False)
+        self._layer_of.fill(-1)
+        self._page_of.fill(-1)
         self._free = collections.deque(range(self.poolable_slots))
 
     def _set(self, key: Key, slot: int) -> None:
         self._slot_of[key] = slot
-        self._key_of[slot] = key
-        self._held[slot] = True
+        self._layer_of[slot], self._page_of[slot] = key
 
     def _drop(self, slot: int) -> None:
-        old = self._key_of[slot]
-        if old is not None:
-            self._slot_of[old] = -1
-            self._key_of[slot] = None
-            self._held[slot] = False
+        layer = self._layer_of[slot]
+        if layer >= 0:
+            self._slot_of[layer, self._page_of[slot]] = -1
+            self._layer_of[slot] = self._page_of[slot] = -1
 
     # -- lifetime --------------------------------------------------------------------------------
     @property

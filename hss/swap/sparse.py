@@ -49,16 +49,27 @@ def sparse_budget(budget_pages: Any, keep_first: Any, keep_recent: Any) -> Spars
 
 def select_pages(scores: np.ndarray, budget: SparseBudget) -> np.ndarray:
     """Sequence positions (int64, ascending) of the pages attended, given the predictor score of each page
-    (``scores``: float, ``[n]``, in sequence order)."""
+    (``scores``: float, ``[n]``, in sequence order). O(n): a partition finds the K-th best score, then every page
+    above it and the earliest pages equal to it are kept (no sort)."""
     scores = np.asarray(scores).reshape(-1)
     n = scores.size
     if budget.covers(n):
         return np.arange(n, dtype=np.int64)
+    first, recent, k = budget.keep_first, budget.keep_recent, budget.budget_pages
+    hi = n - recent                   # not covered: first + recent < n, so the others are first..hi-1
     keep = np.zeros(n, dtype=bool)
-    keep[:budget.keep_first] = True
-    if budget.keep_recent:
-        keep[n - budget.keep_recent:] = True         # forced() < n here, so keep_recent < n
-    others = np.flatnonzero(~keep)
-    # -score ascending, stable: the best first, ties to the earlier page, NaN (still NaN) last
-    keep[others[np.argsort(-scores[others], kind="stable")[:budget.budget_pages]]] = True
+    keep[:first] = True
+    keep[hi:] = True
+    if k:
+        others = scores[first:hi]
+        neg = -(others if others.dtype.kind == "f" else others.astype(np.float64))   # ascending = best first
+        kth = np.partition(neg, k - 1)[k - 1]     # the K-th best (NaN sorts last: fewer than K numbers)
+        if np.isnan(kth):
+            take = ~np.isnan(neg)
+            tied = np.flatnonzero(~take)
+        else:
+            take = neg < kth
+            tied = np.flatnonzero(neg == kth)
+        take[tied[:k - int(np.count_nonzero(take))]] = True     # ties (NaN last) to the earlier page
+        keep[first:hi] = take
     return np.flatnonzero(keep)

@@ -75,7 +75,7 @@ class PreparedReads:
                  run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
         self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
         self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
-        self.copies: cm.HostToDeviceBatch | None = None     # HostStore: every transfer of the step, checked
+        self.copies: list | None = None     # HostStore: the first group's batch, then the other groups' (see _prepared)
         self._block_bytes, self._epoch = store.layout.block_bytes, store._epoch
 
     def __len__(self) -> int:
@@ -333,14 +333,30 @@ class HostStore(BackingStore):
         self.buffer.array[at:at + data.nbytes] = data
 
     def _prepared(self, reads: PreparedReads) -> None:
-        # one batch per group: one driver call, and the DMA keeps its bandwidth on many mid-size copies; the
-        # copies of every group are checked here, at once
-        bb, first = self.layout.block_bytes, reads.run_starts
+        # one batched driver call per group (the DMA keeps its bandwidth on many mid-size copies). The first
+        # group's batch is built here; the other groups' together at the first issue of one of them, so the first
+        # reads go out before the host converts the rest (their destinations are checked here, at once)
+        bb, first, at = self.layout.block_bytes, reads.run_starts, reads.run_bounds
+        split = at[1] if len(at) > 2 else len(first)
+        if split < len(first):
+            _args.RANGES.check_many(reads.dsts[first[split:]], reads.run_counts[split:] * bb, "dsts")
+        reads.copies = [self._batch(reads, 0, split), None]
+
+    def _batch(self, reads: PreparedReads, lo: int, hi: int) -> cm.HostToDeviceBatch:
+        """The copies of ``reads``' transfers lo..hi-1, checked."""
+        bb, first = self.layout.block_bytes, reads.run_starts[lo:hi]
         base = self.buffer.ptr + reads.layer * self.layout.bytes_per_layer
-        reads.copies = cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb, reads.run_counts * bb)
+        return cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb, reads.run_counts[lo:hi] * bb)
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
-        reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
+        r0, r1 = reads.run_bounds[group], reads.run_bounds[group + 1]
+        if group == 0 or len(reads.run_bounds) <= 2:
+            reads.copies[0].queue(stream, r0, r1)
+        else:
+            split = reads.run_bounds[1]
+            if reads.copies[1] is None:
+                reads.copies[1] = self._batch(reads, split, len(reads.run_starts))
+            reads.copies[1].queue(stream, r0 - split, r1 - split)
         self._reads_done.record(stream)
         self._reads_queued = True
 
