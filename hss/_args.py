@@ -50,7 +50,7 @@ from hss.errors import HssError
 __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg",
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
            "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
-           "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint"]
+           "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "DEVICES", "device_of", "check_device"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -156,17 +156,19 @@ class LiveRanges:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: list[tuple[int, int, int]] = []             # (start, end, key), sorted by start
+        self._entries: list[tuple[int, int, int, int]] = []        # (start, end, key, device), sorted by start
         self._keys = itertools.count()
         self.snapshot: tuple[list[int], list[int]] = ([], [])      # starts, ends
+        self.devices: tuple[list[int], list[int], list[int]] = ([], [], [])   # starts, ends, device ordinals
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
         self.generation = 0   # changes with every add / remove: a check made at one generation holds until it changes
 
-    def add(self, start: int, size: int) -> int:
-        """Register ``[start, start + size)``; the returned key removes exactly this entry."""
+    def add(self, start: int, size: int, device: int = -1) -> int:
+        """Register ``[start, start + size)`` (device memory of ordinal ``device``; -1: pinned host memory, any
+        device's); the returned key removes exactly this entry."""
         with self._lock:
             key = next(self._keys)
-            bisect.insort(self._entries, (start, start + size, key))
+            bisect.insort(self._entries, (start, start + size, key, device))
             self._publish()
         return key
 
@@ -176,9 +178,17 @@ class LiveRanges:
             self._publish()
 
     def _publish(self) -> None:
-        self.snapshot = ([e[0] for e in self._entries], [e[1] for e in self._entries])
+        starts, ends = [e[0] for e in self._entries], [e[1] for e in self._entries]
+        self.snapshot = (starts, ends)
+        self.devices = (starts, ends, [e[3] for e in self._entries])
         self._arrays = None
         self.generation += 1
+
+    def device_of(self, ptr: int) -> int | None:
+        """The device ordinal of the live hss device buffer holding ``ptr`` (None: pinned memory or not hss's)."""
+        starts, ends, devices = self.devices
+        i = bisect.bisect_right(starts, ptr) - 1
+        return devices[i] if i >= 0 and ptr < ends[i] and devices[i] >= 0 else None
 
     def find(self, ptr: int) -> tuple[int, int] | None:
         """(start, end) of the live buffer holding ``ptr``, or None."""
@@ -212,6 +222,38 @@ class LiveRanges:
 
 
 RANGES = LiveRanges()
+
+
+class _Devices:
+    """Whether this process uses more than one device (hss then checks which device each pointer is on)."""
+
+    many = False
+
+
+DEVICES = _Devices()
+
+
+def device_of(obj: Any, ptr: int) -> int | None:
+    """The device ordinal of argument ``obj`` at address ``ptr`` where it can be known without a driver call: an
+    hss buffer or view, a torch tensor, any address inside a live hss device buffer; else None."""
+    d = getattr(obj, "device", None)
+    if type(d) is int:
+        return d   # DeviceBuffer.device
+    buf = getattr(obj, "buffer", None)
+    if buf is not None and type(getattr(buf, "device", None)) is int:
+        return buf.device   # DeviceView
+    if _READERS.get(type(obj)) is _read_torch and obj.is_cuda:
+        return obj.get_device()
+    return RANGES.device_of(ptr)
+
+
+def check_device(obj: Any, ptr: int, name: str, device: int) -> None:
+    """Raise :class:`HssError` if argument ``name`` is memory of another device than ``device`` (see
+    :func:`device_of`; memory whose device cannot be known passes)."""
+    where = device_of(obj, ptr)
+    if where is not None and where != device:
+        raise HssError(f"{name} is memory of device {where}, but this call runs on device {device}; pass memory "
+                       f"of device {device} (copy it there first)")
 
 
 class OwnedRanges:
@@ -410,18 +452,21 @@ def pointer(obj: Any, name: str, nbytes: int | None = None, align: int = 1, dtyp
 
 
 def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None = None, write: bool = False,
-                what: str = "") -> Callable[..., int]:
+                what: str = "", device: int | None = None) -> Callable[..., int]:
     """A prepared :func:`pointer` for one parameter of a hot call: ``check(obj, stream=None, nbytes=None) -> int``
     (``nbytes`` overrides the prepared size for calls whose size varies).
 
     Same rules and errors as :func:`pointer`, with the common cases (an int address, a torch tensor, an hss
     buffer) decided in a few attribute reads, and an int address that passed at least this size while the live
-    buffers did not change passing at once; anything unusual takes the general path."""
+    buffers did not change passing at once; anything unusual takes the general path. ``device``: the ordinal the
+    call runs on; once the process uses a second device, memory known to be another device's is refused
+    (:func:`check_device`)."""
     registry = RANGES
     fixed = nbytes or 0
     torch_dtypes: set[Any] = set()   # the torch dtypes that match `dtype`, resolved at the first torch tensor
     prepared = nbytes
     last_ptr, last_need, last_gen = -1, -1, -1   # the last int address that passed, for how many bytes, when
+    many = DEVICES if device is not None else _Devices()   # the latter never turns on
 
     def check(obj: Any, stream: int | None = None, nbytes: int | None = None) -> int:
         nonlocal last_ptr, last_need, last_gen
@@ -440,6 +485,8 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
                     i = bisect.bisect_right(starts, obj) - 1
                     if i >= 0 and obj < ends[i] < obj + need:
                         registry.check(obj, need, name)
+                if many.many:
+                    check_device(obj, obj, name, device)   # type: ignore[arg-type]
                 last_ptr, last_need, last_gen = obj, need, gen
                 return obj
         elif cls in _QUICK:
@@ -447,6 +494,8 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
             if got is not None:
                 p, size, dt = got
                 if size >= need and not p % align and (dt is None or dt == dtype or dtype is None or dt == "u8"):
+                    if many.many:
+                        check_device(obj, p, name, device)   # type: ignore[arg-type]
                     return p
         elif _READERS.get(cls) is _read_torch:
             if not torch_dtypes:
@@ -454,8 +503,13 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
             if obj.is_cuda and obj.dtype in torch_dtypes and obj.is_contiguous() and obj.nbytes >= need:
                 p = obj.data_ptr()
                 if p and not p % align:
+                    if many.many:
+                        check_device(obj, p, name, device)   # type: ignore[arg-type]
                     return p
-        return pointer(obj, name, nbytes, align, dtype, write, stream, what)
+        p = pointer(obj, name, nbytes, align, dtype, write, stream, what)
+        if many.many:
+            check_device(obj, p, name, device)   # type: ignore[arg-type]
+        return p
 
     return check
 

@@ -15,7 +15,7 @@ from hss._driver import api, check, cuda_error, driver_status
 from hss.errors import CudaError, HssError
 
 __all__ = ["CudaCtx", "CudaStream", "CudaEvent", "stream_sync", "stream_wait_event", "compute_capability",
-           "multiprocessor_count", "stream_handle"]
+           "multiprocessor_count", "stream_handle", "ordinal_of", "device_count"]
 
 _GONE = {"CUDA_ERROR_DEINITIALIZED", "CUDA_ERROR_CONTEXT_IS_DESTROYED", "CUDA_ERROR_INVALID_CONTEXT"}
 _EVENT_DISABLE_TIMING = 2
@@ -57,6 +57,8 @@ class PrimaryContext:
             pctx = cls._live.get(ordinal)
             if pctx is None:
                 pctx = cls._live[ordinal] = cls(ordinal)
+                if len(cls._live) > 1:
+                    _args.DEVICES.many = True   # from now on, pointers are checked for their device
             return pctx
 
     def hold(self) -> None:
@@ -140,6 +142,11 @@ def owner_context(ctx: CudaCtx | PrimaryContext | None) -> PrimaryContext:
         raise TypeError(f"ctx must be a CudaCtx or None, not {type(ctx).__name__}")
     pctx.make_current()
     return pctx
+
+
+def ordinal_of(ctx: CudaCtx | PrimaryContext | None) -> int:
+    """The device ordinal of ``ctx`` (None: of the current context, as :func:`owner_context` takes it)."""
+    return owner_context(ctx).ordinal
 
 
 def _join(consumer: int, producer: int) -> None:
@@ -277,6 +284,15 @@ class CudaCtx(Owner):
 
     def __repr__(self) -> str:
         return f"CudaCtx(device {self.device}{', closed' if self.closed else ''})"
+
+
+def device_count() -> int:
+    """The number of devices the driver offers (0 where there is no driver)."""
+    status = driver_status()
+    if status.kind == "cuda" and not status.found:
+        return 0
+    check(api.cuInit(0), "cuInit")
+    return int(check(api.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
 def compute_capability(ctx: CudaCtx | PrimaryContext | None = None) -> tuple[int, int]:

@@ -223,15 +223,32 @@ def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack)
     shared = _args.as_int("shared_bytes", shared_bytes, 0)
     func.check_pack(pack)
     handle, address, pctx, module = func.handle, pack.address, func._pctx, func.module
+    many, own_streams = _args.DEVICES, set()   # streams seen to be this context's (once several devices are used)
 
     def run(stream: int, gx: int, gy: int = 1, gz: int = 1) -> None:
         if thread_state.pctx is not pctx:
             module._live_pctx().make_current()
+        if many.many and stream not in own_streams:
+            _check_stream_context(stream, pctx, func.name)
+            own_streams.add(stream)
         err = api.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, stream, address, 0)[0]
         if err:
             raise _launch_error(err, func, (gx, gy, gz), (bx, by, bz), shared)
 
     return run
+
+
+def _check_stream_context(stream: int, pctx: PrimaryContext, what: str) -> None:
+    """Raise :class:`HssError` if ``stream`` is a stream of another context than ``pctx`` (the legacy handles name
+    the current context's, so they pass)."""
+    if stream in (0, 1, 2):
+        return
+    ctx = int(check(api.cuStreamGetCtx(stream), "cuStreamGetCtx", f"stream {stream:#x}"))
+    if ctx != pctx.handle:
+        other = next((p.ordinal for p in list(PrimaryContext._live.values()) if p.handle == ctx), None)
+        where = f"device {other}" if other is not None else "another context"
+        raise HssError(f"{what}: stream {stream:#x} belongs to {where}, but this work runs on device {pctx.ordinal}; "
+                       f"pass a stream of device {pctx.ordinal}")
 
 
 def begin_capture(stream: Any) -> None:

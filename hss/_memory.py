@@ -37,7 +37,8 @@ class DeviceBuffer(Owner):
         pctx = owner_context(ctx)
         self._ptr = int(check(api.cuMemAlloc(nbytes), "cuMemAlloc", f"{nbytes} bytes"))
         self.bytes = nbytes
-        self._own("cuMemFree", self._ptr, pctx, functools.partial(RANGES.remove, RANGES.add(self._ptr, nbytes)))
+        self._own("cuMemFree", self._ptr, pctx,
+                  functools.partial(RANGES.remove, RANGES.add(self._ptr, nbytes, pctx.ordinal)))
 
     @property
     def ptr(self) -> int:

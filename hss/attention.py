@@ -23,6 +23,7 @@ tables and counts), the output writable.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +170,7 @@ class TiledAttention:
 
     def _prepare(self) -> None:
         """The hot paths' prepared state: packs (refilled by slot), launchers and pointer checks."""
+        ptr_arg = functools.partial(_args.pointer_arg, device=self.m.device)   # refuses other devices' memory
         d = self.dims
         self._step_pack = pack = self._step_decl.pack(
             part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
@@ -194,15 +196,15 @@ class TiledAttention:
         self._row_bytes, self._table_bytes = 2 * d.num_q_heads * d.head_dim, 4 * d.tile_capacity
         self._pool_heads, self._head_dim = d.num_kv_heads - 1, d.head_dim
         shape = "bf16 [num_seqs, num_q_heads, head_dim]"
-        self._q_arg = _args.pointer_arg("q", None, 2, "bf16", what=f"the {shape} query")
-        self._out_arg = _args.pointer_arg("output", None, 2, "bf16", write=True, what=f"a {shape} output")
-        self._k_arg = _args.pointer_arg("k_pool", None, 2, "bf16",
+        self._q_arg = ptr_arg("q", None, 2, "bf16", what=f"the {shape} query")
+        self._out_arg = ptr_arg("output", None, 2, "bf16", write=True, what=f"a {shape} output")
+        self._k_arg = ptr_arg("k_pool", None, 2, "bf16",
                                         what="the bf16 K page pool (at least one token row of every kv head)")
-        self._v_arg = _args.pointer_arg("v_pool", None, 2, "bf16",
+        self._v_arg = ptr_arg("v_pool", None, 2, "bf16",
                                         what="the bf16 V page pool (at least one token row of every kv head)")
-        self._table_arg = _args.pointer_arg("tile_blocks", None, 4, "i32",
+        self._table_arg = ptr_arg("tile_blocks", None, 4, "i32",
                                             what="i32 [num_seqs, tile_capacity] page ids")
-        self._counts_arg = _args.pointer_arg("tile_block_counts", None, 4, "i32", what="i32 [num_seqs] entry counts")
+        self._counts_arg = ptr_arg("tile_block_counts", None, 4, "i32", what="i32 [num_seqs] entry counts")
 
     @classmethod
     def new(cls, dims: TiledAttentionDims, ctx: cm.CudaCtx | None = None) -> TiledAttention:

@@ -22,7 +22,9 @@ from hss._context import (
                           CudaEvent,
                           CudaStream,
                           compute_capability,
+                          device_count,
                           multiprocessor_count,
+                          ordinal_of,
                           stream_handle,
                           stream_sync,
                           stream_wait_event,
@@ -61,5 +63,5 @@ __all__ = [
     "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async", "memset_d8_async", "memset_d32_async",
     "launch_kernel", "stream_sync", "mem_info", "multiprocessor_count", "compute_capability", "begin_capture",
     "end_capture", "on_replay", "is_capturing", "driver_status", "device_ptr", "stream_handle", "stream_wait_event",
-    "CudaError", "HssError",
+    "device_count", "ordinal_of", "CudaError", "HssError",
 ]

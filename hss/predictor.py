@@ -20,6 +20,7 @@ packs on every call, so one instance must not be used from several threads at on
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +259,7 @@ class Predictor:
 
     def _prepare(self, f_q: Any, f_kv: Any, f_score: Any, *f_heads: Any) -> None:
         """The hot paths' prepared state: packs (refilled by slot), launchers, pointer checks and the geometry."""
+        ptr_arg = functools.partial(_args.pointer_arg, device=self._p.device)   # refuses other devices' memory
         d, p = self._dims, self._p.ptr
         nq, nkv, hd, r, bs = d.num_q_heads, d.num_kv_heads, d.head_dim, d.r, d.block_size
         self._slot = d.slot_bytes()
@@ -276,8 +278,8 @@ class Predictor:
                                                      p_stride=stride)
         self._q_in, self._q_out, self._q_p = pack.slot("q"), pack.slot("q_proj"), pack.slot("p")
         self._run_q = launcher(f_q, block_q, 0, pack)
-        self._q_arg = _args.pointer_arg("q", 2 * nq * hd, 2, bf16, what="the [num_q_heads, head_dim] bf16 query")
-        self._q_proj_out_arg = _args.pointer_arg("q_proj", 2 * nq * r, 2, bf16, write=True,
+        self._q_arg = ptr_arg("q", 2 * nq * hd, 2, bf16, what="the [num_q_heads, head_dim] bf16 query")
+        self._q_proj_out_arg = ptr_arg("q_proj", 2 * nq * r, 2, bf16, write=True,
                                                  what="a [num_q_heads, r] bf16 output")
         # project_kv_block: grid (kv heads, token groups), block.y tokens per CTA
         ky = lowrank_rows(r, bs)
@@ -286,7 +288,7 @@ class Predictor:
         self._kv_in, self._kv_out, self._kv_p = pack.slot("k_block"), pack.slot("k_lr"), pack.slot("p")
         self._run_kv = launcher(f_kv, (r, ky, 1), 0, pack)
         self._kv_grid = (nkv, -(-bs // ky))
-        self._k_block_arg = _args.pointer_arg("k_block", 2 * bs * nkv * hd, 2, bf16,
+        self._k_block_arg = ptr_arg("k_block", 2 * bs * nkv * hd, 2, bf16,
                                               what="one [block_size, num_kv_heads, head_dim] bf16 KV page")
         # predictor_score: one K_lr block per warp
         self._warps = score_warps()
@@ -295,11 +297,11 @@ class Predictor:
         self._sc_q, self._sc_k = pack.slot("q_proj"), pack.slot("k_lr")
         self._sc_out, self._sc_n = pack.slot("scores"), pack.slot("num_blocks")
         self._run_score = launcher(f_score, (32 * self._warps, 1, 1), 0, pack)
-        self._q_proj_arg = _args.pointer_arg("q_proj", 2 * nq * r, 2, bf16,
+        self._q_proj_arg = ptr_arg("q_proj", 2 * nq * r, 2, bf16,
                                              what="the [num_q_heads, r] bf16 projected query")
-        self._k_lr_arg = _args.pointer_arg("k_lr_seq", None, 2, bf16,
+        self._k_lr_arg = ptr_arg("k_lr_seq", None, 2, bf16,
                                            what="n slots of [num_kv_heads, block_size, r] bf16")
-        self._scores_arg = _args.pointer_arg("scores_out", None, 4, "f32", write=True, what="an [n] f32 output")
+        self._scores_arg = ptr_arg("scores_out", None, 4, "f32", write=True, what="an [n] f32 output")
         if f_heads:
             self._prepare_heads(*f_heads)
 

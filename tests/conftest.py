@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+os.environ.setdefault("HSS_EMULATOR_DEVICES", "2")   # the emulator offers two devices to the multi-device tests
+
 try:
     from hss._driver import driver_status
     STATUS = driver_status()

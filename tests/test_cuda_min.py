@@ -614,7 +614,7 @@ buf = cm.DeviceBuffer(1 << 20, ctx)
 mod_ctx = ctx._pctx
 def active():
     if cm.driver_status().kind == "emulator":
-        return api.state.ctx_refs
+        return api.state.ctx_refs[0]
     return api.cuDevicePrimaryCtxGetState(mod_ctx.device)[2]
 assert active(), "retained while owners live"
 ctx.close()

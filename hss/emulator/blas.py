@@ -9,7 +9,7 @@ import ml_dtypes
 from hss.reference.linear import proj_dense
 from hss.reference.numerics import to_bf16
 
-from .driver import S, _needs_ctx, enqueue, stream_of
+from .driver import S, _needs_ctx, enqueue, stream_of, view_on
 from .enums import CUresult as R
 
 
@@ -19,13 +19,13 @@ def proj_dense_bf16(act: int, weight: int, out: int, m: int, n: int, k: int, str
     if err:
         return (err,)
     st = stream_of(stream)
-    if st is None:
+    if st is None or st.ctx != S.current():
         return (R.CUDA_ERROR_INVALID_HANDLE,)
-    bf = ml_dtypes.bfloat16
+    bf, d = ml_dtypes.bfloat16, S.device()
     with S.lock:
-        a = S.arena.view(act, 2 * m * k, "cublas_bf16_proj_dense act").view(bf).reshape(m, k)
-        w = S.arena.view(weight, 2 * n * k, "cublas_bf16_proj_dense weight").view(bf).reshape(n, k)
-        o = S.arena.view(out, 2 * m * n, "cublas_bf16_proj_dense out").view(bf).reshape(m, n)
+        a = view_on(d, act, 2 * m * k, "cublas_bf16_proj_dense act").view(bf).reshape(m, k)
+        w = view_on(d, weight, 2 * n * k, "cublas_bf16_proj_dense weight").view(bf).reshape(n, k)
+        o = view_on(d, out, 2 * m * n, "cublas_bf16_proj_dense out").view(bf).reshape(m, n)
 
         def op() -> None:
             o[:] = to_bf16(proj_dense(a, w))

@@ -1,9 +1,12 @@
 """The subset of ``cuda.bindings.driver`` that hss calls, executed on the CPU.
 
-Every function returns ``(CUresult, *values)`` like the real binding. One emulated device
-(compute capability 9.0, like an H200) with one primary context; ``HSS_EMULATOR_MEMORY`` sets its
-memory in bytes (default 8 GiB). The current context is tracked per thread, and calls that need
-one fail with ``CUDA_ERROR_INVALID_CONTEXT`` on a thread that has none current, as on a GPU.
+Every function returns ``(CUresult, *values)`` like the real binding. ``HSS_EMULATOR_DEVICES`` emulated
+devices (default 1, at most 8; compute capability 9.0, like an H200), each with one primary context;
+``HSS_EMULATOR_MEMORY`` sets each one's memory in bytes (default 8 GiB). The current context is tracked per
+thread, and calls that need one fail with ``CUDA_ERROR_INVALID_CONTEXT`` on a thread that has none current, as on
+a GPU. All devices share one address space (unified addressing): copies between them work, but a kernel, or the
+emulated cuBLAS, reading or writing another device's memory faults (no peer access), and a launch or event record
+on a stream of another context is refused (``CUDA_ERROR_INVALID_HANDLE``).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from .enums import (  # noqa: F401
     CUresult,
     CUstreamCaptureMode,
 )
-from .memory import Arena, host_view
+from .memory import Arena, MemoryFault, host_view
 from .streams import Event, Graph, GraphExec, Stream
 
 R = CUresult
@@ -43,6 +46,16 @@ ATTRIBUTES = {
     CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 227 * 1024,
 }
 LEGACY_STREAMS = (0, 1, 2)   # NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD all map to the legacy stream
+MAX_DEVICES = 8
+CTX_BASE, CTX_STEP = 0xC0_0000, 0x100   # device d's primary context handle: CTX_BASE + d * CTX_STEP
+
+
+def _device_count() -> int:
+    raw = os.environ.get("HSS_EMULATOR_DEVICES", "").strip() or "1"
+    n = int(raw) if raw.isdigit() else 0
+    if not 1 <= n <= MAX_DEVICES:
+        raise ValueError(f"HSS_EMULATOR_DEVICES={raw!r}: the emulator offers 1 to {MAX_DEVICES} devices")
+    return n
 
 
 class CUstreamCaptureStatus(enum.IntEnum):
@@ -56,11 +69,13 @@ class _State:
         self.lock = threading.RLock()
         self.tls = threading.local()
         self.initialised = False
-        self.arena = Arena(int(os.environ.get("HSS_EMULATOR_MEMORY", 8 << 30)))
+        self.devices = _device_count()
+        self.arena = Arena(int(os.environ.get("HSS_EMULATOR_MEMORY", 8 << 30)), self.devices)
         self.ids = itertools.count(0x1000)
         self.capture_ids = itertools.count(1)   # capture sequence ids, unique over the process (as the driver's)
-        self.ctx_handle = 0xC0_0000
-        self.ctx_refs = 0
+        self.ctx_handles = tuple(CTX_BASE + d * CTX_STEP for d in range(self.devices))
+        self.ctx_device = {h: d for d, h in enumerate(self.ctx_handles)}
+        self.ctx_refs = [0] * self.devices
         self.streams: dict[int, Stream] = {}
         self.events: dict[int, Event] = {}
         self.graphs: dict[int, Graph] = {}
@@ -68,10 +83,14 @@ class _State:
         self.modules: dict[int, Any] = {}      # module handle -> emulator.launch.Module
         self.functions: dict[int, Any] = {}    # function handle -> emulator.launch.Function
         self.faults: list[BaseException] = []  # faults of queued work not yet reported
-        self.legacy = Stream(0, self.ctx_handle, True, self.faults)
+        self.legacy = [Stream(0, h, True, self.faults) for h in self.ctx_handles]   # one per context
 
     def current(self) -> int:
         return getattr(self.tls, "ctx", 0)
+
+    def device(self) -> int:
+        """The ordinal of the current context's device (0 when none is current)."""
+        return self.ctx_device.get(self.current(), 0)
 
 
 S = _State()
@@ -80,16 +99,30 @@ S = _State()
 def _needs_ctx() -> R | None:
     if not S.initialised:
         return R.CUDA_ERROR_NOT_INITIALIZED
-    if S.current() != S.ctx_handle or S.ctx_refs == 0:
+    d = S.ctx_device.get(S.current())
+    if d is None or S.ctx_refs[d] == 0:
         return R.CUDA_ERROR_INVALID_CONTEXT
     return None
 
 
 def stream_of(handle: Any) -> Stream | None:
+    """The stream of ``handle``; the legacy handles name the current context's legacy stream."""
     h = int(handle)
     if h in LEGACY_STREAMS:
-        return S.legacy
+        return S.legacy[S.device()]
     return S.streams.get(h)
+
+
+def view_on(device: int, addr: int, nbytes: int, what: str) -> np.ndarray:
+    """``S.arena.view`` for work running on ``device``: another device's memory faults (no peer access); pinned
+    host memory is reachable from every device."""
+    view = S.arena.view(addr, nbytes, what)
+    if nbytes:
+        a = S.arena.find(addr)
+        if a is not None and a.kind == "device" and a.device != device:
+            raise MemoryFault(f"{what}: address {addr:#x} is device {a.device}'s memory, but the work runs on "
+                              f"device {device} (peer access is not enabled)")
+    return view
 
 
 def enqueue(stream: Stream, op: Any) -> None:
@@ -97,20 +130,23 @@ def enqueue(stream: Stream, op: Any) -> None:
     if stream.capture is not None:
         stream.capture.append(op)
         return
-    if stream is S.legacy:
+    legacy = S.legacy[S.ctx_device[stream.ctx]]   # the legacy stream orders the blocking streams of its context
+    if stream is legacy:
         for other in list(S.streams.values()):
-            if other.blocking and other.submitted > other.done:
+            if other.ctx == stream.ctx and other.blocking and other.submitted > other.done:
                 pos = other.submitted
                 stream.push(lambda o=other, p=pos: o.run_to(p))
-    elif stream.blocking and S.legacy.submitted > S.legacy.done:
-        pos = S.legacy.submitted
-        stream.push(lambda p=pos: S.legacy.run_to(p))
+    elif stream.blocking and legacy.submitted > legacy.done:
+        pos = legacy.submitted
+        stream.push(lambda p=pos: legacy.run_to(p))
     stream.push(op)
 
 
-def drain_all() -> None:
-    for st in [S.legacy, *S.streams.values()]:
-        st.drain()
+def drain_all(ctx: int | None = None) -> None:
+    """Run every queued operation (of context ``ctx``'s streams only, when given)."""
+    for st in [*S.legacy, *S.streams.values()]:
+        if ctx is None or st.ctx == ctx:
+            st.drain()
 
 
 def report_faults() -> None:
@@ -137,27 +173,31 @@ def cuDriverGetVersion() -> tuple:
 
 
 def cuDeviceGetCount() -> tuple:
-    return (R.CUDA_SUCCESS, 1) if S.initialised else (R.CUDA_ERROR_NOT_INITIALIZED, 0)
+    return (R.CUDA_SUCCESS, S.devices) if S.initialised else (R.CUDA_ERROR_NOT_INITIALIZED, 0)
+
+
+def _is_dev(dev: Any) -> bool:
+    return 0 <= int(dev) < S.devices
 
 
 def cuDeviceGet(ordinal: int) -> tuple:
     if not S.initialised:
         return (R.CUDA_ERROR_NOT_INITIALIZED, None)
-    return (R.CUDA_SUCCESS, 0) if int(ordinal) == 0 else (R.CUDA_ERROR_INVALID_DEVICE, None)
+    return (R.CUDA_SUCCESS, int(ordinal)) if _is_dev(ordinal) else (R.CUDA_ERROR_INVALID_DEVICE, None)
 
 
 def cuDeviceGetName(length: int, dev: int) -> tuple:
-    if int(dev) != 0:
+    if not _is_dev(dev):
         return (R.CUDA_ERROR_INVALID_DEVICE, None)
     return (R.CUDA_SUCCESS, DEVICE_NAME[: length - 1].ljust(length, b"\0"))
 
 
 def cuDeviceTotalMem(dev: int) -> tuple:
-    return (R.CUDA_SUCCESS, S.arena.total) if int(dev) == 0 else (R.CUDA_ERROR_INVALID_DEVICE, None)
+    return (R.CUDA_SUCCESS, S.arena.total) if _is_dev(dev) else (R.CUDA_ERROR_INVALID_DEVICE, None)
 
 
 def cuDeviceGetAttribute(attrib: Any, dev: int) -> tuple:
-    if int(dev) != 0:
+    if not _is_dev(dev):
         return (R.CUDA_ERROR_INVALID_DEVICE, None)
     value = ATTRIBUTES.get(int(attrib))
     return (R.CUDA_SUCCESS, value) if value is not None else (R.CUDA_ERROR_INVALID_VALUE, None)
@@ -166,35 +206,46 @@ def cuDeviceGetAttribute(attrib: Any, dev: int) -> tuple:
 def cuDevicePrimaryCtxRetain(dev: int) -> tuple:
     if not S.initialised:
         return (R.CUDA_ERROR_NOT_INITIALIZED, None)
-    if int(dev) != 0:
+    if not _is_dev(dev):
         return (R.CUDA_ERROR_INVALID_DEVICE, None)
     with S.lock:
-        S.ctx_refs += 1
-    return (R.CUDA_SUCCESS, S.ctx_handle)
+        S.ctx_refs[int(dev)] += 1
+    return (R.CUDA_SUCCESS, S.ctx_handles[int(dev)])
 
 
 def cuDevicePrimaryCtxRelease(dev: int) -> tuple:
-    if int(dev) != 0:
+    if not _is_dev(dev):
         return (R.CUDA_ERROR_INVALID_DEVICE,)
+    d = int(dev)
     with S.lock:
-        if S.ctx_refs == 0:
+        if S.ctx_refs[d] == 0:
             return (R.CUDA_ERROR_INVALID_CONTEXT,)
-        S.ctx_refs -= 1
-        if S.ctx_refs == 0:      # the primary context is destroyed: everything in it goes
-            drain_all()
+        S.ctx_refs[d] -= 1
+        if S.ctx_refs[d] == 0:      # the primary context is destroyed: everything made in it goes
+            h = S.ctx_handles[d]
+            drain_all(h)
             for a in S.arena.live():
-                S.arena.free(a.base, a.kind)
-            S.streams.clear()
-            S.events.clear()
-            S.modules.clear()
-            S.functions.clear()
+                if a.device == d:
+                    S.arena.free(a.base, a.kind)
+            for table in (S.streams, S.events, S.modules):
+                for k in [k for k, v in table.items() if v.ctx == h]:
+                    del table[k]
+            for k in [k for k, f in S.functions.items() if f.module.ctx == h]:
+                del S.functions[k]
     report_faults()
     return (R.CUDA_SUCCESS,)
 
 
+def cuDevicePrimaryCtxGetState(dev: int) -> tuple:
+    """(flags, active): active while the primary context is retained."""
+    if not _is_dev(dev):
+        return (R.CUDA_ERROR_INVALID_DEVICE, None, None)
+    return (R.CUDA_SUCCESS, 0, 1 if S.ctx_refs[int(dev)] else 0)
+
+
 def cuCtxSetCurrent(ctx: Any) -> tuple:
     h = int(ctx) if ctx is not None else 0
-    if h not in (0, S.ctx_handle):
+    if h and h not in S.ctx_device:
         return (R.CUDA_ERROR_INVALID_CONTEXT,)
     S.tls.ctx = h
     return (R.CUDA_SUCCESS,)
@@ -206,7 +257,7 @@ def cuCtxGetCurrent() -> tuple:
 
 def cuCtxGetDevice() -> tuple:
     err = _needs_ctx()
-    return (err, None) if err else (R.CUDA_SUCCESS, 0)
+    return (err, None) if err else (R.CUDA_SUCCESS, S.device())
 
 
 def cuCtxSynchronize() -> tuple:
@@ -214,7 +265,7 @@ def cuCtxSynchronize() -> tuple:
     if err:
         return (err,)
     with S.lock:
-        drain_all()
+        drain_all(S.current())
     report_faults()
     return (R.CUDA_SUCCESS,)
 
@@ -238,7 +289,7 @@ def cuMemGetInfo() -> tuple:
     err = _needs_ctx()
     if err:
         return (err, None, None)
-    return (R.CUDA_SUCCESS, S.arena.total - S.arena.used, S.arena.total)
+    return (R.CUDA_SUCCESS, S.arena.total - S.arena.used_on[S.device()], S.arena.total)
 
 
 def cuMemAlloc(nbytes: int) -> tuple:
@@ -248,7 +299,7 @@ def cuMemAlloc(nbytes: int) -> tuple:
     if int(nbytes) == 0:
         return (R.CUDA_ERROR_INVALID_VALUE, None)
     with S.lock:
-        base = S.arena.alloc_device(int(nbytes))
+        base = S.arena.alloc_device(int(nbytes), S.device())
     return (R.CUDA_SUCCESS, base) if base is not None else (R.CUDA_ERROR_OUT_OF_MEMORY, None)
 
 
@@ -268,7 +319,7 @@ def cuMemAllocHost(nbytes: int) -> tuple:
     if err:
         return (err, None)
     with S.lock:
-        return (R.CUDA_SUCCESS, S.arena.alloc_pinned(int(nbytes)))
+        return (R.CUDA_SUCCESS, S.arena.alloc_pinned(int(nbytes), S.device()))
 
 
 def cuMemFreeHost(ptr: Any) -> tuple:
@@ -430,8 +481,13 @@ def cuStreamCreate(flags: int) -> tuple:
         return (err, None)
     with S.lock:
         h = next(S.ids)
-        S.streams[h] = Stream(h, S.ctx_handle, not (int(flags) & 1), S.faults)
+        S.streams[h] = Stream(h, S.current(), not (int(flags) & 1), S.faults)
     return (R.CUDA_SUCCESS, h)
+
+
+def cuStreamGetCtx(hstream: Any) -> tuple:
+    st, err = _stream_or_err(hstream)
+    return (err, None) if err else (R.CUDA_SUCCESS, st.ctx)
 
 
 def cuStreamDestroy(hstream: Any) -> tuple:
@@ -470,7 +526,7 @@ def cuEventCreate(flags: int) -> tuple:
         return (err, None)
     with S.lock:
         h = next(S.ids)
-        S.events[h] = Event(h, timing=not (int(flags) & 2))
+        S.events[h] = Event(h, timing=not (int(flags) & 2), ctx=S.current())
     return (R.CUDA_SUCCESS, h)
 
 
@@ -483,7 +539,7 @@ def cuEventRecord(hevent: Any, hstream: Any) -> tuple:
     if err:
         return (err,)
     ev = S.events.get(int(hevent))
-    if ev is None:
+    if ev is None or ev.ctx != st.ctx:   # an event records on a stream of its own context only
         return (R.CUDA_ERROR_INVALID_HANDLE,)
     with S.lock:
         ev.time = None
@@ -542,7 +598,7 @@ def cuStreamBeginCapture(hstream: Any, mode: Any) -> tuple:
     st, err = _stream_or_err(hstream)
     if err:
         return (err,)
-    if st is S.legacy:
+    if st.handle == 0:   # a legacy stream
         return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
     CUstreamCaptureMode(int(mode))
     if st.capture is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from hss.errors import EmulatorError, MemoryFault
 
-from .driver import S, _needs_ctx, enqueue, stream_of
+from .driver import S, _needs_ctx, enqueue, stream_of, view_on
 from .enums import CUfunction_attribute
 from .enums import CUresult as R
 
@@ -28,8 +28,8 @@ _SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
 
 
 class Module:
-    def __init__(self, handle: int, entries: list[str], target: str) -> None:
-        self.handle, self.entries, self.target = handle, entries, target
+    def __init__(self, handle: int, entries: list[str], target: str, ctx: int = 0) -> None:
+        self.handle, self.entries, self.target, self.ctx = handle, entries, target, ctx
 
 
 class Function:
@@ -72,7 +72,7 @@ def cuModuleLoadData(image: Any) -> tuple:
         return (err, None)
     with S.lock:
         h = next(S.ids)
-        S.modules[h] = Module(h, entries, target)
+        S.modules[h] = Module(h, entries, target, S.current())
     return (R.CUDA_SUCCESS, h)
 
 
@@ -152,10 +152,13 @@ def _geometry_error(grid: tuple, block: tuple, shared: int, limit: int) -> str |
     return None
 
 
-def _device_view(addr: int, nbytes: int, what: str) -> Any:
-    """Launch.view: emulated device memory at run time (MemoryFault outside every allocation)."""
-    with S.lock:
-        return S.arena.view(int(addr), int(nbytes), what)
+def _device_view(device: int) -> Any:
+    """Launch.view of a launch on ``device``: emulated memory at run time (MemoryFault outside every allocation
+    and in another device's memory)."""
+    def view(addr: int, nbytes: int, what: str) -> Any:
+        with S.lock:
+            return view_on(device, int(addr), int(nbytes), what)
+    return view
 
 
 def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
@@ -165,8 +168,9 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         return (err,)
     fn = S.functions.get(int(f))
     st = stream_of(hstream)
-    if fn is None or st is None:
-        return (R.CUDA_ERROR_INVALID_HANDLE,)
+    if fn is None or st is None or st.ctx != S.current() or fn.module.ctx != S.current():
+        return (R.CUDA_ERROR_INVALID_HANDLE,)   # the function and the stream must be the current context's
+    device = S.device()
     grid, block, shared = (int(gx), int(gy), int(gz)), (int(bx), int(by), int(bz)), int(shared)
     if _geometry_error(grid, block, shared, fn.max_dynamic_shared):
         return (R.CUDA_ERROR_INVALID_VALUE,)
@@ -181,7 +185,7 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         return (R.CUDA_ERROR_INVALID_VALUE,)
     args = _decode(decl, address)
     args.grid, args.block = grid, block
-    launch = Launch(grid, block, shared, view=_device_view)
+    launch = Launch(grid, block, shared, view=_device_view(device))
     if decl.check is not None:
         problem = decl.check(args, launch)
         if problem:
@@ -203,9 +207,9 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
                 alloc = S.arena.find(addr)
                 if alloc is None:
                     raise MemoryFault(f"{what}: address {addr:#x} is in no allocation")
-                view = S.arena.view(addr, alloc.base + alloc.size - addr, what)
+                view = view_on(device, addr, alloc.base + alloc.size - addr, what)
             else:
-                view = S.arena.view(addr, max(r or 0, w or 0), what)
+                view = view_on(device, addr, max(r or 0, w or 0), what)
             setattr(bound, pname, view)
         if decl.emulate is not None:
             emulate = decl.emulate

@@ -29,42 +29,50 @@ class Allocation:
     kind: str                      # "device" or "pinned"
     data: np.ndarray = field(repr=False)   # uint8 view of exactly `size` bytes
     label: str = ""
+    device: int = 0                # the ordinal whose context made it (device memory lives on that device)
 
     def describe(self) -> str:
-        return f"{self.kind} allocation {self.base:#x} of {self.size} bytes{' ' + self.label if self.label else ''}"
+        where = f" of device {self.device}" if self.kind == "device" else ""
+        return f"{self.kind} allocation {self.base:#x}{where} of {self.size} bytes" \
+               f"{' ' + self.label if self.label else ''}"
 
 
 class Arena:
-    """All live allocations of the emulated device, looked up by address."""
+    """All live allocations of the emulated devices (one address space, as with unified addressing), looked up by
+    address; ``total`` bytes of device memory per device, ``used_on[d]`` in use on device d, ``used`` on all."""
 
-    def __init__(self, total_bytes: int) -> None:
+    def __init__(self, total_bytes: int, devices: int = 1) -> None:
         self.total = total_bytes
-        self.used = 0
+        self.used_on = [0] * devices
         self._bases: list[int] = []
         self._allocs: list[Allocation] = []
         self._next = DEVICE_BASE
 
+    @property
+    def used(self) -> int:
+        return sum(self.used_on)
+
     # -- allocation ---------------------------------------------------------------------------
-    def alloc_device(self, size: int) -> int | None:
+    def alloc_device(self, size: int, device: int = 0) -> int | None:
         rounded = _round_up(max(size, 1), PAGE)
-        if self.used + rounded > self.total:
+        if self.used_on[device] + rounded > self.total:
             return None
         data = np.empty(rounded, dtype=np.uint8)
         if rounded <= POISON_LIMIT:
             data.fill(0xFF)   # cuMemAlloc does not zero: reads of unwritten memory see NaN / -1
         base = self._next
         self._next += rounded + PAGE   # guard page
-        self._insert(Allocation(base, size, "device", data[:size]))
-        self.used += rounded
+        self._insert(Allocation(base, size, "device", data[:size], device=device))
+        self.used_on[device] += rounded
         return base
 
-    def alloc_pinned(self, size: int) -> int:
+    def alloc_pinned(self, size: int, device: int = 0) -> int:
         rounded = _round_up(max(size, 1), PAGE)
         raw = np.empty(rounded + PAGE, dtype=np.uint8)
         start = (-raw.ctypes.data) % PAGE
         data = raw[start:start + size]
         data.fill(0xFF)
-        alloc = Allocation(data.ctypes.data, size, "pinned", data)
+        alloc = Allocation(data.ctypes.data, size, "pinned", data, device=device)
         alloc._keep = raw  # type: ignore[attr-defined]
         self._insert(alloc)
         return alloc.base
@@ -76,7 +84,7 @@ class Arena:
         alloc = self._allocs.pop(i)
         self._bases.pop(i)
         if kind == "device":
-            self.used -= _round_up(max(alloc.size, 1), PAGE)
+            self.used_on[alloc.device] -= _round_up(max(alloc.size, 1), PAGE)
         return True
 
     def _insert(self, alloc: Allocation) -> None:

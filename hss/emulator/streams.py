@@ -47,8 +47,8 @@ class Stream:
 
 
 class Event:
-    def __init__(self, handle: int, timing: bool) -> None:
-        self.handle, self.timing = handle, timing
+    def __init__(self, handle: int, timing: bool, ctx: int = 0) -> None:
+        self.handle, self.timing, self.ctx = handle, timing, ctx
         self.stream: Stream | None = None
         self.position = 0
         self.time: float | None = None

@@ -25,6 +25,7 @@ advanced by one") is registered with :func:`hss._launch.on_replay`, which runs i
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -135,18 +136,20 @@ class DeviceState:
             raise
 
     def _prepare(self, idx: QsaIndexer, nq_attn: int | None) -> None:
-        self.normed_arg = _args.pointer_arg("normed", None, 2, "bf16",
+        dev = cm.ordinal_of(getattr(idx.gpu, "ctx", None))
+        ptr_arg = functools.partial(_args.pointer_arg, device=dev)   # refuses other devices' memory
+        self.normed_arg = ptr_arg("normed", None, 2, "bf16",
                                             what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
         # the sparse attention loads q and K/V rows in 16-byte vectors
-        self.q_arg = _args.pointer_arg("q", None, 16, "bf16", what=f"the queries [R, nq, hd_attn] = [R, nq, "
+        self.q_arg = ptr_arg("q", None, 16, "bf16", what=f"the queries [R, nq, hd_attn] = [R, nq, "
                                                                    f"{idx.hd_attn}] bf16, 16-byte aligned")
-        self.out_arg = _args.pointer_arg("out", None, 2, "bf16", write=True,
+        self.out_arg = ptr_arg("out", None, 2, "bf16", write=True,
                                          what=f"the output [R, nq, hd_attn] = [R, nq, {idx.hd_attn}] bf16")
-        self.table_arg = _args.pointer_arg("block_tables", None, 4, "i32",
+        self.table_arg = ptr_arg("block_tables", None, 4, "i32",
                                            what="the batch's i32 page tables [R, max_pages]")
         pool = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16, 16-byte aligned: at least one page"
-        self.k_pool_arg = _args.pointer_arg("k_pool", None, 16, "bf16", what=pool)
-        self.v_pool_arg = _args.pointer_arg("v_pool", None, 16, "bf16", what=pool)
+        self.k_pool_arg = ptr_arg("k_pool", None, 16, "bf16", what=pool)
+        self.v_pool_arg = ptr_arg("v_pool", None, 16, "bf16", what=pool)
         self._kernels(idx)
         if nq_attn is not None:
             self.ensure_partials(nq_attn, None)

@@ -27,6 +27,7 @@ scorer ``qsa_score_rows_tc`` and the fast attention ``qsa_prefill_attn_tc`` are 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -324,6 +325,8 @@ class QsaIndexer:
     def _prepare_decode(self) -> None:
         """The per-token stages' prepared work: packs filled once by name (per call only the named slots that change
         are stored, as already-checked Python ints, and one prepared launch runs), the GEMM, the argument checks."""
+        dev = cm.ordinal_of(getattr(self.gpu, "ctx", None))
+        ptr_arg = functools.partial(_args.pointer_arg, device=dev)   # refuses other devices' memory
         gpu, hd, n_heads, ratio = self.gpu, self.hd, self.n_heads, self.ratio
         self._gemm = proj_dense(gpu, self.qk_proj_w, self.qk_scratch, self.qk_width, self.hidden, INGEST_SLAB)
         # plain ints of the addresses the decode stages pass on (an int is _args's fast path; a DevicePtr is not)
@@ -353,14 +356,14 @@ class QsaIndexer:
                                    score)
         self._run_gather = launcher(gpu, self._k_gather, (kq.GATHER_THREADS, 1, 1), 0, gather)
         # the decode call's device-array arguments, prepared (sizes given per call where they vary)
-        self._normed_arg = _args.pointer_arg("normed", self.hidden * 2, 2, "bf16",
+        self._normed_arg = ptr_arg("normed", self.hidden * 2, 2, "bf16",
                                              what=f"the token's attention input [hidden] = [{self.hidden}] bf16")
-        self._hidden_arg = _args.pointer_arg("hidden", None, 2, "bf16",
+        self._hidden_arg = ptr_arg("hidden", None, 2, "bf16",
                                              what=f"the chunk's attention input [num_tokens, {self.hidden}] bf16")
         pool_what = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16: at least one page"
-        self._k_pool_arg = _args.pointer_arg("k_pool", None, 2, "bf16", what=pool_what)
-        self._v_pool_arg = _args.pointer_arg("v_pool", None, 2, "bf16", what=pool_what)
-        self._table_arg = _args.pointer_arg("block_table_dev", None, 4, "i32",
+        self._k_pool_arg = ptr_arg("k_pool", None, 2, "bf16", what=pool_what)
+        self._v_pool_arg = ptr_arg("v_pool", None, 2, "bf16", what=pool_what)
+        self._table_arg = ptr_arg("block_table_dev", None, 4, "i32",
                                             what="the sequence's i32 page table: ceil((pos + 1) / block_size) entries")
 
     # -- lifetime -------------------------------------------------------------------------------------

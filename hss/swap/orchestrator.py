@@ -340,9 +340,11 @@ class HighSpeedSwap:
         self._operands = self.pool.attention_operands(self.attn)
         self._mine = _owned_ranges(self)
         rowbytes = 2 * model.num_q_heads * model.head_dim      # q and out: bf16 [num_q_heads, head_dim]
-        self._q_arg = _args.pointer_arg("q_dev", rowbytes, 2, "bf16", False, "bf16 [num_q_heads, head_dim]")
+        dev = self.pool.buffer.device   # another device's q or output is refused
+        self._q_arg = _args.pointer_arg("q_dev", rowbytes, 2, "bf16", False, "bf16 [num_q_heads, head_dim]",
+                                        device=dev)
         self._out_arg = _args.pointer_arg("out_dev", rowbytes, 2, "bf16", True,
-                                          "a bf16 [num_q_heads, head_dim] output")
+                                          "a bf16 [num_q_heads, head_dim] output", device=dev)
         self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
         self._stepped = False
         self.last_step: StepRecord | None = None
