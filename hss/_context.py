@@ -113,7 +113,9 @@ def _current() -> PrimaryContext:
     if status.found or status.kind == "emulator":
         check(api.cuInit(0), "cuInit")
         if int(check(api.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):
-            ordinal = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
+            err, dev = api.cuCtxGetDevice()
+            if not err:   # a context destroyed while current (its last owner closed) says nothing: device 0
+                ordinal = int(dev)
     with PrimaryContext._lock:
         pctx = PrimaryContext.get(ordinal)
         if not getattr(pctx, "_ambient", False):
@@ -123,11 +125,19 @@ def _current() -> PrimaryContext:
     return pctx
 
 
-def ensure_context() -> None:
-    """Make some context current on this thread before a raw-handle call."""
+def ensure_context(stream: int | None = None) -> None:
+    """Make some context current on this thread before a raw-handle call: once several devices are in use, the
+    context ``stream`` (a raw handle; not a legacy one) belongs to."""
     pctx = thread_state.pctx
     if pctx is None or not pctx.alive:
-        _current()
+        pctx = _current()
+    if stream is not None and stream > 2 and _args.DEVICES.many:
+        handle = int(check(api.cuStreamGetCtx(stream), "cuStreamGetCtx", f"stream {stream:#x}"))
+        if pctx.handle != handle:
+            for p in list(PrimaryContext._live.values()):
+                if p.handle == handle and p.alive:
+                    p.make_current()
+                    return
 
 
 def owner_context(ctx: CudaCtx | PrimaryContext | None) -> PrimaryContext:
@@ -420,5 +430,5 @@ def stream_wait_event(stream: Any, event: CudaEvent) -> None:
 def stream_sync(stream: Any) -> None:
     """Block the host until all work queued on ``stream`` has finished (cuStreamSynchronize)."""
     s = _args.stream(stream)
-    ensure_context()
+    ensure_context(s)
     check(api.cuStreamSynchronize(s), "cuStreamSynchronize")

@@ -255,6 +255,7 @@ def begin_capture(stream: Any) -> None:
     """Start capturing ``stream``'s work into a graph (thread-local mode): nothing runs until replay."""
     s = _args.stream(stream)
     owner_context(None)
+    ensure_context(s)   # several devices: the stream's own context
     mode = api.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
     check(api.cuStreamBeginCapture(s, mode), "cuStreamBeginCapture")
 
@@ -263,8 +264,9 @@ def end_capture(stream: Any) -> CudaGraph:
     """Stop capturing ``stream`` and instantiate what was captured as a replayable :class:`CudaGraph`; the host
     callbacks registered with :func:`on_replay` during the capture go with it (its ``launch`` runs them)."""
     s = _args.stream(stream)
-    pctx = owner_context(None)
-    capture = _capture_id(s)
+    owner_context(None)
+    capture = _capture_id(s)   # makes the stream's context current (several devices)
+    pctx = thread_state.pctx or owner_context(None)
     try:
         graph = int(check(api.cuStreamEndCapture(s), "cuStreamEndCapture"))
     finally:
@@ -288,7 +290,7 @@ _NONE = 0   # CU_STREAM_CAPTURE_STATUS_NONE
 
 def _capture_id(s: int) -> int:
     """The id of the capture sequence ``s`` takes part in (0: ``s`` is not capturing)."""
-    ensure_context()
+    ensure_context(s)
     result = api.cuStreamGetCaptureInfo(s)
     check(result[:1], "cuStreamGetCaptureInfo")
     return int(result[2] or 0) if int(result[1]) != _NONE else 0
@@ -297,7 +299,7 @@ def _capture_id(s: int) -> int:
 def is_capturing(stream: Any) -> bool:
     """Whether ``stream`` is capturing into a graph now (an hss capture, torch.cuda.graph's, any other)."""
     s = _args.stream(stream)
-    ensure_context()
+    ensure_context(s)
     status = check(api.cuStreamIsCapturing(s), "cuStreamIsCapturing")
     return int(status) != _NONE
 
@@ -313,7 +315,7 @@ def on_replay(stream: Any, fn: Callable[[], Any]) -> bool:
     if not callable(fn):
         raise TypeError(f"on_replay needs a callable, got {type(fn).__name__}")
     s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
-    ensure_context()
+    ensure_context(s)
     status = api.cuStreamIsCapturing(s)
     if status[0]:
         check(status[:1], "cuStreamIsCapturing")

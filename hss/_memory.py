@@ -215,7 +215,7 @@ def copy_h_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     d = _args.pointer(dst, "copy_h_to_d_async dst", n, write=True, stream=s)
     h = _args.host_buffer(src, n, False, "copy_h_to_d_async src")
     if n:
-        ensure_context()
+        ensure_context(s)
         check(api.cuMemcpyHtoDAsync(d, h, n, s), "cuMemcpyHtoDAsync")
 
 
@@ -228,7 +228,7 @@ def copy_d_to_h_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     d = _args.host_buffer(dst, n, True, "copy_d_to_h_async dst")
     p = _args.pointer(src, "copy_d_to_h_async src", n, stream=s)
     if n:
-        ensure_context()
+        ensure_context(s)
         check(api.cuMemcpyDtoHAsync(d, p, n, s), "cuMemcpyDtoHAsync")
 
 
@@ -239,7 +239,7 @@ def copy_d_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     d = _args.pointer(dst, "copy_d_to_d_async dst", n, write=True, stream=s)
     p = _args.pointer(src, "copy_d_to_d_async src", n, stream=s)
     if n:
-        ensure_context()
+        ensure_context(s)
         check(api.cuMemcpyDtoDAsync(d, p, n, s), "cuMemcpyDtoDAsync")
 
 
@@ -259,7 +259,7 @@ def copy_2d_d_to_d_async(dst: Any, dst_pitch: int, src: Any, src_pitch: int, wid
     desc.srcMemoryType = desc.dstMemoryType = api.CUmemorytype.CU_MEMORYTYPE_DEVICE
     desc.srcDevice, desc.srcPitch, desc.dstDevice, desc.dstPitch = p, sp, d, dp
     desc.WidthInBytes, desc.Height = w, h
-    ensure_context()
+    ensure_context(s)
     check(api.cuMemcpy2DAsync(desc, s), "cuMemcpy2DAsync", f"{h} rows of {w} bytes")
 
 
@@ -270,7 +270,7 @@ def memset_d8_async(dst: Any, value: int, count: int, stream: Any) -> None:
     s = _args.stream(stream)
     d = _args.pointer(dst, "memset_d8_async dst", n, write=True, stream=s)
     if n:
-        ensure_context()
+        ensure_context(s)
         check(api.cuMemsetD8Async(d, v, n, s), "cuMemsetD8Async")
 
 
@@ -282,7 +282,7 @@ def memset_d32_async(dst: Any, value: int, count: int, stream: Any) -> None:
     s = _args.stream(stream)
     d = _args.pointer(dst, "memset_d32_async dst", 4 * n, 4, write=True, stream=s)
     if n:
-        ensure_context()
+        ensure_context(s)
         check(api.cuMemsetD32Async(d, v, n, s), "cuMemsetD32Async")
 
 
@@ -348,7 +348,7 @@ class HostToDeviceBatch:
         if not count:
             return
         s = _args.stream(stream)
-        ensure_context()
+        ensure_context(s)
         key = thread_state.pctx.handle   # type: ignore[union-attr]
         attr = _batch_attrs.get(key, False)   # False: not tried in this context yet; None: no batch call here
         batch = getattr(api, "cuMemcpyBatchAsync", None)

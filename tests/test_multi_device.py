@@ -253,3 +253,24 @@ def test_high_speed_swap_refuses_another_devices_query(ctxs, rng, tmp_path) -> N
             h.attend_layer(c1, 0, [], q0, out)
         out.close()
     q0.close()
+
+
+def test_raw_stream_calls_use_the_streams_own_context(ctxs, rng) -> None:
+    """Copies, memsets, syncs and captures given only a raw stream handle make that stream's context current
+    (here device 1's, while device 0's was current)."""
+    c0, c1 = ctxs
+    data = rng.integers(0, 256, 256, dtype=np.uint8)
+    b1 = cm.DeviceBuffer(256, c1)
+    c0.make_current()
+    cm.memset_d8_async(b1, 7, 256, c1.stream)
+    c0.make_current()
+    cm.copy_h_to_d_async(b1, data[:128], 128, c1.stream)
+    c0.make_current()
+    got = np.empty(256, np.uint8)
+    cm.copy_d_to_h_async(got, b1, 256, c1.stream)
+    c0.make_current()
+    cm.stream_sync(c1.stream)
+    assert np.array_equal(got[:128], data[:128]) and (got[128:] == 7).all()
+    from hss._context import thread_state
+    assert thread_state.pctx.ordinal == 1
+    b1.close()

@@ -486,6 +486,10 @@ def cuStreamCreate(flags: int) -> tuple:
 
 
 def cuStreamGetCtx(hstream: Any) -> tuple:
+    """The context of a stream (a legacy handle: the current context's, so one must be current)."""
+    st = S.streams.get(int(hstream))
+    if st is not None:
+        return (R.CUDA_SUCCESS, st.ctx)
     st, err = _stream_or_err(hstream)
     return (err, None) if err else (R.CUDA_SUCCESS, st.ctx)
 
