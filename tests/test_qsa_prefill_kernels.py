@@ -407,8 +407,8 @@ def test_contracts_are_enforced(mod, stream, rng):
     with pytest.raises(EmulatorError, match="covers hd"):
         _run_attn(mod, stream, "tc", q[..., :96], k_cache[..., :96], v_cache[..., :96], table, lists, first_pos,
                   ratio, inv)
-    bad = table.copy()
-    bad[0] = 10_000
+    bad = table.copy()   # a page row 0 surely reads (no row read page 0 with p = 1/196)
+    bad[lists[0, 0] * ratio // bs] = 10_000
     with pytest.raises(MemoryFault, match="page id"):
         _run_attn(mod, stream, "tc", q, k_cache, v_cache, bad, lists, first_pos, ratio, inv)
     qs = np.ones((3, 4, 128), np.float32)
