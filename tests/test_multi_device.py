@@ -274,3 +274,37 @@ def test_raw_stream_calls_use_the_streams_own_context(ctxs, rng) -> None:
     from hss._context import thread_state
     assert thread_state.pctx.ordinal == 1
     b1.close()
+
+
+def test_qsa_indexer_on_device_1_selects_what_device_0_selects(ctxs) -> None:
+    """The QSA indexer (prefill, batched device decode) on device 1: the same selection as device 0's, step by
+    step, from the same weights, rows and cache (the suite's QSA dims; test_qsa_device's helpers, each device's
+    context made current before they allocate)."""
+    import test_qsa_device as tq
+
+    from hss.gpu import CudaBackend
+    lengths, steps = [tq.BOUND + 9, 5, 3 * tq.BOUND], 3
+    got: list[list] = []
+    for c in ctxs:
+        c.make_current()   # the helpers allocate in the current context
+        gpu = CudaBackend(c)
+        layer = tq.make_layer(np.random.default_rng(12), c.stream)
+        cache = tq.kv_cache(np.random.default_rng(13), len(lengths), -(-tq.D["max_tokens"] // tq.BS), c.stream)
+        picks = []
+        with layer.indexer(gpu) as idx:
+            states, rows = tq.start(idx, lengths, np.random.default_rng(7), c.stream)
+            normed = cm.DeviceBuffer(len(lengths) * tq.D["hidden"] * 2, c)
+            for step in range(steps):
+                x = np.stack([rows[r][lengths[r] + step] for r in range(len(lengths))])
+                cm.copy_h_to_d_async(normed, x, x.nbytes, c.stream)
+                sel = idx.decode_select_batch(states, normed, tq.table_view(cache), tq.BS, c.stream)
+                picks.append(tq.selected(sel, c.stream))
+            for st in states:
+                idx.release_seq_state(st)
+            for b in (normed, *cache.dev, *layer.bufs):
+                b.close()
+        gpu.close()
+        got.append(picks)
+    for a, b in zip(*got):
+        for ra, rb in zip(a, b):
+            assert ra.size and np.array_equal(ra, rb)
