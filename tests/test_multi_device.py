@@ -308,3 +308,40 @@ def test_qsa_indexer_on_device_1_selects_what_device_0_selects(ctxs) -> None:
     for a, b in zip(*got):
         for ra, rb in zip(a, b):
             assert ra.size and np.array_equal(ra, rb)
+
+
+def test_kv_heads_split_over_two_devices_give_the_one_device_rows(ctxs, rng, tmp_path) -> None:
+    """Tensor parallelism (hss.swap.tp): a layer's 4 kv heads (8 q heads) as two HighSpeedSwaps of 2 kv heads, one
+    per device, every page streamed (the same tiles as the one-device run): each rank's output rows equal the
+    one-device run's rows of its q heads bit for bit."""
+    from hss.swap import shard_kv_heads
+    model = ModelDims(1, 12, num_q_heads=8, num_kv_heads=4, head_dim=64, block_size=16)
+    k = (rng.standard_normal((12, 16, 4, 64), dtype=np.float32) / 8).astype(BF16)
+    v = rng.standard_normal((12, 16, 4, 64), dtype=np.float32).astype(BF16)
+    q = rng.standard_normal((8, 64), dtype=np.float32).astype(BF16)
+    ids = [9, 2, 4, 11, 0, 7, 5]
+
+    def run(c, m, take_kv, qq, name):
+        cfg = HighSpeedSwapConfig(tmp_path / name, 1 << 30, 4, 16, 2, False, 7, store="host", stream_tile_blocks=2)
+        with HighSpeedSwap(c, cfg, m) as h:
+            assert h.resident_capacity == 0   # resident_blocks = 2 * tile: every page streams
+            for b in range(12):
+                kd = up(take_kv(k[b]), c)
+                h.offload_block(c, 0, b, kd, take_kv(k[b]), take_kv(v[b]))
+                cm.stream_sync(c.stream)
+                kd.close()
+            q_dev, out = up(qq, c), cm.DeviceBuffer(qq.nbytes, c)
+            h.attend_layer(c, 0, ids, q_dev, out, q_pos=len(ids) * 16 - 1)
+            got = down(out, qq.shape, BF16, c)
+            q_dev.close()
+            out.close()
+        return got
+
+    whole = run(ctxs[0], model, lambda page: page, q, "one")
+    shards = shard_kv_heads(model, 2)
+    assert [(s.kv_heads, s.q_heads) for s in shards] == [(range(0, 2), range(0, 4)), (range(2, 4), range(4, 8))]
+    for s, c in zip(shards, ctxs):
+        part = run(c, s.model, s.take_kv, s.take_q(q), f"rank{s.rank}")
+        assert np.array_equal(bits(part), bits(whole[s.q_heads.start:s.q_heads.stop])), f"rank {s.rank}"
+    with pytest.raises(HssError, match="num_kv_heads \\(4\\) must be a multiple of ranks \\(3\\)"):
+        shard_kv_heads(model, 3)

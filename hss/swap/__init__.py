@@ -5,7 +5,7 @@ Modules: :mod:`~hss.swap.layout` (GroupLayout: where a page's stripes live), :mo
 :mod:`~hss.swap.config` (HighSpeedSwapConfig, ModelDims, DiskBlockAllocator, HighSpeedSwapDiagnostic),
 :mod:`~hss.swap.orchestrator` (HighSpeedSwap: a resident set attended in place plus a double-buffered stream
 of the other pages, reads overlapping attention through CUDA events on a copy stream), :mod:`~hss.swap.sparse`
-(the sparse mode's page choice, SPEC §17.6).
+(the sparse mode's page choice, SPEC §17.6), :mod:`~hss.swap.tp` (kv heads split across devices).
 """
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
@@ -14,10 +14,11 @@ from hss.swap.orchestrator import HighSpeedSwap, StepRecord, TileRecord
 from hss.swap.pool import PoolExhausted, ScratchPool
 from hss.swap.sparse import SparseBudget, select_pages, sparse_budget
 from hss.swap.stores import BackingStore, FileStore, HostStore, PreparedReads, StoreError, StoreIOError, layer_path
+from hss.swap.tp import KvHeadShard, shard_kv_heads
 
 __all__ = [
     "GroupLayout", "K", "V", "KIND_NAMES", "EvictionPolicy", "ScratchPool", "PoolExhausted", "BackingStore",
     "HostStore", "FileStore", "PreparedReads", "StoreError", "StoreIOError", "layer_path", "HighSpeedSwapConfig",
     "ModelDims", "DiskBlockAllocator", "HighSpeedSwapDiagnostic", "HighSpeedSwap", "StepRecord", "TileRecord",
-    "SparseBudget", "select_pages", "sparse_budget",
+    "SparseBudget", "select_pages", "sparse_budget", "KvHeadShard", "shard_kv_heads",
 ]
