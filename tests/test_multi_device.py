@@ -345,3 +345,14 @@ def test_kv_heads_split_over_two_devices_give_the_one_device_rows(ctxs, rng, tmp
         assert np.array_equal(bits(part), bits(whole[s.q_heads.start:s.q_heads.stop])), f"rank {s.rank}"
     with pytest.raises(HssError, match="num_kv_heads \\(4\\) must be a multiple of ranks \\(3\\)"):
         shard_kv_heads(model, 3)
+
+
+def test_the_tp_bench_runs_on_two_devices() -> None:
+    """``python -m hss.bench swap --tp 2``'s code path at a tiny size (its numbers mean nothing here)."""
+    from hss.bench import _swap_tp
+    from hss.bench.swap import parse_args
+    args = parse_args(["--smoke", "--tp", "2"])
+    args.tokens, args.iters, args.warmup = "64", 1, 0
+    rows = _swap_tp.tp_rows(args)
+    assert len(rows) == 1 and rows[0]["tp"] == 2 and "bitwise equal" in rows[0]["note"] and rows[0]["us"] > 0
+    assert "kv heads over 2 devices" in _swap_tp.table(rows)

@@ -1,4 +1,5 @@
-"""``python -m hss.bench [SUITE ...] [--smoke] [--json FILE]``: device benchmarks, tables printed last.
+"""``python -m hss.bench [SUITE ...] [--smoke] [--json FILE]``: device benchmarks, tables printed last;
+``python -m hss.bench SUITE [its options]`` passes the options to that one suite.
 
 Suites: launch, overhead, predictor, attention, qsa, qsa_prefill, swap (each a module of this package with
 ``run(args)`` and ``table(rows)``; all time through :mod:`hss.bench._timer`). ``--smoke`` runs tiny sizes (also on
@@ -26,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("suites", nargs="*", help=f"which suites (default: all of {', '.join(SUITES)})")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, any driver: checks code paths only")
     p.add_argument("--json", help="also write all rows to this JSON file")
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra and len(args.suites) != 1:
+        p.error(f"options {' '.join(extra)} belong to one suite: name exactly one (python -m hss.bench SUITE ...)")
     from hss import cuda_min as cm
     status = cm.driver_status()
     with cm.CudaCtx(0) as ctx:
@@ -40,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown suite {suite}; choose from {', '.join(SUITES)}")
     for suite in args.suites or SUITES:
         mod = importlib.import_module(f"hss.bench.{suite}")
+        if extra and not hasattr(mod, "parse_args"):
+            p.error(f"suite {suite} takes no options (got {' '.join(extra)})")
         # a suite with its own options runs with their defaults (python -m hss.bench.SUITE --help lists them)
-        suite_args = mod.parse_args(["--smoke"] if args.smoke else []) if hasattr(mod, "parse_args") else args
+        # (options after one named suite go to it: python -m hss.bench swap --tp 2)
+        suite_args = mod.parse_args((["--smoke"] if args.smoke else []) + extra) if hasattr(mod, "parse_args") \
+            else args
         results[suite] = rows = mod.run(suite_args)
         # each table as soon as its suite ends, so a run stopped by a time limit keeps what it measured
         print(f"\n### {suite} ({stamp}, {device})\n\n{mod.table(rows)}", flush=True)

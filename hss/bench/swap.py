@@ -2,6 +2,7 @@
 
     python -m hss.bench.swap [--tokens 32768,131072] [--resident 0.125] [--tile 128] [--iters 5] [--dir DIR]
     python -m hss.bench.swap --smoke      tiny sizes, no PyTorch (runs on the CPU emulator in CI)
+    python -m hss.bench.swap --tp 2       the step split over two devices by kv heads (hss.bench._swap_tp)
 
 One layer: 32 q / 8 kv heads, head_dim 128, block_size 16, pages 0..n-1 in token order. Per context length,
 all in one run:
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: a code-path check")
+    p.add_argument("--tp", type=int, default=1, help="N > 1: only the step split over N devices by kv heads against "
+                   "one device (hss.bench._swap_tp)")
     args = p.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
@@ -106,6 +109,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Every measurement at every context length; one dict per row (tokens, variant, us, GB/s, note)."""
     if args.smoke:
         os.environ.setdefault("HSS_DRIVER", "emulator")
+    if args.tp > 1:
+        from hss.bench import _swap_tp
+        return _swap_tp.tp_rows(args)
     from hss import cuda_min as cm
     rows: list[dict] = []
     ctx = cm.CudaCtx(0)
@@ -567,6 +573,9 @@ def _replay_matches(ctx: Any, h: Any, rec: Any, k_dev: Any, v_dev: Any, q_dev: A
 
 
 def table(rows: list[dict]) -> str:
+    if rows and rows[0].get("tp"):
+        from hss.bench import _swap_tp
+        return _swap_tp.table(rows)
     lines = ["| tokens | variant | µs | GB/s | note |", "|---|---|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['variant']} | {r['us']:.1f} | {r['GB/s']:.1f} | {r['note']} |")
