@@ -132,12 +132,15 @@ def ensure_context(stream: int | None = None) -> None:
     if pctx is None or not pctx.alive:
         pctx = _current()
     if stream is not None and stream > 2 and _args.DEVICES.many:
-        handle = int(check(api.cuStreamGetCtx(stream), "cuStreamGetCtx", f"stream {stream:#x}"))
-        if pctx.handle != handle:
-            for p in list(PrimaryContext._live.values()):
-                if p.handle == handle and p.alive:
-                    p.make_current()
-                    return
+        handle, owner = stream_context(stream)
+        if pctx.handle != handle and owner is not None:
+            owner.make_current()
+
+
+def stream_context(stream: int) -> tuple[int, PrimaryContext | None]:
+    """The context handle of (non-legacy) raw stream ``stream`` and the live hss primary context it is, if any."""
+    handle = int(check(api.cuStreamGetCtx(stream), "cuStreamGetCtx", f"stream {stream:#x}"))
+    return handle, next((p for p in list(PrimaryContext._live.values()) if p.handle == handle and p.alive), None)
 
 
 def owner_context(ctx: CudaCtx | PrimaryContext | None) -> PrimaryContext:

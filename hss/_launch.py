@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from hss import _args
-from hss._context import Owner, PrimaryContext, ensure_context, owner_context, thread_state
+from hss._context import Owner, PrimaryContext, ensure_context, owner_context, stream_context, thread_state
 from hss._driver import api, check, cuda_error
 from hss._params import KIND_SIZES, ParamPack
 from hss.errors import CudaError, HssError
@@ -243,10 +243,9 @@ def _check_stream_context(stream: int, pctx: PrimaryContext, what: str) -> None:
     the current context's, so they pass)."""
     if stream in (0, 1, 2):
         return
-    ctx = int(check(api.cuStreamGetCtx(stream), "cuStreamGetCtx", f"stream {stream:#x}"))
+    ctx, owner = stream_context(stream)
     if ctx != pctx.handle:
-        other = next((p.ordinal for p in list(PrimaryContext._live.values()) if p.handle == ctx), None)
-        where = f"device {other}" if other is not None else "another context"
+        where = f"device {owner.ordinal}" if owner is not None else "another context"
         raise HssError(f"{what}: stream {stream:#x} belongs to {where}, but this work runs on device {pctx.ordinal}; "
                        f"pass a stream of device {pctx.ordinal}")
 
