@@ -1068,6 +1068,7 @@ def test_sparse_misses_go_out_as_one_batch_per_tile_straight_into_their_slots(ct
     s.close()
 
 
+@pytest.mark.emulator
 def test_a_missing_wait_for_the_resident_tile_changes_results(ctx, tmp_path, rng, monkeypatch) -> None:
     """A sparse step whose promotion overwrites the slot of a page attended in its resident tile: without the copy
     stream's wait for that tile the emulator attends the overwritten bytes (the copy stream is run first, as a
