@@ -12,14 +12,16 @@
 //   x_t = (q . K_t) * rsqrt(head_dim) * log2(e)   (bf16 mma m16n8k16, f32 accumulate in 4 chains over head_dim)
 //   per step: m' = max(m, max_t x_t), a = exp2(m - m'), p_t = exp2(x_t - m'), l' = l*a + sum_t p_t,
 //   o' = o*a + sum_t p_t*V_t   (p as bf16 hi + lo, >= 16 bits (SPEC §0); bf16 mma m16n8k8, f32 accumulate).
-// At a unit's end the 8 warp states are combined (warp order) into the unit's partial (m_u, l_u, o_u), written
-// to the workspace. Units fold in two levels, each by the last CTA to finish (atomic counters that reset
-// themselves): the units of each group of ATT_GROUP = 8 (unit order) into the group's first slot, then the
-// groups (group order) into the running state (m, l, o); a tile of at most 8 units folds its units straight
-// into the state. The fold is
+// At a unit's end the 8 warp states are combined (warp order: M = max_w m_w, w_w = 2^(m_w - M), 0 for a warp with
+// no step; l_u = sum_w l_w w_w and o_u = sum_w o_w w_w as fma chains from 0) into the unit's partial (m_u = M, l_u,
+// o_u), written to the workspace. The last CTA to finish (atomic counters that reset themselves) folds the units
+// straight into the running state (m, l, o) when the tile has at most ATT_GROUP = 8 units or units x query heads of
+// the CTA x HDP <= ATT_FOLD_DIRECT (16384); else in two levels: the units of each group of 8 (unit order) into the
+// group's first slot, then the groups (group order) into the state. The fold (see fold() for the exact order) is
 //   M = max(m, m_0..m_{k-1});  l' = l*2^(m-M) + sum_j l_j*2^(m_j-M);  o' = o*2^(m-M) + sum_j o_j*2^(m_j-M)
 // and, when `out` is not null, the state's fold also writes out = bf16(o' * (l' > 0 ? 1/l' : 0)) (what
-// attention_finalize writes from that state). Every unit is computed the same way whichever CTA runs it, so a
+// attention_finalize writes from that state). The one-level rule depends on the tile's unit count and the CTA's
+// query heads and HDP only. Every unit is computed the same way whichever CTA runs it, so a
 // tile's result depends only on its token list and U: replaying the same pages in the same tiles with the same
 // number of sequences gives the same bits (pool layout, tile_capacity, gridDim.z and the other sequences' pages
 // do not matter). Splitting the pages into other tiles changes the rounding only.
@@ -64,6 +66,9 @@
 #define ATT_GROUP 8          // units per first-level fold group
 #define ATT_COUNTERS 9       // fold counters per (sequence, CTA row): one per group, then the groups' own
 #define ATT_MAX_HD 256
+#ifndef ATT_FOLD_DIRECT
+#define ATT_FOLD_DIRECT 16384   // units x query heads x HDP at most for a one-level fold
+#endif
 
 // Timeline instrumentation for experiments, off in every shipped build: built with -DATT_TRACE, thread 0 of each
 // CTA records %globaltimer into att_trace[linear CTA id][point] at: 0 start, 1 q staged, 2 the first warp step
@@ -92,8 +97,9 @@ __device__ __forceinline__ void att_mark(int k) {
 namespace {
 
 // Shared memory of one CTA (bytes): Q bf16 [16][RS]; per warp a ring of STAGES steps (K bf16 [8][RS], then V);
-// the fold's staged (m, l) f32 [8][16][2] and the running state's (m, l) f32 [16][2]; the fold flag. At a unit's
-// end the rings hold every warp's o, f32 [8 warps][16][HDP]. RS = HDP + 8 makes every ldmatrix conflict-free.
+// the fold's staged (m, l) f32 [ATT_MAX_UNITS][16][2] (at a unit's end: the warps' (m, l)); per query head the
+// fold's (m', l', 2^(m - M), 1 / l') f32 [16][4]; the warps' weights f32 [8][16]; the fold flag. At a unit's end
+// the rings hold every warp's o, f32 [8 warps][16][HDP]; in a fold, the chunk sums f32 [<= 256][4]. RS = HDP + 8 makes every ldmatrix conflict-free.
 template <int HDP>
 struct Cfg {
     static constexpr int STAGES = HDP == 64 ? 4 : 2;
@@ -103,12 +109,14 @@ struct Cfg {
     static constexpr int RING = STAGES * STEP;
     static constexpr int Q = 0;
     static constexpr int RINGS = Q + ATT_HG * RS * 2;
-    static constexpr int FOLD = RINGS + ATT_WARPS * RING;          // f32 [8][16][2]
-    static constexpr int OLD = FOLD + ATT_GROUP * ATT_HG * 2 * 4;  // f32 [16][2]
-    static constexpr int FLAG = OLD + ATT_HG * 2 * 4;
+    static constexpr int FOLD = RINGS + ATT_WARPS * RING;             // f32 [ATT_MAX_UNITS][16][2]
+    static constexpr int HEADS = FOLD + ATT_MAX_UNITS * ATT_HG * 2 * 4;  // f32 [16][4]
+    static constexpr int WT = HEADS + ATT_HG * 4 * 4;                    // f32 [8][16]
+    static constexpr int FLAG = WT + ATT_WARPS * ATT_HG * 4;
     static constexpr int BYTES = FLAG + 16;
     static_assert(ATT_WARPS * ATT_HG * HDP * 4 <= ATT_WARPS * RING, "every warp's unit-end o fits the rings");
-    static_assert(ATT_WARPS == ATT_GROUP, "the unit-end warp states and the fold share one (m, l) area");
+    static_assert(ATT_WARPS <= ATT_MAX_UNITS, "the unit-end warp states and the fold share one (m, l) area");
+    static_assert(ATT_THREADS * 16 <= ATT_WARPS * RING, "the fold's chunk sums fit the rings");
     static_assert(BYTES <= 227 * 1024, "shared memory per CTA");
 };
 
@@ -260,82 +268,133 @@ __device__ __forceinline__ void step(const unsigned short* qs, const unsigned sh
 // Fold `cnt` partials (slots first, first + stride, ... in that order) of this CTA row: into the running state
 // (to_state: m, l, o read unless fresh; out written when present) or into slot `first`. cnt == 0 (to_state
 // only): the state as it is. All threads; barriers inside.
+// Per query head r (thread r): M = max(m, m_0 .. m_{cnt-1}) (a chain from the state's m), w_j = 2^(m_j - M),
+// l_s = sum_j l_j w_j (an fma chain in slot order from 0). Per 4 dims of a head the slots are cut into C chunks of
+// S consecutive slots (C = min(cnt, 256 / (hg * HDP / 4)) or 1, S = ceil(cnt / C), the last chunk shorter): each
+// chunk's sum_j o_j w_j is an fma chain in slot order from 0, the chunks are added in chunk order, then
+// o' = o * 2^(m - M) + that (one fma; the state's m = -inf: the sum), l' = l * 2^(m - M) + l_s (one fma).
 template <int HDP>
 __device__ __forceinline__ void fold(const Args& a, int first, int stride, int cnt, bool to_state,
                                      unsigned char* smem) {
     using C = Cfg<HDP>;
+    constexpr int Q4 = HDP / 4;   // float4 pieces per head
     const int tid = threadIdx.x;
-    float2* fst = reinterpret_cast<float2*>(smem + C::FOLD);   // [j][16] (m_j, l_j)
-    float2* old = reinterpret_cast<float2*>(smem + C::OLD);    // [16] (m, l) of the state
+    float2* fst = reinterpret_cast<float2*>(smem + C::FOLD);   // [j][16] (m_j, l_j), then (w_j, l_j)
+    float4* hd4 = reinterpret_cast<float4*>(smem + C::HEADS);  // [16] (m', l', 2^(m - M), 1 / l')
+    float4* sums = reinterpret_cast<float4*>(smem + C::RINGS); // [chunk][piece] chunk sums
     const float ninf = hss_neg_inf();
-    __syncthreads();   // the (m, l) areas are free
+    __syncthreads();   // the (m, l) areas and the rings are free
     for (int i = tid; i < cnt * ATT_HG; i += ATT_THREADS) {
         const int j = i / ATT_HG, r = i % ATT_HG;
-        fst[i] = r < a.hg ? __ldcg(reinterpret_cast<const float2*>(a.part_ml + r * a.row_ml + 2LL * (first + j * stride)))
-                          : make_float2(ninf, 0.f);
+        if (r < a.hg)
+            fst[i] = __ldcg(reinterpret_cast<const float2*>(a.part_ml + r * a.row_ml + 2LL * (first + j * stride)));
     }
-    if (tid < ATT_HG) {
-        const bool keep = to_state && !a.fresh && tid < a.hg;
-        old[tid] = keep ? make_float2(a.m[tid], a.l[tid]) : make_float2(ninf, 0.f);
-    }
+    const bool keep = to_state && !a.fresh;
+    float2 st = make_float2(ninf, 0.f);
+    if (tid < a.hg && keep) st = make_float2(a.m[tid], a.l[tid]);
     __syncthreads();
-    // four consecutive dims per thread (a float4 of every slot, all in flight at once), folded in slot order
-    const int total4 = a.hg * (HDP / 4);
-    for (int q4 = tid; q4 < total4; q4 += ATT_THREADS) {
-        const int e = 4 * q4, r = e / HDP, d = e % HDP;
-        const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
-        float oo[4] = {0.f, 0.f, 0.f, 0.f};
-        if (to_state && !a.fresh)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (d + i < a.hd) oo[i] = a.o[r * a.hd + d + i];
-        const float2 st = old[r];
+    if (tid < a.hg) {   // the head's weights, once
         float M = st.x;
-        for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + r].x);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f}, lacc = 0.f;
-        constexpr int LD = HDP == 256 ? ATT_GROUP : ATT_GROUP / 2;   // slots in flight (registers permitting)
-        float4 x[ATT_GROUP];
-#pragma unroll
-        for (int j = 0; j < ATT_GROUP; ++j) {
-            if (j % LD == 0)
-#pragma unroll
-                for (int i = j; i < j + LD; ++i)
-                    x[i] = i < cnt ? __ldcg(reinterpret_cast<const float4*>(src + (long long)i * stride * HDP))
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
-            if (j < cnt) {
-                const float2 ml = fst[j * ATT_HG + r];
-                const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
-                acc[0] = fmaf(x[j].x, w, acc[0]);
-                acc[1] = fmaf(x[j].y, w, acc[1]);
-                acc[2] = fmaf(x[j].z, w, acc[2]);
-                acc[3] = fmaf(x[j].w, w, acc[3]);
-                lacc = fmaf(ml.y, w, lacc);
-            }
+        for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + tid].x);
+        float lacc = 0.f;
+        for (int j = 0; j < cnt; ++j) {
+            const float2 ml = fst[j * ATT_HG + tid];
+            const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
+            lacc = fmaf(ml.y, w, lacc);
+            fst[j * ATT_HG + tid].x = w;
         }
-        if (!to_state) {
-            *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)first * HDP + d) =
-                make_float4(acc[0], acc[1], acc[2], acc[3]);
-            if (d == 0) *reinterpret_cast<float2*>(a.part_ml + r * a.row_ml + 2LL * first) = make_float2(M, lacc);
-            continue;
-        }
-        if (d >= a.hd) continue;
         float m2 = st.x, l2 = st.y, s_old = 1.f;   // nothing attended: the state as it is (fresh: the initial one)
         if (cnt > 0) {
             s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
             m2 = M;
             l2 = fmaf(st.y, s_old, lacc);
         }
-        const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
+        if (!to_state) {
+            m2 = M;
+            l2 = lacc;
+        }
+        hd4[tid] = make_float4(m2, l2, s_old, l2 > 0.f ? 1.f / l2 : 0.f);
+        if (to_state) {
+            a.m[tid] = m2;
+            a.l[tid] = l2;
+        } else {
+            *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * first) = make_float2(M, lacc);
+        }
+    }
+    __syncthreads();
+    const int pieces = a.hg * Q4;
+    int chunks = pieces >= ATT_THREADS || cnt <= 1 ? 1 : min(cnt, ATT_THREADS / pieces);
+    const int per = chunks > 1 ? (cnt + chunks - 1) / chunks : cnt;
+    if (chunks > 1) chunks = (cnt + per - 1) / per;
+    constexpr int LD = 8;   // slots in flight per thread
+    // the chunk ch of piece e: its sum over its slots (oo: the state's old o of the piece, for the writer)
+    auto chunk_sum = [&](int e, int ch) {
+        const int r = e / Q4, d = 4 * (e % Q4), j0 = ch * per, j1 = min(cnt, j0 + per);
+        const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int jb = j0; jb < j1; jb += LD) {
+            float4 x[LD];
+#pragma unroll
+            for (int i = 0; i < LD; ++i)
+                x[i] = jb + i < j1 ? __ldcg(reinterpret_cast<const float4*>(src + (long long)(jb + i) * stride * HDP))
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int i = 0; i < LD; ++i) {
+                if (jb + i >= j1) break;
+                const float w = fst[(jb + i) * ATT_HG + r].x;
+                acc.x = fmaf(x[i].x, w, acc.x);
+                acc.y = fmaf(x[i].y, w, acc.y);
+                acc.z = fmaf(x[i].z, w, acc.z);
+                acc.w = fmaf(x[i].w, w, acc.w);
+            }
+        }
+        return acc;
+    };
+    auto old_o = [&](int e, float (&oo)[4]) {
+        const int r = e / Q4, d = 4 * (e % Q4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oo[i] = keep && d + i < a.hd ? a.o[r * a.hd + d + i] : 0.f;
+    };
+    // piece e's result: into slot `first`, or the state (and out)
+    auto finish = [&](int e, float4 acc, const float (&oo)[4]) {
+        const int r = e / Q4, d = 4 * (e % Q4);
+        if (!to_state) {
+            *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)first * HDP + d) = acc;
+            return;
+        }
+        if (d >= a.hd) return;
+        const float4 h = hd4[r];
+        const float av[4] = {acc.x, acc.y, acc.z, acc.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             if (d + i >= a.hd) break;
-            const float o2 = cnt > 0 ? fmaf(oo[i], s_old, acc[i]) : oo[i];
+            const float o2 = cnt > 0 ? fmaf(oo[i], h.z, av[i]) : oo[i];
             a.o[r * a.hd + d + i] = o2;
-            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
+            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * h.w));
         }
-        if (d == 0) {
-            a.m[r] = m2;
-            a.l[r] = l2;
+    };
+    if (chunks == 1) {
+        for (int e = tid; e < pieces; e += ATT_THREADS) {
+            float oo[4] = {0.f, 0.f, 0.f, 0.f};
+            if (to_state) old_o(e, oo);
+            finish(e, chunk_sum(e, 0), oo);
+        }
+    } else {   // pieces * chunks <= ATT_THREADS: one piece-chunk per thread
+        const int e = tid % pieces, ch = tid / pieces;
+        float oo[4] = {0.f, 0.f, 0.f, 0.f};
+        if (ch == 0 && to_state) old_o(e, oo);
+        if (ch < chunks) sums[tid] = chunk_sum(e, ch);
+        __syncthreads();
+        if (ch == 0) {
+            float4 acc = sums[e];
+            for (int c2 = 1; c2 < chunks; ++c2) {
+                const float4 y = sums[c2 * pieces + e];
+                acc.x += y.x;
+                acc.y += y.y;
+                acc.z += y.z;
+                acc.w += y.w;
+            }
+            finish(e, acc, oo);
         }
     }
     __threadfence();   // a group's slot is visible device-wide before the group is counted
@@ -344,7 +403,7 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
 
 // One unit u: the warps' steps, the unit's partial, its count and the folds it completes.
 template <int HDP>
-__device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) {
+__device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsigned char* smem) {
     using C = Cfg<HDP>;
     constexpr int E = HDP / 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -361,6 +420,15 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
     };
 #pragma unroll
     for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
+    if (first_unit) {   // the query heads, while the first steps' loads are in flight
+        unsigned short* q_s = reinterpret_cast<unsigned short*>(smem + C::Q);
+        for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
+            const int r = i / HDP, d = i % HDP;
+            q_s[r * C::RS + d] = (r < a.hg && d < a.hd) ? __ldg(a.q + r * a.hd + d) : (unsigned short)0;
+        }
+        __syncthreads();
+        ATT_MARK(1);
+    }
     const float sl2 = rsqrtf((float)a.hd) * 1.4426950408889634f;
     float m0 = hss_neg_inf(), m1 = hss_neg_inf(), l0 = 0.f, l1 = 0.f;
     float o[E][4];
@@ -381,6 +449,7 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
     l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 2);
     l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 2);
     float2* wst = reinterpret_cast<float2*>(smem + C::FOLD);   // [warp][16] (m, l)
+    float* wt = reinterpret_cast<float*>(smem + C::WT);        // [warp][16] the warps' weights
     float* ow = reinterpret_cast<float*>(smem + C::RINGS);     // [warp][16][HDP]
     __syncthreads();   // every ring has been read: they take the warps' o now
 #pragma unroll
@@ -394,31 +463,44 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
         wst[warp * ATT_HG + g + 8] = make_float2(ns > 0 ? m1 : hss_neg_inf(), l1);
     }
     __syncthreads();
-    // The unit's partial: the warps' states combined in warp order.
-    for (int e = tid; e < a.hg * HDP; e += ATT_THREADS) {
-        const int r = e / HDP, d = e % HDP;
+    // The unit's partial: the warps' states combined in warp order (a warp with no step in this unit weighs 0).
+    if (tid < a.hg) {
         float M = hss_neg_inf();
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wst[w * ATT_HG + r].x);
-        float acc = 0.f, lacc = 0.f;
+        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wst[w * ATT_HG + tid].x);
+        float lacc = 0.f;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
-            const float2 ml = wst[w * ATT_HG + r];
-            if (ml.x == hss_neg_inf()) continue;   // a warp with no step in this unit
-            const float wt = exp2f(ml.x - M);
-            acc = fmaf(ow[(w * ATT_HG + r) * HDP + d], wt, acc);
-            lacc = fmaf(ml.y, wt, lacc);
+            const float2 ml = wst[w * ATT_HG + tid];
+            const float x = ml.x == hss_neg_inf() ? 0.f : exp2f(ml.x - M);
+            wt[w * ATT_HG + tid] = x;
+            if (ml.x != hss_neg_inf()) lacc = fmaf(ml.y, x, lacc);
         }
-        a.part_o[r * a.row_o + (long long)u * HDP + d] = acc;   // dims >= head_dim: 0
-        if (d == 0) *reinterpret_cast<float2*>(a.part_ml + r * a.row_ml + 2LL * u) = make_float2(M, lacc);
+        *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * u) = make_float2(M, lacc);
+    }
+    __syncthreads();
+    for (int e = tid; e < a.hg * (HDP / 4); e += ATT_THREADS) {
+        const int r = e / (HDP / 4), d = 4 * (e % (HDP / 4));
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float x = wt[w * ATT_HG + r];
+            const float4 v = *reinterpret_cast<const float4*>(ow + (w * ATT_HG + r) * HDP + d);
+            acc.x = fmaf(v.x, x, acc.x);
+            acc.y = fmaf(v.y, x, acc.y);
+            acc.z = fmaf(v.z, x, acc.z);
+            acc.w = fmaf(v.w, x, acc.w);
+        }
+        *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)u * HDP + d) = acc;   // dims >= head_dim: 0
     }
     __threadfence();   // the partial is visible device-wide before this CTA counts it
     __syncthreads();
     ATT_MARK(4);
     // Count it; the last unit of a group folds the group, the last group the groups.
     int* flag = reinterpret_cast<int*>(smem + C::FLAG);
-    const int grp = u / ATT_GROUP, n_groups = (a.n_units + ATT_GROUP - 1) / ATT_GROUP;
-    const int gs = min(ATT_GROUP, a.n_units - grp * ATT_GROUP);
+    const bool direct = a.n_units <= ATT_GROUP || a.n_units * a.hg * HDP <= ATT_FOLD_DIRECT;
+    const int grp = direct ? 0 : u / ATT_GROUP, n_groups = direct ? 1 : (a.n_units + ATT_GROUP - 1) / ATT_GROUP;
+    const int gs = direct ? a.n_units : min(ATT_GROUP, a.n_units - grp * ATT_GROUP);
     if (tid == 0) {
         const bool last = atomicAdd(a.count + grp, 1u) + 1u == (unsigned)gs;
         if (last) {
@@ -454,23 +536,14 @@ __device__ __forceinline__ void unit(const Args& a, int u, unsigned char* smem) 
 
 template <int HDP>
 __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
-    using C = Cfg<HDP>;
-    const int tid = threadIdx.x, z = blockIdx.z;
+    const int z = blockIdx.z;
     if (a.n_units == 0) {   // an empty tile: CTA 0 writes the state as it is (fresh: the initial one)
         if (z == 0) fold<HDP>(a, 0, 1, 0, true, smem);
         return;
     }
     if (z >= a.n_units) return;
     ATT_MARK(0);
-    // Query heads (rows past the group and dims past head_dim zero).
-    unsigned short* qs = reinterpret_cast<unsigned short*>(smem + C::Q);
-    for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
-        const int r = i / HDP, d = i % HDP;
-        qs[r * C::RS + d] = (r < a.hg && d < a.hd) ? __ldg(a.q + r * a.hd + d) : (unsigned short)0;
-    }
-    __syncthreads();
-    ATT_MARK(1);
-    for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP>(a, u, smem);
+    for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP>(a, u, u == z, smem);
     ATT_MARK(7);
 }
 

@@ -108,6 +108,7 @@ MIRRORS = [
     ("ATT_UNIT_MIN", attention.UNIT_MIN),
     ("ATT_MAX_UNITS", attention.MAX_UNITS),
     ("ATT_GROUP", attention.FOLD_GROUP),
+    ("ATT_FOLD_DIRECT", attention.FOLD_DIRECT),
     ("ATT_COUNTERS", attention.COUNTERS),
     ("ATT_MAX_HD", attention.MAX_HEAD_DIM),
     ("HSS_LR_ROWS", predictor.LOWRANK_ROWS),

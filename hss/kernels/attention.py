@@ -24,6 +24,7 @@ HEAD_GROUP = 16          # ATT_HG: query heads per CTA (the mma tiles' 16 rows)
 UNIT_MIN = 256           # ATT_UNIT_MIN: the smallest unit (tokens per partial state)
 MAX_UNITS = 64           # ATT_MAX_UNITS: units of one tile at most
 FOLD_GROUP = 8           # ATT_GROUP: units per first-level fold group
+FOLD_DIRECT = 16384      # ATT_FOLD_DIRECT: units x query heads x HDP at most for a one-level fold
 COUNTERS = 9             # ATT_COUNTERS: fold counters per (sequence, CTA row)
 PADDED_HEAD_DIMS = (64, 128, 256)
 
@@ -51,11 +52,13 @@ def target_ctas(hdp: int) -> int:
 
 def step_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the step kernel (its Cfg<HDP>::BYTES): Q bf16 [16][HDP+8], per warp a ring of
-    ``stages`` (K, V) bf16 [8][HDP+8] steps, the fold's (m, l) f32 [8][16][2] and [16][2], a flag."""
+    ``stages`` (K, V) bf16 [8][HDP+8] steps, the fold's (m, l) f32 [MAX_UNITS][16][2], per head f32 [16][4], the
+    warps' weights f32 [8][16], a flag."""
     hdp = padded_head_dim(head_dim)
     rs = hdp + 8
     ring = stages(hdp) * 2 * STEP_ROWS * rs * 2
-    return HEAD_GROUP * rs * 2 + 8 * ring + FOLD_GROUP * HEAD_GROUP * 2 * 4 + HEAD_GROUP * 2 * 4 + 16
+    fold = MAX_UNITS * HEAD_GROUP * 2 * 4 + HEAD_GROUP * 4 * 4 + 8 * HEAD_GROUP * 4
+    return HEAD_GROUP * rs * 2 + 8 * ring + fold + 16
 
 
 def head_groups(gqa_ratio: int) -> int:
