@@ -17,7 +17,7 @@
 // o_u), written to the workspace. The last CTA to finish (atomic counters that reset themselves) folds the units
 // straight into the running state (m, l, o) when the tile has at most ATT_GROUP = 8 units or units x query heads of
 // the CTA x HDP <= ATT_FOLD_DIRECT (16384); else in two levels: the units of each group of 8 (unit order) into the
-// group's first slot, then the groups (group order) into the state. The fold (see fold() for the exact order) is
+// group's first slot, then the groups (group order) into the state. The fold (fold() gives the exact order) is
 //   M = max(m, m_0..m_{k-1});  l' = l*2^(m-M) + sum_j l_j*2^(m_j-M);  o' = o*2^(m-M) + sum_j o_j*2^(m_j-M)
 // and, when `out` is not null, the state's fold also writes out = bf16(o' * (l' > 0 ? 1/l' : 0)) (what
 // attention_finalize writes from that state). The one-level rule depends on the tile's unit count and the CTA's
@@ -66,6 +66,9 @@
 #define ATT_GROUP 8          // units per first-level fold group
 #define ATT_COUNTERS 9       // fold counters per (sequence, CTA row): one per group, then the groups' own
 #define ATT_MAX_HD 256
+#ifndef ATT_FOLD_LD
+#define ATT_FOLD_LD 8           // partial slots a folding thread has in flight
+#endif
 #ifndef ATT_FOLD_DIRECT
 #define ATT_FOLD_DIRECT 16384   // units x query heads x HDP at most for a one-level fold
 #endif
@@ -268,133 +271,145 @@ __device__ __forceinline__ void step(const unsigned short* qs, const unsigned sh
 // Fold `cnt` partials (slots first, first + stride, ... in that order) of this CTA row: into the running state
 // (to_state: m, l, o read unless fresh; out written when present) or into slot `first`. cnt == 0 (to_state
 // only): the state as it is. All threads; barriers inside.
-// Per query head r (thread r): M = max(m, m_0 .. m_{cnt-1}) (a chain from the state's m), w_j = 2^(m_j - M),
-// l_s = sum_j l_j w_j (an fma chain in slot order from 0). Per 4 dims of a head the slots are cut into C chunks of
-// S consecutive slots (C = min(cnt, 256 / (hg * HDP / 4)) or 1, S = ceil(cnt / C), the last chunk shorter): each
-// chunk's sum_j o_j w_j is an fma chain in slot order from 0, the chunks are added in chunk order, then
-// o' = o * 2^(m - M) + that (one fma; the state's m = -inf: the sum), l' = l * 2^(m - M) + l_s (one fma).
+// Per 4 dims of a query head (a piece) the slots are cut into C chunks of S consecutive slots (C = min(cnt,
+// 256 / (hg * HDP / 4)) or 1, S = ceil(cnt / C), the last chunk shorter); a chunk runs an online max over its slots
+// in order: M_c' = max(M_c, m_j), a = 2^(M_c - M_c'), w = 2^(m_j - M_c'), acc = fma(o_j, w, acc * a), lw = fma(l_j,
+// w, lw * a) (from M_c = -inf, acc = lw = 0). Then M = max(m, M_0, .., M_{C-1}) (a chain from the state's m), and
+// over the chunks in order s_c = 2^(M_c - M), sum = fma(acc_c, s_c, sum), L = fma(lw_c, s_c, L) (from 0);
+// o' = fma(o, 2^(m - M), sum), l' = fma(l, 2^(m - M), L) (the state's m = -inf: 2^(m - M) = 0). Every piece of a
+// head computes the head's (M, L) the same way; a piece's loads (the chunk's (m_j, l_j) and o_j, the state) are
+// all issued before any of it is used.
 template <int HDP>
 __device__ __forceinline__ void fold(const Args& a, int first, int stride, int cnt, bool to_state,
                                      unsigned char* smem) {
     using C = Cfg<HDP>;
     constexpr int Q4 = HDP / 4;   // float4 pieces per head
+    constexpr int LD = ATT_FOLD_LD;   // slots in flight per thread
     const int tid = threadIdx.x;
-    float2* fst = reinterpret_cast<float2*>(smem + C::FOLD);   // [j][16] (m_j, l_j), then (w_j, l_j)
-    float4* hd4 = reinterpret_cast<float4*>(smem + C::HEADS);  // [16] (m', l', 2^(m - M), 1 / l')
-    float4* sums = reinterpret_cast<float4*>(smem + C::RINGS); // [chunk][piece] chunk sums
+    float4* hd4 = reinterpret_cast<float4*>(smem + C::HEADS);   // [16] (m', l') of each head, for the writers
+    float4* sums = reinterpret_cast<float4*>(smem + C::RINGS);  // [chunk][piece] acc_c
+    float2* chm = reinterpret_cast<float2*>(smem + C::FOLD);    // [chunk][piece] (M_c, lw_c)
     const float ninf = hss_neg_inf();
-    __syncthreads();   // the (m, l) areas and the rings are free
-    for (int i = tid; i < cnt * ATT_HG; i += ATT_THREADS) {
-        const int j = i / ATT_HG, r = i % ATT_HG;
-        if (r < a.hg)
-            fst[i] = __ldcg(reinterpret_cast<const float2*>(a.part_ml + r * a.row_ml + 2LL * (first + j * stride)));
-    }
     const bool keep = to_state && !a.fresh;
-    float2 st = make_float2(ninf, 0.f);
-    if (tid < a.hg && keep) st = make_float2(a.m[tid], a.l[tid]);
-    __syncthreads();
-    if (tid < a.hg) {   // the head's weights, once
+    const int pieces = a.hg * Q4;
+    int chunks = pieces >= ATT_THREADS || cnt <= 1 ? 1 : min(cnt, ATT_THREADS / pieces);
+    const int per = chunks > 1 ? (cnt + chunks - 1) / chunks : cnt;
+    if (chunks > 1) chunks = (cnt + per - 1) / per;
+    __syncthreads();   // the rings and the (m, l) areas are free
+    // chunk ch of piece e: (M_c, lw_c) and acc_c
+    auto chunk = [&](int e, int ch, float& Mc, float& lw) {
+        const int r = e / Q4, d = 4 * (e % Q4), j0 = ch * per, j1 = min(cnt, j0 + per);
+        const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
+        const float* srm = a.part_ml + r * a.row_ml + 2LL * first;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        Mc = ninf;
+        lw = 0.f;
+        for (int jb = j0; jb < j1; jb += LD) {
+            float4 x[LD];
+            float2 ml[LD];
+#pragma unroll
+            for (int i = 0; i < LD; ++i) {
+                const bool in = jb + i < j1;
+                const long long j = (long long)(jb + i) * stride;
+                x[i] = in ? __ldcg(reinterpret_cast<const float4*>(src + j * HDP)) : make_float4(0.f, 0.f, 0.f, 0.f);
+                ml[i] = in ? __ldcg(reinterpret_cast<const float2*>(srm + 2 * j)) : make_float2(ninf, 0.f);
+            }
+#pragma unroll
+            for (int i = 0; i < LD; ++i) {
+                if (jb + i >= j1) break;
+                const float Mn = fmaxf(Mc, ml[i].x);   // m_j finite: a unit always has a token
+                const float al = exp2f(Mc - Mn), w = exp2f(ml[i].x - Mn);
+                acc.x = fmaf(x[i].x, w, acc.x * al);
+                acc.y = fmaf(x[i].y, w, acc.y * al);
+                acc.z = fmaf(x[i].z, w, acc.z * al);
+                acc.w = fmaf(x[i].w, w, acc.w * al);
+                lw = fmaf(ml[i].y, w, lw * al);
+                Mc = Mn;
+            }
+        }
+        return acc;
+    };
+    // piece e's result from its chunks (acc_c, M_c, lw_c for c < chunks, read by `get`) and the state
+    auto finish = [&](int e, float2 st, const float (&oo)[4], auto get) {
+        const int r = e / Q4, d = 4 * (e % Q4);
         float M = st.x;
-        for (int j = 0; j < cnt; ++j) M = fmaxf(M, fst[j * ATT_HG + tid].x);
-        float lacc = 0.f;
-        for (int j = 0; j < cnt; ++j) {
-            const float2 ml = fst[j * ATT_HG + tid];
-            const float w = exp2f(ml.x - M);   // a unit always has a token: m_j finite, so M is
-            lacc = fmaf(ml.y, w, lacc);
-            fst[j * ATT_HG + tid].x = w;
+        for (int c2 = 0; c2 < chunks; ++c2) M = fmaxf(M, get(c2).y.x);
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        float L = 0.f;
+        for (int c2 = 0; c2 < chunks; ++c2) {
+            const auto v = get(c2);
+            const float sc = exp2f(v.y.x - M);
+            sum.x = fmaf(v.x.x, sc, sum.x);
+            sum.y = fmaf(v.x.y, sc, sum.y);
+            sum.z = fmaf(v.x.z, sc, sum.z);
+            sum.w = fmaf(v.x.w, sc, sum.w);
+            L = fmaf(v.y.y, sc, L);
+        }
+        if (!to_state) {
+            *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)first * HDP + d) = sum;
+            if (d == 0) hd4[r] = make_float4(M, L, 0.f, 0.f);
+            return;
         }
         float m2 = st.x, l2 = st.y, s_old = 1.f;   // nothing attended: the state as it is (fresh: the initial one)
         if (cnt > 0) {
             s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
             m2 = M;
-            l2 = fmaf(st.y, s_old, lacc);
+            l2 = fmaf(st.y, s_old, L);
         }
-        if (!to_state) {
-            m2 = M;
-            l2 = lacc;
-        }
-        hd4[tid] = make_float4(m2, l2, s_old, l2 > 0.f ? 1.f / l2 : 0.f);
-        if (to_state) {
-            a.m[tid] = m2;
-            a.l[tid] = l2;
-        } else {
-            *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * first) = make_float2(M, lacc);
-        }
-    }
-    __syncthreads();
-    const int pieces = a.hg * Q4;
-    int chunks = pieces >= ATT_THREADS || cnt <= 1 ? 1 : min(cnt, ATT_THREADS / pieces);
-    const int per = chunks > 1 ? (cnt + chunks - 1) / chunks : cnt;
-    if (chunks > 1) chunks = (cnt + per - 1) / per;
-    constexpr int LD = 8;   // slots in flight per thread
-    // the chunk ch of piece e: its sum over its slots (oo: the state's old o of the piece, for the writer)
-    auto chunk_sum = [&](int e, int ch) {
-        const int r = e / Q4, d = 4 * (e % Q4), j0 = ch * per, j1 = min(cnt, j0 + per);
-        const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int jb = j0; jb < j1; jb += LD) {
-            float4 x[LD];
-#pragma unroll
-            for (int i = 0; i < LD; ++i)
-                x[i] = jb + i < j1 ? __ldcg(reinterpret_cast<const float4*>(src + (long long)(jb + i) * stride * HDP))
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int i = 0; i < LD; ++i) {
-                if (jb + i >= j1) break;
-                const float w = fst[(jb + i) * ATT_HG + r].x;
-                acc.x = fmaf(x[i].x, w, acc.x);
-                acc.y = fmaf(x[i].y, w, acc.y);
-                acc.z = fmaf(x[i].z, w, acc.z);
-                acc.w = fmaf(x[i].w, w, acc.w);
-            }
-        }
-        return acc;
-    };
-    auto old_o = [&](int e, float (&oo)[4]) {
-        const int r = e / Q4, d = 4 * (e % Q4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) oo[i] = keep && d + i < a.hd ? a.o[r * a.hd + d + i] : 0.f;
-    };
-    // piece e's result: into slot `first`, or the state (and out)
-    auto finish = [&](int e, float4 acc, const float (&oo)[4]) {
-        const int r = e / Q4, d = 4 * (e % Q4);
-        if (!to_state) {
-            *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)first * HDP + d) = acc;
-            return;
-        }
+        if (d == 0) hd4[r] = make_float4(m2, l2, 0.f, 0.f);
         if (d >= a.hd) return;
-        const float4 h = hd4[r];
-        const float av[4] = {acc.x, acc.y, acc.z, acc.w};
+        const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
+        const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             if (d + i >= a.hd) break;
-            const float o2 = cnt > 0 ? fmaf(oo[i], h.z, av[i]) : oo[i];
+            const float o2 = cnt > 0 ? fmaf(oo[i], s_old, sv[i]) : oo[i];
             a.o[r * a.hd + d + i] = o2;
-            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * h.w));
+            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
         }
+    };
+    struct Part {
+        float4 x;
+        float2 y;
+    };
+    // the state of piece e's head and its o (what the writer needs), loaded before the chunk's loads are used
+    auto state_of = [&](int e, float (&oo)[4]) {
+        const int r = e / Q4, d = 4 * (e % Q4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oo[i] = keep && d + i < a.hd ? a.o[r * a.hd + d + i] : 0.f;
+        return keep ? make_float2(a.m[r], a.l[r]) : make_float2(ninf, 0.f);
     };
     if (chunks == 1) {
         for (int e = tid; e < pieces; e += ATT_THREADS) {
-            float oo[4] = {0.f, 0.f, 0.f, 0.f};
-            if (to_state) old_o(e, oo);
-            finish(e, chunk_sum(e, 0), oo);
+            float oo[4];
+            const float2 st = to_state ? state_of(e, oo) : make_float2(ninf, 0.f);
+            float Mc, lw;
+            const float4 acc = chunk(e, 0, Mc, lw);
+            const Part p{acc, make_float2(Mc, lw)};
+            finish(e, st, oo, [&](int) { return p; });
         }
     } else {   // pieces * chunks <= ATT_THREADS: one piece-chunk per thread
         const int e = tid % pieces, ch = tid / pieces;
         float oo[4] = {0.f, 0.f, 0.f, 0.f};
-        if (ch == 0 && to_state) old_o(e, oo);
-        if (ch < chunks) sums[tid] = chunk_sum(e, ch);
+        float2 st = make_float2(ninf, 0.f);
+        if (ch == 0 && to_state) st = state_of(e, oo);
+        if (ch < chunks) {
+            float Mc, lw;
+            sums[tid] = chunk(e, ch, Mc, lw);
+            chm[tid] = make_float2(Mc, lw);
+        }
         __syncthreads();
-        if (ch == 0) {
-            float4 acc = sums[e];
-            for (int c2 = 1; c2 < chunks; ++c2) {
-                const float4 y = sums[c2 * pieces + e];
-                acc.x += y.x;
-                acc.y += y.y;
-                acc.z += y.z;
-                acc.w += y.w;
-            }
-            finish(e, acc, oo);
+        if (ch == 0)
+            finish(e, st, oo, [&](int c2) { return Part{sums[c2 * pieces + e], chm[c2 * pieces + e]}; });
+    }
+    __syncthreads();   // every piece has read the state's and slot first's (m, l): the heads' are written now
+    if (tid < a.hg) {
+        const float4 h = hd4[tid];
+        if (to_state) {
+            a.m[tid] = h.x;
+            a.l[tid] = h.y;
+        } else {
+            *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * first) = make_float2(h.x, h.y);
         }
     }
     __threadfence();   // a group's slot is visible device-wide before the group is counted
