@@ -304,6 +304,44 @@ def _int64s(values: Any, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+class _DevicePointers(dict):
+    """The binding's ``CUdeviceptr`` of each address (its batch call takes only those), made once per address and
+    kept: the same pool slots and host pages are copied step after step. Bounded: emptied when it reaches
+    ``limit`` entries (some 25 MB)."""
+
+    limit = 1 << 18
+
+    def __init__(self, kind: Any) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def __missing__(self, address: int) -> Any:
+        if len(self) >= self.limit:
+            self.clear()
+        ptr = self[address] = self.kind(address)
+        return ptr
+
+
+_device_ptrs: dict[Any, _DevicePointers] = {}   # the binding's CUdeviceptr type -> its pointer cache
+
+
+def _pointers(addresses: list[int]) -> list:
+    """``CUdeviceptr`` objects of ``addresses`` (ints), from the cache of the binding in use."""
+    kind = api.CUdeviceptr
+    cache = _device_ptrs.get(kind)
+    if cache is None:
+        cache = _device_ptrs[kind] = _DevicePointers(kind)
+    return list(map(cache.__getitem__, addresses))
+
+
+def _check_ranges(ptrs: np.ndarray, nbytes: np.ndarray, lowest: int, name: str) -> None:
+    """``RANGES.check_many(ptrs, nbytes, name)`` (``lowest``: ``ptrs.min()``), at once where every range lies in the
+    live buffer holding the lowest address (a batch into one pool from one pinned buffer)."""
+    live = RANGES.find(lowest)
+    if live is None or int((ptrs + nbytes).max()) > live[1]:
+        RANGES.check_many(ptrs, nbytes, name)
+
+
 class HostToDeviceBatch:
     """Host-to-device copies ``dsts[i] <- srcs[i]`` (``nbytes[i]`` each; device addresses and pinned host
     addresses, as int sequences or arrays), checked once, then queued by :meth:`queue` as one
@@ -311,12 +349,12 @@ class HostToDeviceBatch:
 
     A batch runs in stream order, its copies in any order, so they must not overlap. Construction checks the
     counts, that every size is > 0, every address is non-zero and every destination range against the live hss
-    buffers, vectorized; ``queue`` only builds the driver's argument lists and makes the call, so keep the
-    destinations alive until then. Where the driver or binding has no batch call, ``queue`` makes one
-    ``cuMemcpyHtoDAsync`` per copy.
+    buffers, vectorized; ``queue`` only builds the driver's argument lists (each address's ``CUdeviceptr`` made once
+    per process and reused) and makes the call, so keep the destinations alive until then. Where the driver or
+    binding has no batch call, ``queue`` makes one ``cuMemcpyHtoDAsync`` per copy.
     """
 
-    __slots__ = ("_d", "_s", "_n", "_dp", "_sp")
+    __slots__ = ("_d", "_s", "_n")
 
     def __init__(self, dsts: Any, srcs: Any, nbytes: Any) -> None:
         d, s, n = _int64s(dsts, "destinations"), _int64s(srcs, "sources"), _int64s(nbytes, "sizes")
@@ -324,29 +362,29 @@ class HostToDeviceBatch:
             raise HssError(f"host-to-device batch: {d.size} destinations, {s.size} sources, {n.size} sizes")
         if n.size and n.min() <= 0:
             raise HssError(f"host-to-device batch: sizes must be > 0 (got {int(n[n <= 0][0])})")
-        if d.size and (d.min() <= 0 or s.min() <= 0):
-            raise HssError("host-to-device batch: addresses must be non-zero (a null pointer was given)")
-        RANGES.check_many(d, n, "host-to-device batch dst")
-        RANGES.check_many(s, n, "host-to-device batch src")
-        self._d, self._s, self._n = d.tolist(), s.tolist(), n.tolist()
-        ptr = getattr(api, "CUdeviceptr", None)   # the batch call's argument lists, built once
-        self._dp = [ptr(v) for v in self._d] if ptr is not None else None
-        self._sp = [ptr(v) for v in self._s] if ptr is not None else None
+        if d.size:
+            low_d, low_s = int(d.min()), int(s.min())
+            if low_d <= 0 or low_s <= 0:
+                raise HssError("host-to-device batch: addresses must be non-zero (a null pointer was given)")
+            _check_ranges(d, n, low_d, "host-to-device batch dst")
+            _check_ranges(s, n, low_s, "host-to-device batch src")
+        self._d, self._s, self._n = d.copy(), s.copy(), n.copy()   # our own: queued later, as checked
 
     def __len__(self) -> int:
-        return len(self._d)
+        return int(self._d.size)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all the copies."""
-        return sum(self._n)
+        return int(self._n.sum())
 
     def queue(self, stream: Any, start: int = 0, stop: int | None = None) -> None:
         """Queue copies ``[start, stop)`` (default: all) on ``stream`` as one batch; nothing when that is empty."""
-        d, x, n = self._d[start:stop], self._s[start:stop], self._n[start:stop]
-        count = len(d)
+        n = self._n[start:stop].tolist()
+        count = len(n)
         if not count:
             return
+        d, x = self._d[start:stop].tolist(), self._s[start:stop].tolist()
         s = _args.stream(stream)
         ensure_context(s)
         key = thread_state.pctx.handle   # type: ignore[union-attr]
@@ -359,7 +397,7 @@ class HostToDeviceBatch:
                 attr.srcLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
                 attr.dstLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 attr.dstLocHint.id = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
-            err = batch(self._dp[start:stop], self._sp[start:stop], n, count, [attr], [0], 1, s)[0]
+            err = batch(_pointers(d), _pointers(x), n, count, [attr], [0], 1, s)[0]
             if not err:
                 _batch_attrs[key] = attr
                 return
@@ -370,7 +408,7 @@ class HostToDeviceBatch:
             check(api.cuMemcpyHtoDAsync(dv, xv, nv, s), "cuMemcpyHtoDAsync")
 
     def __repr__(self) -> str:
-        return f"HostToDeviceBatch({len(self._d)} copies, {self.nbytes} bytes)"
+        return f"HostToDeviceBatch({len(self)} copies, {self.nbytes} bytes)"
 
 
 def copy_h_to_d_batch_async(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], stream: Any) -> None:

@@ -33,6 +33,7 @@ from hss.swap import (
     StepRecord,
     StoreError,
     StoreIOError,
+    TileRecord,
     layer_path,
 )
 
@@ -1122,5 +1123,95 @@ def test_sparse_host_profile_counts_its_parts(ctx, tmp_path, rng) -> None:
     s.step(0, list(range(8)), q_dev, budget_pages=2, keep_recent=1)
     p2 = s.h.host_profile()
     assert all(p2[k] > p1[k] for k in ("sparse_queue", "sparse_wait", "sparse_select", "sparse_plan", "record"))
+    q_dev.close()
+    s.close()
+
+
+def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotions(ctx, tmp_path, rng,
+                                                                                  monkeypatch) -> None:
+    """A sparse step's pool bookkeeping is done at once after its reads are queued: when the reads of a later tile
+    fail, the promotions of the tiles before it are in the pool (their pages' bytes in their slots), the failing
+    tile's promoted slots are free (their old pages may be overwritten), no other page moved; the next steps are
+    exact."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
+    ids = [int(b) for b in rng.permutation(36)]
+    s.offload(0, ids)
+    real_batch, real_put = _driver.api.cuMemcpyBatchAsync, s.h._put_promotions
+    seen = 0
+    for n in range(40):
+        q, q_dev = s.query()
+        before = s.h.pool.residents()
+        diag0 = s.h.diagnostic_summary()
+        calls, puts = [0], []
+
+        def batch(*a):
+            calls[0] += 1
+            return (_driver.api.CUresult.CUDA_ERROR_INVALID_VALUE,) if calls[0] == 2 else real_batch(*a)
+        monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", batch)
+        monkeypatch.setattr(s.h, "_put_promotions", lambda *a: (puts.append(a), real_put(*a))[1])
+        try:
+            s.step(0, ids, q_dev, budget_pages=7, keep_first=1, keep_recent=1)
+            failed = False
+        except cm.CudaError as exc:
+            assert "cuMemcpyBatchAsync" in str(exc) and calls[0] == 2
+            failed = True
+        monkeypatch.undo()
+        if failed and puts:
+            _, promo, miss_ids, _, tiles, began = puts[0]
+            assert tiles == 1 and began
+            k, k1 = promo.at[1], promo.at[2]
+            if k and k1 > k:
+                seen += 1
+            placed = {(0, int(miss_ids[j])): int(slot) for j, slot in zip(promo.take[:k], promo.into[:k])}
+            freed = set(promo.into[k:k1].tolist())
+            want = {key: slot for key, slot in before.items() if slot not in set(placed.values()) | freed}
+            assert s.h.pool.residents() == {**want, **placed}, f"step {n}"
+            assert set(s.h.pool.free_slots()) >= freed
+            diag = s.h.diagnostic_summary()
+            assert diag.promotions - diag0.promotions == k and diag.steps == diag0.steps
+            resident_bytes_match(s)
+        for sparse in ((7, 1, 1), None):
+            kw = {} if sparse is None else dict(budget_pages=7, keep_first=1, keep_recent=1)
+            rec, got = s.step(0, ids, q_dev, q_pos=35 * 16 + 4, **kw)
+            if sparse is None:
+                check_step(s, 0, ids, q, q_dev, rec, got, 5, f"exact after step {n}")
+            else:
+                check_sparse(s, 0, ids, q, q_dev, rec, got, 5, sparse, f"sparse after step {n}")
+            resident_bytes_match(s)
+        q_dev.close()
+        if seen >= 3:
+            break
+    assert seen, "no failing step had promotions in both its first and its failing tile"
+    s.close()
+
+
+def test_step_records_are_immutable_records_of_python_values(ctx, tmp_path, rng) -> None:
+    """A StepRecord (its tuple fields made from the step's arrays when first read) is a frozen dataclass of tuples of
+    Python ints, like any other: dataclasses.replace copies it, assignment is refused."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))
+    ids = [int(b) for b in rng.permutation(30)]
+    s.offload(0, ids)
+    q, q_dev = s.query()
+    for kw in ({}, dict(budget_pages=7, keep_first=1, keep_recent=1)):
+        for _ in range(3):
+            rec, _ = s.step(0, ids, q_dev, **kw)
+        assert dataclasses.is_dataclass(rec)
+        for name in ("hits", "misses", "skipped"):
+            value = getattr(rec, name)
+            assert type(value) is tuple and all(type(b) is int for b in value), name
+        assert all(type(t) is TileRecord for t in rec.tiles)
+        assert all(type(x) is int for t in rec.tiles for x in t.slots + t.block_ids)
+        assert all(type(b) is int and type(slot) is int for b, slot in rec.promoted)
+        assert all(type(layer) is int and type(page) is int and type(slot) is int
+                   for (layer, page), slot in rec.evicted)
+        copy = dataclasses.replace(rec, layer=rec.layer)
+        assert (copy.tiles, copy.hits, copy.misses, copy.promoted, copy.evicted, copy.skipped, copy.sparse) == \
+            (rec.tiles, rec.hits, rec.misses, rec.promoted, rec.evicted, rec.skipped, rec.sparse)
+        assert repr(copy) == repr(rec) and "block_scores" not in repr(rec)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            rec.hits = ()
+        assert len(rec.attended) == len(ids) - len(rec.skipped)
     q_dev.close()
     s.close()

@@ -319,6 +319,36 @@ def test_prepared_runs_never_cross_a_group_edge(ctx, stream, rng, tmp_path, monk
             dev.close()
 
 
+def test_host_store_batches_reuse_the_binding_pointer_objects(ctx, stream, rng, monkeypatch) -> None:
+    """The batched reads of a HostStore hand the driver one CUdeviceptr object per address, made once and reused by
+    later batches (not one made per copy per step); the copies land as planned."""
+    bb = LAYOUT.block_bytes
+    seen: list = []
+    real = _driver.api.cuMemcpyBatchAsync
+    monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync",
+                        lambda *a: (seen.append((list(a[0]), list(a[1]))), real(*a))[1])
+    imgs = images(rng, 12)
+    with HostStore(LAYOUT, 1, ctx=ctx) as store:
+        for page in range(12):
+            store.write_page(0, page, imgs[page])
+        dev = cm.DeviceBuffer(12 * bb)
+        pages, slots = [5, 1, 9, 3, 7], [0, 2, 4, 6, 9]
+        dsts = [dev.ptr + bb * o for o in slots]
+        for _ in range(2):
+            reads = store.prepare_reads(0, pages, dsts, [0, 2, 5])
+            for i in range(len(reads)):
+                reads.issue(i, stream)
+        got = download(dev, (12, bb), np.uint8, stream)
+        assert all(np.array_equal(got[o], imgs[p]) for p, o in zip(pages, slots))
+        if None not in _memory._batch_attrs.values():       # (a driver without batches: one call per copy)
+            assert len(seen) == 4 and [int(d) for d in seen[0][0] + seen[1][0]] == dsts
+            assert [int(x) for x in seen[0][1] + seen[1][1]] == [store.buffer.ptr + p * bb for p in pages]
+            first, again = seen[0][0] + seen[0][1] + seen[1][0] + seen[1][1], \
+                seen[2][0] + seen[2][1] + seen[3][0] + seen[3][1]
+            assert all(a is b for a, b in zip(first, again))
+        dev.close()
+
+
 @pytest.mark.parametrize("kind", ["host", "file"])
 def test_prepare_reads_checks_everything_first(ctx, stream, rng, tmp_path, monkeypatch, kind: str) -> None:
     """Every error of a step's reads is raised by prepare_reads, before anything is queued; a group issued

@@ -85,6 +85,23 @@ class EvictionPolicy:
             raise HssError(f"{arr.size} slots but {sc.size} scores")
         self.last_score[arr] = sc.astype(np.float32, copy=False).reshape(-1)
 
+    def _record_planned(self, slots: np.ndarray, scores: np.ndarray) -> None:
+        """:meth:`record_scores` then :meth:`touch_many` of ``slots`` without the argument checks, for slots the
+        caller computed (int64, distinct, in 0..num_slots-1) and f32 ``scores``: the swap's promotions."""
+        self._score_planned(slots, scores)
+        self._touch_planned(slots)
+
+    def _score_planned(self, slots: np.ndarray, scores: np.ndarray) -> None:
+        """:meth:`record_scores` without the argument checks (``slots``: int64, in 0..num_slots-1, computed by the
+        caller; ``scores``: f32, one each)."""
+        self.last_score[slots] = scores
+
+    def _touch_planned(self, slots: np.ndarray) -> None:
+        """:meth:`touch_many` without the argument checks (``slots``: int64, in 0..num_slots-1, computed by the
+        caller)."""
+        self.last_access[slots] = np.arange(slots.size, dtype=np.uint64) + np.uint64(self.epoch)   # wraps mod 2^64
+        self.epoch = (self.epoch + slots.size) % _U64
+
     def reset(self) -> None:
         """Scores -inf, accesses 0, epoch 1."""
         self.last_score.fill(-np.inf)
@@ -93,8 +110,8 @@ class EvictionPolicy:
 
     def rank(self, pinned: Iterable[int] = ()) -> np.ndarray:
         """Every slot not in ``pinned``, first eviction choice first (see the module docstring)."""
-        pin = self._slots(pinned, "pinned")
-        if pin.size:
+        pin = self._slots(pinned, "pinned") if not isinstance(pinned, (tuple, list)) or pinned else pinned
+        if len(pin):
             keep = np.ones(self.num_slots, dtype=bool)
             keep[pin] = False
             cand = np.flatnonzero(keep)

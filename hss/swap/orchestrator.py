@@ -39,7 +39,8 @@ pages it skips (so they are the first victims when they score low), and runs 1-5
 (hits = those resident; only the picked misses are read, each tile's in one prepared batch). Its scores being known
 before any read, its promotions (the same rule, best score first) are planned first and those misses are read
 straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool
-bookkeeping of a tile is one vectorized update after its reads are queued. A tile whose reads overwrite the slot of
+bookkeeping of the step is one vectorized update once its reads are queued (of the tiles whose reads were queued,
+if one failed). A tile whose reads overwrite the slot of
 a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. A budget covering every
 other page is the exact step: the same code path, the same bits.
 
@@ -57,12 +58,11 @@ the stall timers of issued steps). One instance is used from one thread.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -90,6 +90,21 @@ class TileRecord(NamedTuple):
     streamed: bool
 
 
+class _Built:
+    """A field of :class:`StepRecord` made on first access from the step's arrays (a non-data descriptor: once made,
+    the value sits in the instance dict and is read from there)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        build = vars(obj).pop("_builder")
+        vars(obj).update(zip(StepRecord._BUILT, build()))
+        return vars(obj)[self.name]
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What one ``attend_layer`` did: its tiles in launch order, the predictor score of each block, the hits
@@ -98,7 +113,8 @@ class StepRecord:
 
     A sparse step (SPEC §17.6) also records its arguments (``sparse``; None for an exact step) and the blocks it
     did not attend (``skipped``, sequence order); hits and misses are of the attended blocks, and ``block_ids`` /
-    ``block_scores`` cover every block of the step, attended or not."""
+    ``block_scores`` cover every block of the step, attended or not. A step keeps only its arrays: ``tiles``,
+    ``hits``, ``misses``, ``promoted``, ``evicted`` and ``skipped`` are made from them when one is first read."""
     layer: int
     tiles: tuple[TileRecord, ...]
     hits: tuple[int, ...]
@@ -109,6 +125,18 @@ class StepRecord:
     block_scores: np.ndarray = field(repr=False)     # f32 predictor score of each
     skipped: tuple[int, ...] = ()
     sparse: SparseBudget | None = None
+
+    _BUILT: ClassVar[tuple[str, ...]] = ("tiles", "hits", "misses", "promoted", "evicted", "skipped")
+
+    @classmethod
+    def _of_step(cls, layer: int, block_ids: np.ndarray, block_scores: np.ndarray, sparse: SparseBudget | None,
+                 build: Any) -> StepRecord:
+        """A record whose ``_BUILT`` fields ``build()`` makes (a tuple of them, in that order) when one is first
+        read."""
+        self = cls.__new__(cls)
+        vars(self).update(layer=layer, block_ids=block_ids, block_scores=block_scores, sparse=sparse,
+                          _builder=build)
+        return self
 
     @functools.cached_property
     def scores(self) -> dict[int, float]:
@@ -122,6 +150,10 @@ class StepRecord:
             return tuple(self.block_ids.tolist())
         skipped = set(self.skipped)
         return tuple(b for b in self.block_ids.tolist() if b not in skipped)
+
+
+for _name in StepRecord._BUILT:     # after the dataclass is made: __init__ keeps its defaults, instances set fields
+    setattr(StepRecord, _name, _Built(_name))
 
 
 class _Promotions(NamedTuple):
@@ -162,6 +194,7 @@ class _StallTimer:
 
     def __init__(self, ctx: Any) -> None:
         self._ctx, self._spare, self._pending, self._open = ctx, [], [], None
+        self._mark = self._known = 0      # pairs before the last marked event; pairs known complete
         self.ms = 0.0
 
     def _event(self) -> cm.CudaEvent:
@@ -176,15 +209,27 @@ class _StallTimer:
         b.record(stream)
         self._pending.append((self._open, b))
 
+    def mark(self) -> None:
+        """An event the host will wait for is recorded after the pairs recorded so far (on their stream or one
+        ordered after it): :meth:`reached` once it has completed."""
+        self._mark = len(self._pending)
+
+    def reached(self) -> None:
+        """The last :meth:`mark`'s event has completed: its pairs are summed with no query."""
+        self._known = max(self._known, self._mark)
+
     def collect(self, wait: bool) -> None:
-        """Sum the complete pairs (``wait``: all of them, after waiting). Pairs complete in record order: one
-        step's are on one stream, and each step's stream waits for the previous step's end."""
+        """Sum the complete pairs (``wait``: all of them, after waiting; else those known complete, see
+        :meth:`reached`, or found complete by queries). Pairs complete in record order: one step's are on one
+        stream, and each step's stream waits for the previous step's end."""
         pending = self._pending
         if not pending:
             return
         if wait:
             pending[-1][1].synchronize()
             k = len(pending)
+        elif self._known:
+            k = min(self._known, len(pending))
         elif pending[-1][1].query():
             k = len(pending)
         else:
@@ -195,6 +240,7 @@ class _StallTimer:
             self.ms += a.elapsed_ms(b)
             self._spare += [a, b]
         del pending[:k]
+        self._known, self._mark = max(self._known - k, 0), max(self._mark - k, 0)
 
     def close(self) -> None:
         for ev in self._spare + [e for pair in self._pending for e in pair]:
@@ -233,6 +279,40 @@ def _owned_ranges(h: HighSpeedSwap) -> _args.OwnedRanges:
 
 _BUFFER_NAMES = {"_a_g": "A_g store", "_p": "projection P", "_q_proj": "q_proj", "_scores_dev": "block scores",
                  "_tile_index_dev": "tile tables", "buffer": "slots"}
+
+
+def _record_fields(ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss_ids: np.ndarray,
+                   miss_slots: np.ndarray | None, lbvs: int, last_is_hit: bool, bs: int, T: int,
+                   buffer_slots: tuple[tuple[int, ...], tuple[int, ...]], moves: Any, block_ids: np.ndarray,
+                   kept: np.ndarray | None) -> tuple:
+    """A step's (tiles, hits, misses, promoted, evicted, skipped) for its :class:`StepRecord`. Tiles: the resident
+    tile (hits in sequence order), then the misses in tiles of T (read into the stream buffers ``buffer_slots``, or
+    into ``miss_slots``). ``moves``: an exact step's (promoted, evicted) lists of (decision rank, ...), or a sparse
+    step's :class:`_Promotions` (None: none)."""
+    tiles = []
+    hits = tuple(ids[hit_pos].tolist())
+    if hit_pos.size:
+        tiles.append(TileRecord(tuple(slots[hit_pos].tolist()), hits, lbvs if last_is_hit else bs, False))
+    misses = tuple(miss_ids.tolist())
+    where = None if miss_slots is None else miss_slots.tolist()
+    ns = -(-len(misses) // T)
+    for i in range(ns):
+        part = misses[i * T:(i + 1) * T]
+        tiles.append(TileRecord(buffer_slots[i % 2][:len(part)] if where is None else tuple(where[i * T:(i + 1) * T]),
+                                part, lbvs if i == ns - 1 and not last_is_hit else bs, True))
+    if moves is None:
+        promoted = evicted = ()
+    elif not isinstance(moves, _Promotions):
+        promoted, evicted = (tuple(p[1:] for p in sorted(moves[0])), tuple(e[1:] for e in sorted(moves[1])))
+    else:       # a sparse step's promotions, in decision order
+        order = np.argsort(moves.rank)
+        into = moves.into[order]
+        promoted = tuple(zip(miss_ids[moves.take[order]].tolist(), into.tolist()))
+        layers, pages = moves.old_layer[order], moves.old_page[order]
+        held = layers >= 0
+        evicted = tuple(zip(zip(layers[held].tolist(), pages[held].tolist()), into[held].tolist()))
+    skipped = () if kept is None else tuple(np.delete(block_ids, kept).tolist())
+    return tuple(tiles), hits, misses, promoted, evicted, skipped
 
 
 class HighSpeedSwap:
@@ -324,6 +404,7 @@ class HighSpeedSwap:
             raise
         self._counts_dev = self._tile_index_dev.ptr
         self._tables_dev = self._counts_dev + self._tables_offset
+        self._scores_f32 = self._scores_host.view(np.float32)
         self._count_rows = self._tile_index_host.view(np.int32)[:self._max_tiles]
         self._table_rows = self._tile_index_host.view(np.int32)[self._tables_offset // 4:].reshape(self._max_tiles, cap)
         self._tables_pending = False
@@ -533,9 +614,8 @@ class HighSpeedSwap:
         if sparse is not None and not sparse.covers(ids.size):
             rec = self._sparse_step(s, layer, ids, q, out, lbvs, sparse)
         else:
-            rec = self._step(s, layer, ids, q, out, lbvs, self._plan(layer, ids), None)
+            rec = self._step(s, layer, ids, q, out, lbvs, self._plan(layer, ids), None, budget=sparse)
             if sparse is not None:
-                rec = dataclasses.replace(rec, sparse=sparse)
                 self._n["sparse_steps"] += 1
         self.last_step = rec
         return rec
@@ -554,14 +634,14 @@ class HighSpeedSwap:
         self._begin(s)
         try:
             self._queue_scores(s, layer, q, ids)
-            self._ev_scores.record(s)
+            self._record_scores_event(s)
             resident = self.pool.lookup_many(layer, ids)     # host work while the device scores
             t1 = time.perf_counter()
             scores = self._wait_scores(ids)
             t2 = time.perf_counter()
             keep = select_pages(scores, sparse)
-            held = np.flatnonzero(resident >= 0)   # every resident page ranks by this query's score (the skipped
-            self.eviction.record_scores(resident[held], scores[held])    # are never touched; hits are, in _plan)
+            held = (resident >= 0).nonzero()[0]   # every resident page ranks by this query's score (the skipped
+            self.eviction._score_planned(resident[held], scores[held])    # are never touched; hits are, in _plan)
             t3 = time.perf_counter()
             plan = self._plan(layer, ids[keep], scores[keep], resident[keep])
         except BaseException:
@@ -582,21 +662,21 @@ class HighSpeedSwap:
         """Hits, misses, streamed tiles and every read of a step over ``ids``, checked (StoreError naming pages
         never offloaded) and planned: the step's loop only issues them. ``known`` (a sparse step: the scores of
         ``ids``, already waited for): the hits are recorded and touched and the promotions planned here, before
-        the reads (``slots``: the pages' resident slots, if looked up already)."""
+        the reads (``slots``: the pages' resident slots, if looked up already; their scores recorded already)."""
         if slots is None:
             slots = self.pool.lookup_many(layer, ids)
         hit = slots >= 0
-        hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)
+        hit_pos, miss_pos = hit.nonzero()[0], (~hit).nonzero()[0]
         m, T = int(miss_pos.size), self.tile_blocks
         ns = -(-m // T)                                      # streamed tiles: the misses in sequence order
         miss_ids = ids[miss_pos]
         promo = miss_slots = None
         dsts = self._stream_dsts[:m]
-        if known is not None:
+        if known is not None:      # (the hits' scores are recorded already, with every resident page's)
+            hit_slots = slots[hit_pos]
             if hit_pos.size:
-                self.eviction.record_scores(slots[hit_pos], known[hit_pos])
-                self.eviction.touch_many(slots[hit_pos])
-            promo = self._plan_promotions(known, miss_pos, ns, slots[hit_pos])
+                self.eviction._touch_planned(hit_slots)
+            promo = self._plan_promotions(known, miss_pos, ns, hit_slots)
             if promo is not None:
                 miss_slots = self._stream_slots[:m].copy()
                 miss_slots[promo.take] = promo.into
@@ -627,13 +707,14 @@ class HighSpeedSwap:
         self._stepped = True
 
     def _step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int, plan: _Plan,
-              known: np.ndarray | None, whole: tuple | None = None) -> StepRecord:
+              known: np.ndarray | None, whole: tuple | None = None, budget: SparseBudget | None = None) -> StepRecord:
         """Attend the pages ``ids`` (sequence order) as ``plan`` says. ``known`` None: the exact step (the module
         doc: reads and the score work queued before the host waits for the scores); else the sparse step's tiles,
         begun by the caller, with ``known`` the scores of ``ids`` and its promotions in ``plan`` (read straight
-        into their resident slots; a tile whose reads overwrite a hit's slot waits for the resident tile).
-        ``whole``: the sparse step's (every block id, their scores, the positions attended, its budget), for the
-        record."""
+        into their resident slots; a tile whose reads overwrite a hit's slot waits for the resident tile; the pool
+        and eviction bookkeeping of the tiles whose reads were queued is done at once at the end, see
+        :meth:`_put_promotions`). ``whole``: the sparse step's (every block id, their scores, the positions
+        attended, its budget), for the record; ``budget``: an exact step's sparse arguments (a covering budget)."""
         slots, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit, promo, miss_slots = plan
         bs, m = self.model.block_size, int(miss_pos.size)
         c = self.copy_stream.handle
@@ -648,7 +729,7 @@ class HighSpeedSwap:
         promoted: list[tuple[int, int, int]] = []                 # exact: (decision rank, block id, slot)
         evicted: list[tuple[int, tuple[int, int], int]] = []      # exact: (decision rank, (layer, page), slot)
         wait_tile = promo.wait_tile if known is not None and promo is not None else ns
-        put = [0]                                                 # sparse: streamed tiles whose promotions are in
+        issued = [0, 0]          # streamed tiles whose reads were begun, and queued (tiles are read in order)
         pool = self.pool
 
         def read(i: int) -> None:
@@ -657,20 +738,9 @@ class HighSpeedSwap:
             if i == wait_tile:        # its reads overwrite a slot the resident tile reads
                 cm.stream_wait_event(c, self._ev_resident)
             t = time.perf_counter()
-            if known is None or promo is None or promo.at[i] == promo.at[i + 1]:
-                n["bytes_read"] += reads.issue(i, c)
-            else:
-                lo, hi = promo.at[i], promo.at[i + 1]
-                into = promo.into[lo:hi]
-                try:
-                    n["bytes_read"] += reads.issue(i, c)
-                except BaseException:
-                    pool.invalidate_slots(into)    # (some of) its reads may be queued: the old pages are gone
-                    raise
-                pool.put_many(layer, miss_ids[promo.take[lo:hi]], into)
-                self.eviction.record_scores(into, known[miss_pos[promo.take[lo:hi]]])
-                self.eviction.touch_many(into)
-                put[0] = i + 1
+            issued[0] = i + 1
+            n["bytes_read"] += reads.issue(i, c)
+            issued[1] = i + 1
             self._host_read += time.perf_counter() - t
             loaded[i % 2].record(c)
 
@@ -694,8 +764,8 @@ class HighSpeedSwap:
             if ids.size:
                 if known is None:
                     self._queue_scores(s, layer, q, ids)
-                self._upload_tables(s, slots[hit_pos], first, ns, m, promo)
-                self._ev_scores.record(s)   # covers the table upload: the next step may refill the pinned tables
+                self._upload_tables(s, slots[hit_pos], first, ns, m, miss_slots)
+                self._record_scores_event(s)   # covers the table upload: the next step may refill the pinned tables
             ta.begin_step(s, 1)
             if first:
                 attend(0, lbvs if last_is_hit else bs)
@@ -740,45 +810,41 @@ class HighSpeedSwap:
             if known is None:
                 n["promotions"] += len(promoted)
                 n["evictions"] += len(evicted)
-            elif promo is not None and put[0]:
-                k = promo.at[put[0]]
-                n["promotions"] += k
-                n["evictions"] += int(np.count_nonzero(promo.old_layer[:k] >= 0))
+            elif promo is not None:
+                self._put_promotions(layer, promo, miss_ids, known[miss_pos], issued[1], issued[0] > issued[1])
         t_issued = time.perf_counter()
         self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
-        tiles = self._tiles(ids, slots, hit_pos, miss_ids, lbvs, last_is_hit, miss_slots)
         n["steps"] += 1
-        n["tiles"] += len(tiles)
+        n["tiles"] += first + ns
         n["hits"] += int(hit_pos.size)
         n["misses"] += m
-        if known is None:
-            moves = (tuple(p[1:] for p in sorted(promoted)), tuple(e[1:] for e in sorted(evicted)))
-        else:
-            moves = self._moves(promo, miss_ids)
-        block_ids, block_scores, kept, sparse = (ids, scores, None, None) if whole is None else whole
+        block_ids, block_scores, kept, sparse = (ids, scores, None, budget) if whole is None else whole
         block_ids.setflags(write=False)
         block_scores.setflags(write=False)
-        skipped = () if kept is None else tuple(np.delete(block_ids, kept).tolist())
-        rec = StepRecord(layer, tiles, tuple(ids[hit_pos].tolist()), tuple(miss_ids.tolist()), *moves, block_ids,
-                         block_scores, skipped, sparse)
+        moves = (promoted, evicted) if known is None else promo
+        build = functools.partial(_record_fields, ids, slots, hit_pos, miss_ids, miss_slots, lbvs, last_is_hit, bs,
+                                  self.tile_blocks, self._buffer_slots, moves, block_ids, kept)
+        rec = StepRecord._of_step(layer, block_ids, block_scores, sparse, build)
         prof = self._prof
         prof["tiles_queue"] += t_queued - t_start
         prof["tiles_rest"] += t_issued - t_queued
         prof["record"] += time.perf_counter() - t_issued
         return rec
 
-    @staticmethod
-    def _moves(promo: _Promotions | None, miss_ids: np.ndarray) -> tuple[tuple, tuple]:
-        """A sparse step's (promoted, evicted) for its record, in decision order."""
-        if promo is None:
-            return (), ()
-        order = np.argsort(promo.rank)
-        into = promo.into[order].tolist()
-        promoted = tuple(zip(miss_ids[promo.take[order]].tolist(), into))
-        layers, pages = promo.old_layer[order], promo.old_page[order]
-        held = layers >= 0
-        evicted = tuple(zip(zip(layers[held].tolist(), pages[held].tolist()), promo.into[order][held].tolist()))
-        return promoted, evicted
+    def _put_promotions(self, layer: int, promo: _Promotions, miss_ids: np.ndarray, miss_scores: np.ndarray,
+                        tiles: int, failed: bool) -> None:
+        """A sparse step's pool and eviction bookkeeping, at once, of the promotions in its first ``tiles`` streamed
+        tiles (their reads queued): pages placed, scores recorded, slots touched in sequence order (as tile by
+        tile). ``failed``: the next tile's reads were begun and may be partly queued: its slots' pages are gone."""
+        k = promo.at[tiles]
+        if k:
+            into, take = promo.into[:k], promo.take[:k]
+            self.pool._put_planned(layer, miss_ids[take], into, promo.old_layer[:k], promo.old_page[:k])
+            self.eviction._record_planned(into, miss_scores[take])
+            self._n["promotions"] += k
+            self._n["evictions"] += int(np.count_nonzero(promo.old_layer[:k] >= 0))
+        if failed:
+            self.pool.invalidate_slots(promo.into[k:promo.at[tiles + 1]])
 
     def _queue_scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> None:
         """Queue the predictor scores of pages 0..max(ids) and their copy into pinned host memory on ``s``."""
@@ -786,6 +852,11 @@ class HighSpeedSwap:
         self.predictor.project_q_on_stream(s, q, self._q_proj, layer=layer)
         self.predictor.score_layer_on_stream(s, self._q_proj, layer, 0, n, self._scores_dev)
         cm.copy_d_to_h_async(self._scores_host, self._scores_dev, 4 * n, s)
+
+    def _record_scores_event(self, s: int) -> None:
+        """Record ``_ev_scores`` on ``s``, noting the stall-timer pairs recorded before it (complete once it is)."""
+        self._ev_scores.record(s)
+        self._timer.mark()
 
     def _wait_scores(self, ids: np.ndarray) -> np.ndarray:
         """Predictor scores of ``ids`` (host float32) once ``_ev_scores`` has completed; waits on the host."""
@@ -795,88 +866,78 @@ class HighSpeedSwap:
         self._ev_scores.synchronize()
         self._score_wait += time.perf_counter() - t0
         self._tables_pending = False
-        return self._scores_host.view(np.float32)[ids]
+        self._timer.reached()     # the stall timers of earlier steps are complete: summed with no query
+        return self._scores_f32[ids]
 
     def _plan_promotions(self, scores: np.ndarray, miss_pos: np.ndarray, ns: int,
                          hit_slots: np.ndarray | None = None) -> _Promotions | None:
         """The misses to promote (see the module doc), or None. ``hit_slots`` (a sparse step, whose promoted misses
         are read into their slots): the slots the resident tile reads, for ``wait_tile``."""
-        if self.resident_capacity == 0 or miss_pos.size == 0:
+        m = miss_pos.size
+        if self.resident_capacity == 0 or m == 0:
             return None
+        pool, eviction = self.pool, self.eviction
         miss_scores = scores[miss_pos]
-        free = self.pool.free_slots()[:miss_pos.size]
+        free = pool.free_slots()[:m]
+        nf = len(free)
         victims = None
-        if len(free) < miss_pos.size:
-            victims = self.eviction.rank(free)
-            victims = victims[self.pool.holds(victims)]
-            if not free and (not victims.size or (miss_scores < self.eviction.last_score[victims[0]]).all()):
-                return None     # the usual steady state: every miss scores below the first victim
+        if nf < m:
+            victims = eviction.rank(free)
+            victims = victims[pool._keys_planned(victims)[0] >= 0]
+            # the usual steady state: every miss scores below the first victim (a NaN max: some miss does not)
+            if not free and (not victims.size or miss_scores.max() < eviction.last_score[victims[0]]):
+                return None
         order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
         k = 0
         if victims is not None:
-            k = min(order.size - len(free), victims.size)
-            if k:
-                old, new = self.eviction.last_score[victims[:k]], miss_scores[order[len(free):len(free) + k]]
-                bad = old > new            # not EvictionPolicy.yields_to: False for NaN, like the scalar rule
-                if bad.any():
-                    k = int(np.argmax(bad))
+            k = min(m - nf, victims.size)
+            if k:      # not EvictionPolicy.yields_to: False for NaN, like the scalar rule
+                bad = eviction.last_score[victims[:k]] > miss_scores[order[nf:nf + k]]
+                j = int(bad.argmax())
+                if bad[j]:
+                    k = j
             if not free and not k:
                 return None
-        take = order[:len(free) + k]
+        take = order[:nf + k]
         into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]]) if k else np.asarray(free, np.int64)
         rank = np.argsort(take, kind="stable")                   # decision rank of each, in sequence order
         take, into = take[rank], into[rank]
-        old_layer, old_page = self.pool.keys_of(into)
+        old_layer, old_page = pool._keys_planned(into)
         at = np.searchsorted(take, self._tile_bounds[:ns + 1]).tolist()
         wait_tile = ns
         if hit_slots is not None and hit_slots.size and k:
             hit = np.zeros(self.resident_capacity, dtype=bool)
             hit[hit_slots] = True
-            over = np.flatnonzero(hit[into])
+            over = hit[into].nonzero()[0]
             if over.size:
                 wait_tile = int(take[over[0]]) // self.tile_blocks
         return _Promotions(take, into, rank, old_layer, old_page, at, wait_tile)
 
-    def _tiles(self, ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss_ids: np.ndarray, lbvs: int,
-               last_is_hit: bool, miss_slots: np.ndarray | None = None) -> tuple[TileRecord, ...]:
-        """The step's TileRecords: the resident tile (hits in sequence order), then the misses in tiles of T (read
-        into the stream buffers, or into ``miss_slots``)."""
-        bs, T = self.model.block_size, self.tile_blocks
-        tiles = []
-        if hit_pos.size:
-            tiles.append(TileRecord(tuple(slots[hit_pos].tolist()), tuple(ids[hit_pos].tolist()),
-                                    lbvs if last_is_hit else bs, False))
-        misses = miss_ids.tolist()
-        ns = -(-len(misses) // T)
-        for i in range(ns):
-            part = tuple(misses[i * T:(i + 1) * T])
-            where = (self._buffer_slots[i % 2][:len(part)] if miss_slots is None else
-                     tuple(miss_slots[i * T:(i + 1) * T].tolist()))
-            tiles.append(TileRecord(where, part,
-                                    lbvs if i == ns - 1 and not last_is_hit else bs, True))
-        return tuple(tiles)
-
     def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int,
-                       promo: _Promotions | None = None) -> None:
-        """Fill the pinned per-tile slot tables and counts (row 0 the resident tile when ``first``; a sparse step's
-        ``promo``: those misses in their resident slots) and queue their copy to the device on ``s``."""
+                       miss_slots: np.ndarray | None = None) -> None:
+        """Fill the pinned per-tile slot tables and counts (row 0 the resident tile when ``first``; the streamed
+        tiles' slots the stream buffers', or a sparse step's ``miss_slots``) and queue their copy to the device on
+        ``s``."""
         nt = first + ns
         if not nt:
             return
         if self._tables_pending:      # the last upload may not have run (a step failed before its score wait)
             self._ev_scores.synchronize()
         table, count = self._table_rows, self._count_rows
+        T = self.tile_blocks
         if first:
             table[0, :hit_slots.size] = hit_slots
             table[0, hit_slots.size:] = 0
             count[0] = hit_slots.size
         if ns:
             table[first:nt] = self._stream_table[:ns]
-            if promo is not None:
-                T = self.tile_blocks
-                table[first + promo.take // T, promo.take % T] = promo.into
-            count[first:nt] = self.tile_blocks
-            count[nt - 1] = misses - (ns - 1) * self.tile_blocks
+            if miss_slots is not None:       # tile i's misses are miss_slots[i * T:(i + 1) * T]
+                whole, rest = divmod(misses, T)
+                table[first:first + whole, :T] = miss_slots[:whole * T].reshape(whole, T)
+                if rest:
+                    table[nt - 1, :rest] = miss_slots[whole * T:]
+            count[first:nt] = T
+            count[nt - 1] = misses - (ns - 1) * T
         cap = self.attn.dims.tile_capacity
         # one copy: the counts, padding, then the first nt rows of the tables
         cm.copy_h_to_d_async(self._tile_index_dev, self._tile_index_host, self._tables_offset + 4 * nt * cap, s)
@@ -921,7 +982,7 @@ class HighSpeedSwap:
                 self._ev_step_done.synchronize()
                 self.copy_stream.synchronize()
         finally:
-            self._count_rows = self._table_rows = None    # views of the pinned memory freed below
+            self._count_rows = self._table_rows = self._scores_f32 = None    # views of the pinned memory freed below
             for obj in reversed(owned):
                 obj.close()
 

@@ -124,6 +124,10 @@ class ScratchPool:
         arr = self._ints("slots", slots, self.poolable_slots)
         return self._layer_of[arr], self._page_of[arr]
 
+    def _keys_planned(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`keys_of` without the checks, for poolable slots (int64) the caller computed."""
+        return self._layer_of[slots], self._page_of[slots]
+
     def holds(self, slots: Any) -> np.ndarray:
         """Whether each of ``slots`` (poolable slots, an int array) holds a page (bool array)."""
         return self._layer_of[self._ints("slots", slots, self.poolable_slots)] >= 0
@@ -145,6 +149,13 @@ class ScratchPool:
             bad = arr[(arr < 0) | (arr >= size)]
             raise HssError(f"{name} {bad[:8].tolist()} are out of range 0..{size - 1}")
         return arr
+
+    @staticmethod
+    def _repeats(values: np.ndarray, size: int) -> bool:
+        """Whether ``values`` (int64, each in 0..size-1) holds a value twice (a mark per value: no sort, no hash)."""
+        seen = np.zeros(size, dtype=bool)
+        seen[values] = True
+        return int(np.count_nonzero(seen)) != values.size
 
     @property
     def free_count(self) -> int:
@@ -217,22 +228,29 @@ class ScratchPool:
             raise HssError(f"{pages.size} pages but {slots.size} slots")
         if not pages.size:
             return pages, pages
-        if np.unique(pages).size != pages.size or np.unique(slots).size != slots.size:
+        if self._repeats(pages, self.layout.num_blocks) or self._repeats(slots, self.poolable_slots):
             raise HssError("put_many: pages and slots must each be distinct")
-        now = self._slot_of[layer, pages]
-        if (now >= 0).any():
-            bad = pages[now >= 0]
+        if self._slot_of[layer, pages].max() >= 0:
+            bad = pages[self._slot_of[layer, pages] >= 0]
             raise HssError(f"pages {bad[:8].tolist()} of layer {layer} are already resident")
         old_layer, old_page = self._layer_of[slots], self._page_of[slots]
+        self._put_planned(layer, pages, slots, old_layer, old_page)
+        return old_layer, old_page
+
+    def _put_planned(self, layer: int, pages: np.ndarray, slots: np.ndarray, old_layer: np.ndarray,
+                     old_page: np.ndarray) -> None:
+        """:meth:`put_many` without its checks, for a placement the caller planned from this pool's own state:
+        ``pages`` (int64) distinct and not resident in ``layer``, ``slots`` (int64) distinct poolable slots holding
+        (``old_layer``, ``old_page``) now (-1 where free)."""
         held = old_layer >= 0
-        freed = slots[~held]
-        if freed.size:
-            self._take_free(freed)
-        self._slot_of[old_layer[held], old_page[held]] = -1
+        if np.count_nonzero(held) != held.size:
+            self._take_free(slots[~held])
+            self._slot_of[old_layer[held], old_page[held]] = -1
+        else:
+            self._slot_of[old_layer, old_page] = -1
         self._slot_of[layer, pages] = slots
         self._layer_of[slots] = layer
         self._page_of[slots] = pages
-        return old_layer, old_page
 
     def _take_free(self, slots: np.ndarray) -> None:
         """Remove ``slots`` (free ones, distinct) from the free list, keeping the others' order."""

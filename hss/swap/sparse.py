@@ -64,12 +64,12 @@ def select_pages(scores: np.ndarray, budget: SparseBudget) -> np.ndarray:
         others = scores[first:hi]
         neg = -(others if others.dtype.kind == "f" else others.astype(np.float64))   # ascending = best first
         kth = np.partition(neg, k - 1)[k - 1]     # the K-th best (NaN sorts last: fewer than K numbers)
-        if np.isnan(kth):
+        if kth != kth:     # NaN
             take = ~np.isnan(neg)
-            tied = np.flatnonzero(~take)
+            tied = (~take).nonzero()[0]
         else:
             take = neg < kth
-            tied = np.flatnonzero(neg == kth)
+            tied = (neg == kth).nonzero()[0]
         take[tied[:k - int(np.count_nonzero(take))]] = True     # ties (NaN last) to the earlier page
         keep[first:hi] = take
-    return np.flatnonzero(keep)
+    return keep.nonzero()[0]

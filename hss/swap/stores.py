@@ -52,10 +52,10 @@ def _plan_runs(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int,
     start = np.ones(n + 1, dtype=bool)       # start[n]: the end
     start[1:n] = (pages[1:] != pages[:-1] + 1) | (dsts[1:] != dsts[:-1] + block_bytes)
     start[bounds] = True
-    edges = np.flatnonzero(start)
+    edges = start.nonzero()[0]
     if cap < n:     # split runs longer than cap: every cap-th request of a run starts a new one
         pos = np.arange(n + 1) - edges[np.cumsum(start) - 1]
-        edges = np.flatnonzero(start | (pos % cap == 0))
+        edges = (start | (pos % cap == 0)).nonzero()[0]
     return edges[:-1], edges[1:] - edges[:-1], np.searchsorted(edges, bounds)
 
 
@@ -75,7 +75,7 @@ class PreparedReads:
                  run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
         self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
         self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
-        self.copies: list | None = None     # HostStore: the first group's batch, then the other groups' (see _prepared)
+        self.copies: Any = None     # HostStore: the transfers as one HostToDeviceBatch (see _prepared)
         self._block_bytes, self._epoch = store.layout.block_bytes, store._epoch
 
     def __len__(self) -> int:
@@ -186,7 +186,7 @@ class BackingStore:
 
     def _check_valid(self, layer: int, pages: np.ndarray) -> None:
         ok = self._page_ok[layer, pages]
-        if not ok.all():
+        if np.count_nonzero(ok) != ok.size:
             missing = pages[~ok]
             raise StoreError(f"layer {layer} pages {missing[:8].tolist()} were never written (or their last write "
                              "failed): offload them before reading", missing)
@@ -249,11 +249,12 @@ class BackingStore:
         if b.size and b.dtype.kind not in "iu":
             raise TypeError(f"bounds must be integers, got {b.dtype}")
         b = b.astype(np.int64, copy=False).reshape(-1)
-        if b.size and (b[0] < 0 or b[-1] > pages.size or (b[1:] < b[:-1]).any()):
-            raise HssError(f"bounds {b[:8].tolist()} must be non-decreasing request indices in 0..{pages.size}")
+        edges = b.tolist()
+        if edges and (edges[0] < 0 or edges[-1] > pages.size or any(x > y for x, y in zip(edges, edges[1:]))):
+            raise HssError(f"bounds {edges[:8]} must be non-decreasing request indices in 0..{pages.size}")
         self._check_valid(layer, pages)
         first, counts, at = _plan_runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages, b)
-        reads = PreparedReads(self, layer, pages, dsts, b.tolist(), first, counts, at.tolist())
+        reads = PreparedReads(self, layer, pages, dsts, edges, first, counts, at.tolist())
         self._prepared(reads)
         return reads
 
@@ -333,30 +334,14 @@ class HostStore(BackingStore):
         self.buffer.array[at:at + data.nbytes] = data
 
     def _prepared(self, reads: PreparedReads) -> None:
-        # one batched driver call per group (the DMA keeps its bandwidth on many mid-size copies). The first
-        # group's batch is built here; the other groups' together at the first issue of one of them, so the first
-        # reads go out before the host converts the rest (their destinations are checked here, at once)
-        bb, first, at = self.layout.block_bytes, reads.run_starts, reads.run_bounds
-        split = at[1] if len(at) > 2 else len(first)
-        if split < len(first):
-            _args.RANGES.check_many(reads.dsts[first[split:]], reads.run_counts[split:] * bb, "dsts")
-        reads.copies = [self._batch(reads, 0, split), None]
-
-    def _batch(self, reads: PreparedReads, lo: int, hi: int) -> cm.HostToDeviceBatch:
-        """The copies of ``reads``' transfers lo..hi-1, checked."""
-        bb, first = self.layout.block_bytes, reads.run_starts[lo:hi]
+        # one batched driver call per group (the DMA keeps its bandwidth on many mid-size copies): every transfer
+        # checked here at once, in one batch that each group queues its part of
+        bb, first = self.layout.block_bytes, reads.run_starts
         base = self.buffer.ptr + reads.layer * self.layout.bytes_per_layer
-        return cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb, reads.run_counts[lo:hi] * bb)
+        reads.copies = cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb, reads.run_counts * bb)
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
-        r0, r1 = reads.run_bounds[group], reads.run_bounds[group + 1]
-        if group == 0 or len(reads.run_bounds) <= 2:
-            reads.copies[0].queue(stream, r0, r1)
-        else:
-            split = reads.run_bounds[1]
-            if reads.copies[1] is None:
-                reads.copies[1] = self._batch(reads, split, len(reads.run_starts))
-            reads.copies[1].queue(stream, r0 - split, r1 - split)
+        reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
         self._reads_done.record(stream)
         self._reads_queued = True
 
