@@ -21,7 +21,7 @@ from hss._context import Owner, ensure_context, owner_context, thread_state
 from hss._driver import api, check
 from hss.errors import HssError
 
-__all__ = ["DeviceBuffer", "DeviceView", "PinnedBuffer", "HostToDeviceBatch", "copy_h_to_d_async",
+__all__ = ["DeviceBuffer", "DeviceView", "PinnedBuffer", "HostToDeviceBatch", "PointerTable", "copy_h_to_d_async",
            "copy_h_to_d_batch_async", "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async",
            "memset_d8_async", "memset_d32_async", "mem_info"]
 
@@ -232,6 +232,20 @@ def copy_d_to_h_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
         check(api.cuMemcpyDtoHAsync(d, p, n, s), "cuMemcpyDtoHAsync")
 
 
+def _h_to_d_planned(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """:func:`copy_h_to_d_async` of values the caller checked (ints: a device address, a pinned host address, a size
+    > 0 that fits both, a raw stream handle): hss's own hot loops."""
+    ensure_context(stream)
+    check(api.cuMemcpyHtoDAsync(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+def _d_to_h_planned(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """:func:`copy_d_to_h_async` of values the caller checked (ints: a pinned host address, a device address, a size
+    > 0 that fits both, a raw stream handle): hss's own hot loops."""
+    ensure_context(stream)
+    check(api.cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+
+
 def copy_d_to_d_async(dst: Any, src: Any, nbytes: int, stream: Any) -> None:
     """Queue a device-to-device copy of ``nbytes`` on ``stream``."""
     n = _args.as_count("nbytes", nbytes)
@@ -334,6 +348,35 @@ def _pointers(addresses: list[int]) -> list:
     return list(map(cache.__getitem__, addresses))
 
 
+class PointerTable:
+    """The binding's ``CUdeviceptr`` of each address ``base + i * stride`` (i in 0..count-1), each made on first use
+    and kept: :meth:`take` converts table indices (an int64 array, each in range: the caller's) at numpy speed, where
+    the process-wide cache costs a dictionary lookup per address. For hss.swap's pool slots and store pages, copied
+    step after step."""
+
+    __slots__ = ("base", "stride", "_objs", "_made", "_kind")
+
+    def __init__(self, base: int, stride: int, count: int) -> None:
+        self.base, self.stride = int(base), int(stride)
+        self._objs = np.empty(_args.as_count("count", count), dtype=object)
+        self._made = np.zeros(self._objs.size, dtype=bool)
+        self._kind: Any = None
+
+    def take(self, index: np.ndarray) -> list:
+        """The ``CUdeviceptr`` of entries ``index`` (int64, each in 0..count-1), as a list."""
+        kind = api.CUdeviceptr
+        if kind is not self._kind:        # first use (or another binding): nothing made for it yet
+            self._made[:] = False
+            self._kind = kind
+        made = self._made[index]
+        if np.count_nonzero(made) != made.size:
+            new = index[~made]
+            base, stride = self.base, self.stride
+            self._objs[new] = [kind(base + i * stride) for i in new.tolist()]
+            self._made[new] = True
+        return self._objs[index].tolist()
+
+
 def _check_ranges(ptrs: np.ndarray, nbytes: np.ndarray, lowest: int, name: str) -> None:
     """``RANGES.check_many(ptrs, nbytes, name)`` (``lowest``: ``ptrs.min()``), at once where every range lies in the
     live buffer holding the lowest address (a batch into one pool from one pinned buffer)."""
@@ -354,7 +397,7 @@ class HostToDeviceBatch:
     binding has no batch call, ``queue`` makes one ``cuMemcpyHtoDAsync`` per copy.
     """
 
-    __slots__ = ("_d", "_s", "_n")
+    __slots__ = ("_d", "_s", "_n", "_tables", "_lists")
 
     def __init__(self, dsts: Any, srcs: Any, nbytes: Any) -> None:
         d, s, n = _int64s(dsts, "destinations"), _int64s(srcs, "sources"), _int64s(nbytes, "sizes")
@@ -369,9 +412,22 @@ class HostToDeviceBatch:
             _check_ranges(d, n, low_d, "host-to-device batch dst")
             _check_ranges(s, n, low_s, "host-to-device batch src")
         self._d, self._s, self._n = d.copy(), s.copy(), n.copy()   # our own: queued later, as checked
+        self._tables: tuple | None = None   # where the CUdeviceptr come from (_planned); None: the process-wide cache
+        self._lists: tuple[list, list, list] | None = None    # sizes and the CUdeviceptr of each copy (queue)
+
+    @classmethod
+    def _planned(cls, nbytes: np.ndarray, dst_table: PointerTable, dst_index: np.ndarray, src_table: PointerTable,
+                 src_index: np.ndarray) -> HostToDeviceBatch:
+        """A batch of copies the caller computed inside live hss buffers, with none of the construction's checks
+        (hss.swap's reads into its pool): copy i of ``nbytes[i]`` (> 0) from entry ``src_index[i]`` of ``src_table``
+        to entry ``dst_index[i]`` of ``dst_table`` (int64 arrays of one size, the caller's: adopted, not copied)."""
+        self = cls.__new__(cls)
+        self._n, self._tables, self._lists = nbytes, (dst_table, dst_index, src_table, src_index), None
+        self._d = self._s = None      # the addresses, made only where a copy is queued by itself (see queue)
+        return self
 
     def __len__(self) -> int:
-        return int(self._d.size)
+        return int(self._n.size)
 
     @property
     def nbytes(self) -> int:
@@ -380,11 +436,18 @@ class HostToDeviceBatch:
 
     def queue(self, stream: Any, start: int = 0, stop: int | None = None) -> None:
         """Queue copies ``[start, stop)`` (default: all) on ``stream`` as one batch; nothing when that is empty."""
-        n = self._n[start:stop].tolist()
+        lists = self._lists
+        if lists is None:     # the batch call's arguments of every copy, made once (a part's are slices of them)
+            t = self._tables
+            if t is None:
+                lists = (self._n.tolist(), _pointers(self._d.tolist()), _pointers(self._s.tolist()))
+            else:
+                lists = (self._n.tolist(), t[0].take(t[1]), t[2].take(t[3]))
+            self._lists = lists
+        n = lists[0][start:stop]
         count = len(n)
         if not count:
             return
-        d, x = self._d[start:stop].tolist(), self._s[start:stop].tolist()
         s = _args.stream(stream)
         ensure_context(s)
         key = thread_state.pctx.handle   # type: ignore[union-attr]
@@ -397,14 +460,17 @@ class HostToDeviceBatch:
                 attr.srcLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
                 attr.dstLocHint.type = api.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 attr.dstLocHint.id = int(check(api.cuCtxGetDevice(), "cuCtxGetDevice"))
-            err = batch(_pointers(d), _pointers(x), n, count, [attr], [0], 1, s)[0]
+            err = batch(lists[1][start:stop], lists[2][start:stop], n, count, [attr], [0], 1, s)[0]
             if not err:
                 _batch_attrs[key] = attr
                 return
             if getattr(err, "name", "") != "CUDA_ERROR_NOT_SUPPORTED" or key in _batch_attrs:
                 check((err,), "cuMemcpyBatchAsync", f"{count} host-to-device copies")
             _batch_attrs[key] = None   # not supported here: one call per copy from now on
-        for dv, xv, nv in zip(d, x, n):
+        if self._d is None:
+            dt, di, st, si = self._tables    # type: ignore[misc]
+            self._d, self._s = dt.base + di * dt.stride, st.base + si * st.stride
+        for dv, xv, nv in zip(self._d[start:stop].tolist(), self._s[start:stop].tolist(), n):
             check(api.cuMemcpyHtoDAsync(dv, xv, nv, s), "cuMemcpyHtoDAsync")
 
     def __repr__(self) -> str:

@@ -4,7 +4,7 @@ modules that own each concept.
 - :mod:`hss._context`: :class:`CudaCtx`, :class:`CudaStream`, :class:`CudaEvent`, ``stream_sync``,
   ``stream_wait_event``, ``compute_capability``, ``multiprocessor_count``;
 - :mod:`hss._memory`: :class:`DeviceBuffer` (and its typed :class:`DeviceView`), :class:`PinnedBuffer`, the copies,
-  memsets and :class:`HostToDeviceBatch`, ``mem_info``;
+  memsets, :class:`HostToDeviceBatch` (and the :class:`PointerTable` of its planned copies), ``mem_info``;
 - :mod:`hss._launch`: :class:`CudaModule`, :class:`CudaFunction`, ``launch_kernel``, graphs (``begin_capture``,
   ``end_capture``, ``on_replay``: host callbacks a graph's replay runs, ``is_capturing``);
 - :mod:`hss._args`: how arguments are read (``device_ptr``, ``stream_handle``).
@@ -40,11 +40,14 @@ from hss._launch import (
                           launch_kernel,
                           on_replay,
 )
-from hss._memory import (
+from hss._memory import (  # noqa: F401 (the _planned copies: hss's own hot loops, of values they checked)
                           DeviceBuffer,
                           DeviceView,
                           HostToDeviceBatch,
                           PinnedBuffer,
+                          PointerTable,
+                          _d_to_h_planned,
+                          _h_to_d_planned,
                           copy_2d_d_to_d_async,
                           copy_d_to_d_async,
                           copy_d_to_h_async,
@@ -59,8 +62,9 @@ from hss.errors import CudaError, HssError
 
 __all__ = [
     "CudaCtx", "CudaStream", "CudaModule", "CudaFunction", "DeviceBuffer", "DeviceView", "PinnedBuffer",
-    "CudaEvent", "CudaGraph", "ParamPack", "HostToDeviceBatch", "copy_h_to_d_async", "copy_h_to_d_batch_async",
-    "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async", "memset_d8_async", "memset_d32_async",
+    "CudaEvent", "CudaGraph", "ParamPack", "HostToDeviceBatch", "PointerTable", "copy_h_to_d_async",
+    "copy_h_to_d_batch_async", "copy_d_to_h_async", "copy_d_to_d_async", "copy_2d_d_to_d_async", "memset_d8_async",
+    "memset_d32_async",
     "launch_kernel", "stream_sync", "mem_info", "multiprocessor_count", "compute_capability", "begin_capture",
     "end_capture", "on_replay", "is_capturing", "driver_status", "device_ptr", "stream_handle", "stream_wait_event",
     "device_count", "ordinal_of", "CudaError", "HssError",

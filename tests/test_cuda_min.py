@@ -384,6 +384,50 @@ def test_batched_copies_fall_back_where_the_driver_has_no_batch_call(ctx, stream
         src.close()
 
 
+def test_planned_host_to_device_batch_through_pointer_tables(ctx, stream, rng, monkeypatch):
+    """HostToDeviceBatch._planned (hss.swap's reads): table entries give the same copies as the checked batch of
+    their addresses, whole or in parts, by batch call or one call per copy; PointerTable.take makes each entry's
+    CUdeviceptr once (repeats included) and keeps it."""
+    page = 4096
+    src = cm.PinnedBuffer(16 * page)
+    src.array[:] = rng.integers(0, 256, src.bytes, dtype=np.uint8)
+    try:
+        with cm.DeviceBuffer(16 * page) as dev:
+            dst_table, src_table = cm.PointerTable(dev.ptr, page, 16), cm.PointerTable(src.ptr, page, 16)
+            first = dst_table.take(np.array([3, 3, 5]))
+            assert [int(p) for p in first] == [dev.ptr + 3 * page] * 2 + [dev.ptr + 5 * page]
+            assert dst_table.take(np.array([3]))[0] is first[0], "made once, then kept"
+            assert all(type(p) is _driver.api.CUdeviceptr for p in first)
+            dst_slots, src_pages = np.array([9, 0, 4, 12]), np.array([7, 2, 11, 0])
+            sizes = np.array([page, 2 * page, page, 3 * page])
+            want = np.full(dev.bytes, 0xAB, np.uint8)
+            for d, s_, n in zip(dst_slots, src_pages, sizes):
+                want[d * page:d * page + n] = src.array[s_ * page:s_ * page + n]
+            calls: list = []
+            real = _driver.api.cuMemcpyBatchAsync
+            monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", lambda *a: (calls.append(a[3]), real(*a))[1])
+            for parts, fault in (([(0, None)], None), ([(2, 4), (0, 2)], None), ([(0, 3), (3, 4)], "unsupported")):
+                batch = cm.HostToDeviceBatch._planned(sizes, dst_table, dst_slots, src_table, src_pages)
+                assert len(batch) == 4 and batch.nbytes == 7 * page
+                cm.memset_d8_async(dev, 0xAB, dev.bytes, stream)
+                saved = dict(_memory._batch_attrs)
+                try:
+                    if fault:
+                        _memory._batch_attrs.clear()
+                        with inject_fault("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED"):
+                            for start, stop in parts:
+                                batch.queue(stream, start, stop)
+                    else:
+                        for start, stop in parts:
+                            batch.queue(stream, start, stop)
+                finally:
+                    _memory._batch_attrs.clear()
+                    _memory._batch_attrs.update(saved)
+                assert np.array_equal(download(dev, dev.bytes, np.uint8, stream), want), parts
+    finally:
+        src.close()
+
+
 def test_prepared_host_to_device_batch(ctx, stream, rng, monkeypatch):
     """HostToDeviceBatch: every check at construction (nothing queued when one fails), then whole or
     consecutive-part queues, each one driver call (or one call per copy where there is no batch call)."""

@@ -462,6 +462,9 @@ def test_argument_errors_queue_nothing(ctx, tmp_path, rng, monkeypatch) -> None:
     for call, err, words in [
         (lambda: s.step(0, [0, 1, 0, 2, 1], q_dev), HssError, r"seq_block_ids repeats block ids \[0, 1\]"),
         (lambda: s.step(0, [0, 8], q_dev), HssError, r"seq_block_ids holds \[8\], out of range 0..7"),
+        (lambda: s.step(0, [-1, 3], q_dev), HssError, r"seq_block_ids holds \[-1\], out of range 0..7"),
+        (lambda: s.step(0, [3, -1], q_dev), HssError, r"seq_block_ids holds \[-1\], out of range 0..7"),
+        (lambda: s.step(0, [5, 2, 5], q_dev), HssError, r"seq_block_ids repeats block ids \[5\]"),
         (lambda: s.step(0, [[0, 1]], q_dev), HssError, "1-D"),
         (lambda: s.step(0, [0.0], q_dev), TypeError, "seq_block_ids must hold ints"),
         (lambda: s.step(1, [0], q_dev), HssError, "layer 1 is out of range: the model has 1 layers"),
@@ -755,14 +758,15 @@ def predictor_scores(s: Setup, layer: int, q_dev, ids: list[int]) -> np.ndarray:
 
 
 def count_reads(monkeypatch, s: Setup) -> list[int]:
-    """Every page the swap's store is asked to read (prepare_reads), in order."""
+    """Every page the swap's store is asked to read (its planned reads, the checked prepare_reads' core), in
+    order."""
     pages: list[int] = []
-    real = s.h.store.prepare_reads
+    real = s.h.store._plan_reads
 
-    def prepare(layer, p, dsts, bounds):
+    def prepare(layer, p, *rest, **kw):
         pages.extend(np.asarray(p).tolist())
-        return real(layer, p, dsts, bounds)
-    monkeypatch.setattr(s.h.store, "prepare_reads", prepare)
+        return real(layer, p, *rest, **kw)
+    monkeypatch.setattr(s.h.store, "_plan_reads", prepare)
     return pages
 
 
@@ -1158,7 +1162,7 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
             failed = True
         monkeypatch.undo()
         if failed and puts:
-            _, promo, miss_ids, _, tiles, began = puts[0]
+            _, promo, miss_ids, tiles, began = puts[0]
             assert tiles == 1 and began
             k, k1 = promo.at[1], promo.at[2]
             if k and k1 > k:

@@ -134,6 +134,14 @@ class EvictionPolicy:
                 i += 1
         return np.concatenate([np.asarray(out, dtype=np.int64), a[i:], b[j:]]).astype(np.int64)
 
+    def _rank_all(self) -> np.ndarray:
+        """:meth:`rank` of every slot (nothing pinned): the swap's steady state, every slot holding a page."""
+        score = self.last_score
+        top = score.max() if score.size else 0.0
+        if top != top:      # a NaN (max propagates it): the merge by recency
+            return self.rank()
+        return np.lexsort((self.last_access, score))     # stable: ties in both keep the slot order
+
     @staticmethod
     def yields_to(old_score: float, new_score: float) -> bool:
         """Whether a slot scored ``old_score`` ranks before a page scored ``new_score`` touched now (so the

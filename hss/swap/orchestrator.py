@@ -159,13 +159,15 @@ for _name in StepRecord._BUILT:     # after the dataclass is made: __init__ keep
 class _Promotions(NamedTuple):
     """The misses a step promotes into the resident set, in sequence order: ``take`` (indices into the misses),
     ``into`` (resident slots), ``rank`` (decision ranks: the best score first), ``old_layer`` / ``old_page`` (what
-    each slot held, -1 where free); streamed tile i's are ``at[i]:at[i + 1]``. ``wait_tile``: the first tile with
-    one whose slot holds a page attended in the resident tile (the streamed tile count where none does)."""
+    each slot held, -1 where free), ``scores`` (their predictor scores); streamed tile i's are ``at[i]:at[i + 1]``.
+    ``wait_tile``: the first tile with one whose slot holds a page attended in the resident tile (the streamed tile
+    count where none does)."""
     take: np.ndarray
     into: np.ndarray
     rank: np.ndarray
     old_layer: np.ndarray
     old_page: np.ndarray
+    scores: np.ndarray
     at: list[int]
     wait_tile: int
 
@@ -428,6 +430,7 @@ class HighSpeedSwap:
                                           "a bf16 [num_q_heads, head_dim] output", device=dev)
         self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
         self._stepped = False
+        self._last_sparse: SparseBudget | None = None
         self.last_step: StepRecord | None = None
         self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0, sparse_steps=0,
                        skipped=0)
@@ -456,24 +459,39 @@ class HighSpeedSwap:
                            "(ModelDims.max_blocks_per_layer)")
         return v
 
-    def _seq_ids(self, seq_block_ids: Any) -> np.ndarray:
+    def _seq_ids(self, seq_block_ids: Any) -> tuple[np.ndarray, int]:
+        """``seq_block_ids`` checked, as our own int64 copy (the step record keeps it), and its largest id (-1 when
+        empty)."""
         arr = np.asarray(seq_block_ids)
         if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind not in "f"):   # [] is float64
             raise TypeError(f"seq_block_ids must hold ints, got {arr.dtype}")
         if arr.ndim != 1:
             raise HssError(f"seq_block_ids must be a 1-D sequence of block ids, got shape {arr.shape}")
-        arr = arr.astype(np.int64)       # our own copy: the step record keeps it
+        arr = arr.astype(np.int64)
         if not arr.size:
-            return arr
+            return arr, -1
         nb = self.model.max_blocks_per_layer
-        if arr.view(np.uint64).max() >= nb:        # a negative id wraps to a huge one
+        increasing = not np.count_nonzero(arr[1:] <= arr[:-1])     # the usual order: no repeat, ends bound the range
+        top = int(arr[-1]) if increasing else int(arr.view(np.uint64).max())   # a negative id wraps to a huge one
+        if top >= nb or arr[0] < 0:
             bad = arr[(arr < 0) | (arr >= nb)]
             raise HssError(f"seq_block_ids holds {bad[:8].tolist()}, out of range 0..{nb - 1}")
-        counts = np.bincount(arr)          # O(max id), like the scores the step computes
-        if counts.max() > 1:
-            raise HssError(f"seq_block_ids repeats block ids {np.flatnonzero(counts > 1)[:8].tolist()}: each page "
-                           "may appear once per attend_layer call")
-        return arr
+        if not increasing:
+            counts = np.bincount(arr)          # O(max id), like the scores the step computes
+            if counts.max() > 1:
+                raise HssError(f"seq_block_ids repeats block ids {np.flatnonzero(counts > 1)[:8].tolist()}: each "
+                               "page may appear once per attend_layer call")
+        return arr, top
+
+    def _sparse_args(self, budget_pages: Any, keep_first: Any, keep_recent: Any) -> SparseBudget | None:
+        """:func:`~hss.swap.sparse.sparse_budget` of the arguments, the last step's answer where they are the same
+        ints (a decode loop passes the same budget step after step)."""
+        last = self._last_sparse
+        if (type(budget_pages) is int and type(keep_first) is int and type(keep_recent) is int and last is not None
+                and last == (budget_pages, keep_first, keep_recent)):
+            return last
+        sparse = self._last_sparse = sparse_budget(budget_pages, keep_first, keep_recent)
+        return sparse
 
     def _lbvs(self, lbvs: Any, q_pos: Any) -> int:
         bs = self.model.block_size
@@ -601,9 +619,9 @@ class HighSpeedSwap:
         self._live()
         s = _args.stream(stream)
         layer = self._layer(layer)
-        ids = self._seq_ids(seq_block_ids)
+        ids, top = self._seq_ids(seq_block_ids)
         lbvs = self._lbvs(last_block_valid_slots, q_pos)
-        sparse = sparse_budget(budget_pages, keep_first, keep_recent)
+        sparse = self._sparse_args(budget_pages, keep_first, keep_recent)
         rowbytes = 2 * self.model.num_q_heads * self.model.head_dim
         with _args.deferred_joins():
             q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
@@ -612,7 +630,7 @@ class HighSpeedSwap:
             _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
         self._prof["checks"] += time.perf_counter() - t0
         if sparse is not None and not sparse.covers(ids.size):
-            rec = self._sparse_step(s, layer, ids, q, out, lbvs, sparse)
+            rec = self._sparse_step(s, layer, ids, top, q, out, lbvs, sparse)
         else:
             rec = self._step(s, layer, ids, q, out, lbvs, self._plan(layer, ids), None, budget=sparse)
             if sparse is not None:
@@ -620,7 +638,7 @@ class HighSpeedSwap:
         self.last_step = rec
         return rec
 
-    def _sparse_step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int,
+    def _sparse_step(self, s: int, layer: int, ids: np.ndarray, top: int, q: int, out: int, lbvs: int,
                      sparse: SparseBudget) -> StepRecord:
         """The sparse step (SPEC §17.6): the scores first (the host waits), then :meth:`_step` over the pages
         chosen. Every page must be readable, checked before any device work like the exact step's reads. With the
@@ -628,14 +646,14 @@ class HighSpeedSwap:
         their resident slots (no device-to-device copy); every tile's reads are one prepared batch."""
         prof = self._prof
         t0 = time.perf_counter()
-        missing = self.store.missing_pages(layer, ids)
+        missing = self.store._missing_planned(layer, ids)
         if missing.size:
             raise _never_offloaded(layer, missing)
         self._begin(s)
         try:
-            self._queue_scores(s, layer, q, ids)
+            self._queue_scores(s, layer, q, top + 1)
             self._record_scores_event(s)
-            resident = self.pool.lookup_many(layer, ids)     # host work while the device scores
+            resident = self.pool._lookup_planned(layer, ids)     # host work while the device scores
             t1 = time.perf_counter()
             scores = self._wait_scores(ids)
             t2 = time.perf_counter()
@@ -643,7 +661,8 @@ class HighSpeedSwap:
             held = (resident >= 0).nonzero()[0]   # every resident page ranks by this query's score (the skipped
             self.eviction._score_planned(resident[held], scores[held])    # are never touched; hits are, in _plan)
             t3 = time.perf_counter()
-            plan = self._plan(layer, ids[keep], scores[keep], resident[keep])
+            kept_ids, kept_scores = ids[keep], scores[keep]
+            plan = self._plan(layer, kept_ids, kept_scores, resident[keep])
         except BaseException:
             self._end(s)
             raise
@@ -654,7 +673,7 @@ class HighSpeedSwap:
         last = bool(keep.size) and int(keep[-1]) == ids.size - 1
         self._n["sparse_steps"] += 1
         self._n["skipped"] += ids.size - keep.size
-        return self._step(s, layer, ids[keep], q, out, lbvs if last else self.model.block_size, plan, scores[keep],
+        return self._step(s, layer, kept_ids, q, out, lbvs if last else self.model.block_size, plan, kept_scores,
                           whole=(ids, scores, keep, sparse))
 
     def _plan(self, layer: int, ids: np.ndarray, known: np.ndarray | None = None,
@@ -664,14 +683,14 @@ class HighSpeedSwap:
         ``ids``, already waited for): the hits are recorded and touched and the promotions planned here, before
         the reads (``slots``: the pages' resident slots, if looked up already; their scores recorded already)."""
         if slots is None:
-            slots = self.pool.lookup_many(layer, ids)
+            slots = self.pool._lookup_planned(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = hit.nonzero()[0], (~hit).nonzero()[0]
         m, T = int(miss_pos.size), self.tile_blocks
         ns = -(-m // T)                                      # streamed tiles: the misses in sequence order
         miss_ids = ids[miss_pos]
         promo = miss_slots = None
-        dsts = self._stream_dsts[:m]
+        dsts, dst_slots = self._stream_dsts[:m], self._stream_slots[:m]
         if known is not None:      # (the hits' scores are recorded already, with every resident page's)
             hit_slots = slots[hit_pos]
             if hit_pos.size:
@@ -680,16 +699,16 @@ class HighSpeedSwap:
             if promo is not None:
                 miss_slots = self._stream_slots[:m].copy()
                 miss_slots[promo.take] = promo.into
-                dsts = self.pool.ptr + self.layout.block_bytes * miss_slots
+                dsts, dst_slots = self.pool.ptr + self.layout.block_bytes * miss_slots, miss_slots
         t0 = time.perf_counter()
         bounds = self._tile_bounds[:ns + 1].copy()
         bounds[-1] = m
-        try:
-            reads = self.store.prepare_reads(layer, miss_ids, dsts, bounds)
-        except StoreError as exc:
-            if exc.pages is None:
-                raise
-            raise _never_offloaded(layer, exc.pages) from None
+        edges = bounds.tolist()
+        if known is None:     # (a sparse step checked every page of the sequence first)
+            missing = self.store._missing_planned(layer, miss_ids)
+            if missing.size:
+                raise _never_offloaded(layer, missing)
+        reads = self.store._plan_reads(layer, miss_ids, dsts, bounds, edges, (self.pool._slot_ptrs, dst_slots))
         self._host_read += time.perf_counter() - t0
         return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]), promo,
                      miss_slots)
@@ -763,7 +782,7 @@ class HighSpeedSwap:
                 read(i)
             if ids.size:
                 if known is None:
-                    self._queue_scores(s, layer, q, ids)
+                    self._queue_scores(s, layer, q, int(ids.max()) + 1)
                 self._upload_tables(s, slots[hit_pos], first, ns, m, miss_slots)
                 self._record_scores_event(s)   # covers the table upload: the next step may refill the pinned tables
             ta.begin_step(s, 1)
@@ -811,7 +830,7 @@ class HighSpeedSwap:
                 n["promotions"] += len(promoted)
                 n["evictions"] += len(evicted)
             elif promo is not None:
-                self._put_promotions(layer, promo, miss_ids, known[miss_pos], issued[1], issued[0] > issued[1])
+                self._put_promotions(layer, promo, miss_ids, issued[1], issued[0] > issued[1])
         t_issued = time.perf_counter()
         self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
         n["steps"] += 1
@@ -831,27 +850,25 @@ class HighSpeedSwap:
         prof["record"] += time.perf_counter() - t_issued
         return rec
 
-    def _put_promotions(self, layer: int, promo: _Promotions, miss_ids: np.ndarray, miss_scores: np.ndarray,
-                        tiles: int, failed: bool) -> None:
+    def _put_promotions(self, layer: int, promo: _Promotions, miss_ids: np.ndarray, tiles: int, failed: bool) -> None:
         """A sparse step's pool and eviction bookkeeping, at once, of the promotions in its first ``tiles`` streamed
         tiles (their reads queued): pages placed, scores recorded, slots touched in sequence order (as tile by
         tile). ``failed``: the next tile's reads were begun and may be partly queued: its slots' pages are gone."""
         k = promo.at[tiles]
         if k:
-            into, take = promo.into[:k], promo.take[:k]
-            self.pool._put_planned(layer, miss_ids[take], into, promo.old_layer[:k], promo.old_page[:k])
-            self.eviction._record_planned(into, miss_scores[take])
+            into, old_layer = promo.into[:k], promo.old_layer[:k]
+            evicted = self.pool._put_planned(layer, miss_ids[promo.take[:k]], into, old_layer, promo.old_page[:k])
+            self.eviction._record_planned(into, promo.scores[:k])
             self._n["promotions"] += k
-            self._n["evictions"] += int(np.count_nonzero(promo.old_layer[:k] >= 0))
+            self._n["evictions"] += evicted
         if failed:
             self.pool.invalidate_slots(promo.into[k:promo.at[tiles + 1]])
 
-    def _queue_scores(self, s: int, layer: int, q: int, ids: np.ndarray) -> None:
-        """Queue the predictor scores of pages 0..max(ids) and their copy into pinned host memory on ``s``."""
-        n = int(ids.max()) + 1
+    def _queue_scores(self, s: int, layer: int, q: int, n: int) -> None:
+        """Queue the predictor scores of pages 0..n-1 and their copy into pinned host memory on ``s``."""
         self.predictor.project_q_on_stream(s, q, self._q_proj, layer=layer)
         self.predictor.score_layer_on_stream(s, self._q_proj, layer, 0, n, self._scores_dev)
-        cm.copy_d_to_h_async(self._scores_host, self._scores_dev, 4 * n, s)
+        cm._d_to_h_planned(self._scores_host.ptr, self._scores_dev.ptr, 4 * n, s)   # n <= max_blocks_per_layer
 
     def _record_scores_event(self, s: int) -> None:
         """Record ``_ev_scores`` on ``s``, noting the stall-timer pairs recorded before it (complete once it is)."""
@@ -878,15 +895,18 @@ class HighSpeedSwap:
             return None
         pool, eviction = self.pool, self.eviction
         miss_scores = scores[miss_pos]
-        free = pool.free_slots()[:m]
+        free = pool.free_slots()[:m] if pool.free_count else []
         nf = len(free)
         victims = None
         if nf < m:
-            victims = eviction.rank(free)
-            victims = victims[pool._keys_planned(victims)[0] >= 0]
-            # the usual steady state: every miss scores below the first victim (a NaN max: some miss does not)
-            if not free and (not victims.size or miss_scores.max() < eviction.last_score[victims[0]]):
-                return None
+            if free:
+                victims = eviction.rank(free)
+                victims = victims[pool._keys_planned(victims)[0] >= 0]
+            else:       # every slot holds a page (a slot is free exactly when it holds none)
+                victims = eviction._rank_all()
+                # the usual steady state: every miss scores below the first victim (a NaN max: some miss does not)
+                if not victims.size or miss_scores.max() < eviction.last_score[victims[0]]:
+                    return None
         order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
         k = 0
         if victims is not None:
@@ -899,7 +919,12 @@ class HighSpeedSwap:
             if not free and not k:
                 return None
         take = order[:nf + k]
-        into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]]) if k else np.asarray(free, np.int64)
+        if not k:
+            into = np.asarray(free, np.int64)
+        elif free:
+            into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]])
+        else:
+            into = victims[:k]
         rank = np.argsort(take, kind="stable")                   # decision rank of each, in sequence order
         take, into = take[rank], into[rank]
         old_layer, old_page = pool._keys_planned(into)
@@ -911,7 +936,7 @@ class HighSpeedSwap:
             over = hit[into].nonzero()[0]
             if over.size:
                 wait_tile = int(take[over[0]]) // self.tile_blocks
-        return _Promotions(take, into, rank, old_layer, old_page, at, wait_tile)
+        return _Promotions(take, into, rank, old_layer, old_page, miss_scores[take], at, wait_tile)
 
     def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int,
                        miss_slots: np.ndarray | None = None) -> None:
@@ -940,7 +965,7 @@ class HighSpeedSwap:
             count[nt - 1] = misses - (ns - 1) * T
         cap = self.attn.dims.tile_capacity
         # one copy: the counts, padding, then the first nt rows of the tables
-        cm.copy_h_to_d_async(self._tile_index_dev, self._tile_index_host, self._tables_offset + 4 * nt * cap, s)
+        cm._h_to_d_planned(self._tile_index_dev.ptr, self._tile_index_host.ptr, self._tables_offset + 4 * nt * cap, s)
         self._tables_pending = True
 
     # -- diagnostics, lifetime -------------------------------------------------------------------

@@ -53,6 +53,7 @@ class ScratchPool:
         self.layout, self.num_slots, self.reserved_slots, self.num_layers = layout, n, r, nl
         self.slot_bytes = layout.block_bytes
         self.buffer = cm.DeviceBuffer(n * self.slot_bytes, ctx)
+        self._slot_ptrs = cm.PointerTable(self.buffer.ptr, self.slot_bytes, n)    # reads into slots (hss.swap)
         self._slot_of = np.full((nl, layout.num_blocks), -1, dtype=np.int32)
         self._layer_of = np.full(n - r, -1, dtype=np.int64)      # residents[slot] = (layer, page); -1: free
         self._page_of = np.full(n - r, -1, dtype=np.int64)
@@ -112,6 +113,10 @@ class ScratchPool:
         if not 0 <= layer < self.num_layers:
             raise HssError(f"layer {layer} is out of range 0..{self.num_layers - 1}")
         return self._slot_of[layer, self._ints("pages", pages, self.layout.num_blocks)]   # fancy indexing: a copy
+
+    def _lookup_planned(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """:meth:`lookup_many` of values the caller checked (``layer`` in range; ``pages`` int64, in range)."""
+        return self._slot_of[layer, pages]
 
     def key_of(self, slot: int) -> Key | None:
         """The (layer, page) that ``slot`` holds, or None (free)."""
@@ -238,12 +243,13 @@ class ScratchPool:
         return old_layer, old_page
 
     def _put_planned(self, layer: int, pages: np.ndarray, slots: np.ndarray, old_layer: np.ndarray,
-                     old_page: np.ndarray) -> None:
+                     old_page: np.ndarray) -> int:
         """:meth:`put_many` without its checks, for a placement the caller planned from this pool's own state:
         ``pages`` (int64) distinct and not resident in ``layer``, ``slots`` (int64) distinct poolable slots holding
-        (``old_layer``, ``old_page``) now (-1 where free)."""
+        (``old_layer``, ``old_page``) now (-1 where free). Returns how many pages it evicted."""
         held = old_layer >= 0
-        if np.count_nonzero(held) != held.size:
+        evicted = int(np.count_nonzero(held))
+        if evicted != held.size:
             self._take_free(slots[~held])
             self._slot_of[old_layer[held], old_page[held]] = -1
         else:
@@ -251,6 +257,7 @@ class ScratchPool:
         self._slot_of[layer, pages] = slots
         self._layer_of[slots] = layer
         self._page_of[slots] = pages
+        return evicted
 
     def _take_free(self, slots: np.ndarray) -> None:
         """Remove ``slots`` (free ones, distinct) from the free list, keeping the others' order."""

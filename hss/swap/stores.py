@@ -172,6 +172,11 @@ class BackingStore:
         arr = self._pages(pages)
         return arr[~self._page_ok[self._layer(layer), arr]]
 
+    def _missing_planned(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """:meth:`missing_pages` of values the caller checked (``layer`` in range; ``pages`` int64, in range)."""
+        ok = self._page_ok[layer, pages]
+        return pages[~ok] if np.count_nonzero(ok) != ok.size else pages[:0]
+
     def invalidate_page(self, layer: int, page: int) -> None:
         layer, page = self._layer(layer), self._page(page)
         self._epoch += 1
@@ -253,9 +258,18 @@ class BackingStore:
         if edges and (edges[0] < 0 or edges[-1] > pages.size or any(x > y for x, y in zip(edges, edges[1:]))):
             raise HssError(f"bounds {edges[:8]} must be non-decreasing request indices in 0..{pages.size}")
         self._check_valid(layer, pages)
-        first, counts, at = _plan_runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages, b)
+        return self._plan_reads(layer, pages, dsts, b, edges)
+
+    def _plan_reads(self, layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: np.ndarray, edges: list[int],
+                    slots: tuple[cm.PointerTable, np.ndarray] | None = None) -> PreparedReads:
+        """:meth:`prepare_reads` of values the caller checked or computed: ``pages`` (int64, our own) readable pages
+        of ``layer``; ``dsts`` (int64, our own) into live hss memory with room for a page each; ``bounds`` (int64)
+        and ``edges`` (the same as a list) non-decreasing in 0..len(pages). ``slots``: every destination is a slot
+        of the swap's scratch pool, ``dsts[i]`` entry ``slots[1][i]`` of its pointer table ``slots[0]`` (then the
+        planned runs need no range check)."""
+        first, counts, at = _plan_runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages, bounds)
         reads = PreparedReads(self, layer, pages, dsts, edges, first, counts, at.tolist())
-        self._prepared(reads)
+        self._prepared(reads, slots)
         return reads
 
     def _dsts(self, dsts: Any) -> np.ndarray:
@@ -281,8 +295,8 @@ class BackingStore:
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _prepared(self, reads: PreparedReads) -> None:
-        """Prebuild whatever issuing ``reads``' groups needs."""
+    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None) -> None:
+        """Prebuild whatever issuing ``reads``' groups needs (``slots``: see :meth:`_plan_reads`)."""
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         raise NotImplementedError
@@ -319,6 +333,8 @@ class HostStore(BackingStore):
                  run_cap_bytes: int = 1 << 30) -> None:
         super().__init__(layout, num_layers, run_cap_bytes)
         self.buffer = cm.PinnedBuffer(self.num_layers * layout.bytes_per_layer, ctx)
+        # page (layer, p) is entry layer * num_blocks + p (each layer laid out like its file)
+        self._page_ptrs = cm.PointerTable(self.buffer.ptr, layout.block_bytes, self.num_layers * layout.num_blocks)
         self._reads_done = cm.CudaEvent(ctx=ctx)
         self._reads_queued = False
 
@@ -333,12 +349,22 @@ class HostStore(BackingStore):
         at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset_in_page
         self.buffer.array[at:at + data.nbytes] = data
 
-    def _prepared(self, reads: PreparedReads) -> None:
+    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None) -> None:
         # one batched driver call per group (the DMA keeps its bandwidth on many mid-size copies): every transfer
-        # checked here at once, in one batch that each group queues its part of
+        # checked here at once (unless they are pool slots), in one batch that each group queues its part of
         bb, first = self.layout.block_bytes, reads.run_starts
-        base = self.buffer.ptr + reads.layer * self.layout.bytes_per_layer
-        reads.copies = cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb, reads.run_counts * bb)
+        if slots is None:
+            base = self.buffer.ptr + reads.layer * self.layout.bytes_per_layer
+            reads.copies = cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb,
+                                                reads.run_counts * bb)
+            return
+        # into the pool, from this buffer: in range by construction
+        table, index = slots
+        pages = reads.pages
+        if first.size != pages.size:       # (else every run is one page: first is 0, 1, ...)
+            index, pages = index[first], pages[first]
+        reads.copies = cm.HostToDeviceBatch._planned(reads.run_counts * bb, table, index, self._page_ptrs,
+                                                     pages + reads.layer * self.layout.num_blocks)
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
@@ -584,10 +610,11 @@ class FileStore(BackingStore):
                                f"of {self.path(layer)}: {exc.strerror or exc}", exc.errno) from exc
 
     # -- reads -----------------------------------------------------------------------------------
-    def _prepared(self, reads: PreparedReads) -> None:
+    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None) -> None:
         # every transfer's destination range against the live hss buffers, at once (HostStore's batch does this)
-        first = reads.run_starts
-        _args.RANGES.check_many(reads.dsts[first], reads.run_counts * self.layout.block_bytes, "dsts")
+        if slots is None:
+            first = reads.run_starts
+            _args.RANGES.check_many(reads.dsts[first], reads.run_counts * self.layout.block_bytes, "dsts")
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         layer, pages, dsts = reads.layer, reads.pages, reads.dsts
