@@ -382,7 +382,7 @@ class TiledAttention:
         self._lbvs_slot.value = last_block_valid_slots
         self._launch(s, 1, output)
 
-    def _launch(self, s: int, n: int, out: int) -> None:
+    def _launch(self, s: int, n: int, out: int, mode: int = 0) -> None:
         if not self._begun:
             raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
                            "begin_tiles) first: it sets the state the tiles fold into")
@@ -394,7 +394,7 @@ class TiledAttention:
         if self._fresh and self._fresh != n:
             self._initialise(s)
         self._out_slot.value = out
-        self._fresh_slot.value = 1 if self._fresh else 0
+        self._fresh_slot.value = (1 if self._fresh else 0) | mode   # mode 2: token counts (tile_tokens)
         self._fresh = 0
         z = self._grid_z.get(n)
         if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
@@ -451,3 +451,25 @@ class TileStep:
             ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
         ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
         ta._launch(s, self._n, out)
+
+    def tile_tokens(self, tile_blocks: Any, token_counts: Any, token_offset: int = 0, output: Any = None) -> None:
+        """One tile whose length the device holds (capturable while it changes): sequence i attends the first
+        clamp(token_counts[i] - token_offset, 0, tile_capacity * block_size) tokens of its listed pages (page j of
+        ``tile_blocks`` holding its tokens j * block_size ..). ``token_counts``: a device int32 array [num_seqs];
+        ``token_offset``: a host int >= 0. Otherwise :meth:`tile` (the same bits as a ``tile`` with the page count
+        and last_block_valid_slots those tokens make)."""
+        ta, s = self._ta, self._s
+        if ta._closed:
+            ta._live()
+        off = token_offset
+        if type(off) is not int or not 0 <= off <= _I32_MAX:
+            off = _args.as_int("token_offset", off)
+            if not 0 <= off <= _I32_MAX:
+                raise HssError(f"token_offset must be in 0..{_I32_MAX} (got {off})")
+        tp = ta._table_arg(tile_blocks, s, self._table_bytes)
+        cp = ta._counts_arg(token_counts, s, 4 * self._n)
+        out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
+        if out:
+            ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
+        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, off)
+        ta._launch(s, self._n, out, 2)

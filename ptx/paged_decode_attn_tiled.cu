@@ -39,10 +39,13 @@
 //                     (element strides, i64; NHD pool (bs*nkv*hd, nkv*hd, hd); HSS scratch slots (2*nkv*gs, hd, gs))
 //   tile_blocks       i32 [num_seqs, tile_capacity] page ids of this tile in order (trusted: the host cannot
 //                     check device-resident ids); tile_block_counts i32 [num_seqs] (clamped to 0..tile_capacity)
+//                     or, in token mode (fresh & 2), token counts: the tile is then the first
+//                     clamp(tile_block_counts[seq] - last_block_valid_slots, 0, tile_capacity*block_size) tokens of
+//                     the listed pages (last_block_valid_slots >= 0 is the offset; page j holds tokens j*bs ..)
 //   part_ml           f32 [num_seqs*num_q_heads, max_units, 2] (m_u, l_u), part_o f32 [num_seqs*num_q_heads,
 //                     max_units, HDP] (HDP = head_dim padded to 64, 128 or 256): the tile's units only
 //   m, l              f32 [num_seqs*num_q_heads], o f32 [num_seqs*num_q_heads, head_dim]: read then written
-//                     (fresh != 0: not read, taken as m = -inf, l = 0, o = 0, the state begin_step asks for); m
+//                     (fresh & 1: not read, taken as m = -inf, l = 0, o = 0, the state begin_step asks for); m
 //                     is in log2 units (base-2 logits)
 //   out               bf16 [num_seqs, num_q_heads, head_dim] or null
 //   merge_count       u32 [num_seqs, num_kv_heads * ceil(gqa_ratio/16), ATT_COUNTERS], zero between launches
@@ -133,6 +136,15 @@ __device__ __forceinline__ int tile_tokens(const int* __restrict__ counts, int s
     n_blocks = n_blocks < 0 ? 0 : (n_blocks > capacity ? capacity : n_blocks);
     const int last_slots = lbvs < 0 ? 0 : min(lbvs, bs);
     return n_blocks == 0 ? 0 : (n_blocks - 1) * bs + last_slots;
+}
+
+// Tokens of this tile for sequence `seq` counted by the device (token mode): the first counts[seq] - offset
+// tokens of the listed pages, clamped to 0 .. capacity * bs.
+__device__ __forceinline__ int tile_tokens_counted(const int* __restrict__ counts, int seq, int capacity, int bs,
+                                                   int offset) {
+    if (bs <= 0 || capacity <= 0) return 0;
+    const long long n = (long long)counts[seq] - offset, cap = min((long long)capacity * bs, 0x7fffffffLL);
+    return (int)(n < 0 ? 0 : (n > cap ? cap : n));
 }
 
 // The unit size for a tile of n >= 1 tokens in a launch of `ctas` CTAs per unit index (see the header).
@@ -417,6 +429,46 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
 }
 
 // One unit u: the warps' steps, the unit's partial, its count and the folds it completes.
+// The CTA's query heads as 16-byte pieces (piece p: head p / (HDP/8), dims 8 (p % (HDP/8)) ..), thread t holding
+// pieces t, t + 256, ..: when q allows 16-byte loads, loaded before anything else (they depend on no other load)
+// and stored to shared memory while the tile's count is loaded (else staged 2 bytes at a time there).
+template <int HDP>
+struct QPieces {
+    static constexpr int N = (ATT_HG * HDP / 8 + ATT_THREADS - 1) / ATT_THREADS;
+    uint4 v[N];
+    bool vec;
+};
+
+template <int HDP>
+__device__ __forceinline__ void store_q(const QPieces<HDP>& qp, const unsigned short* q, int hg, int hd,
+                                        unsigned char* smem) {
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(smem + Cfg<HDP>::Q);
+    if (!qp.vec) {
+        for (int i = threadIdx.x; i < ATT_HG * HDP; i += ATT_THREADS) {
+            const int r = i / HDP, d = i % HDP;
+            q_s[r * Cfg<HDP>::RS + d] = (r < hg && d < hd) ? __ldg(q + r * hd + d) : (unsigned short)0;
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < QPieces<HDP>::N; ++i) {
+        const int p = threadIdx.x + i * ATT_THREADS, r = p / (HDP / 8), pc = p % (HDP / 8);
+        if (r < ATT_HG) *reinterpret_cast<uint4*>(q_s + r * Cfg<HDP>::RS + pc * 8) = qp.v[i];
+    }
+}
+
+template <int HDP>
+__device__ __forceinline__ void load_q(QPieces<HDP>& qp, const unsigned short* q, int hg, int hd) {
+    qp.vec = (hd & 7) == 0 && (reinterpret_cast<unsigned long long>(q) & 15) == 0;
+    if (!qp.vec) return;
+#pragma unroll
+    for (int i = 0; i < QPieces<HDP>::N; ++i) {
+        const int p = threadIdx.x + i * ATT_THREADS, r = p / (HDP / 8), pc = p % (HDP / 8);
+        qp.v[i] = r < hg && pc * 8 < hd ? __ldg(reinterpret_cast<const uint4*>(q + r * hd + pc * 8))
+                                        : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 template <int HDP>
 __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsigned char* smem) {
     using C = Cfg<HDP>;
@@ -435,12 +487,7 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     };
 #pragma unroll
     for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
-    if (first_unit) {   // the query heads, while the first steps' loads are in flight
-        unsigned short* q_s = reinterpret_cast<unsigned short*>(smem + C::Q);
-        for (int i = tid; i < ATT_HG * HDP; i += ATT_THREADS) {
-            const int r = i / HDP, d = i % HDP;
-            q_s[r * C::RS + d] = (r < a.hg && d < a.hd) ? __ldg(a.q + r * a.hd + d) : (unsigned short)0;
-        }
+    if (first_unit) {   // the query heads entry() staged
         __syncthreads();
         ATT_MARK(1);
     }
@@ -583,8 +630,15 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     unsigned have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
     if (have < (unsigned)Cfg<HDP>::BYTES) return;
+    const long long row0 = (long long)seq * num_q_heads + (long long)kh * gqa_ratio + h0;   // first q head's row
+    const int hg = min(ATT_HG, gqa_ratio - h0);
+    QPieces<HDP> qp;
+    load_q<HDP>(qp, reinterpret_cast<const unsigned short*>(q) + row0 * head_dim, hg, head_dim);
     const int target = Cfg<HDP>::TARGET;
-    const int n_tok = tile_tokens(tile_block_counts, seq, tile_capacity, block_size, last_block_valid_slots);
+    const int n_tok = fresh & 2 ? tile_tokens_counted(tile_block_counts, seq, tile_capacity, block_size,
+                                                      last_block_valid_slots)
+                                : tile_tokens(tile_block_counts, seq, tile_capacity, block_size, last_block_valid_slots);
+    store_q<HDP>(qp, reinterpret_cast<const unsigned short*>(q) + row0 * head_dim, hg, head_dim, smem);   // while the count's load is in flight; the first unit's barrier publishes it
     Args a;
     a.n_tok = n_tok;
     a.unit = 0;
@@ -596,7 +650,6 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
         a.unit = (int)u;
         a.n_units = (int)nu;
     }
-    const long long row0 = (long long)seq * num_q_heads + (long long)kh * gqa_ratio + h0;   // first q head's row
     a.q = reinterpret_cast<const unsigned short*>(q) + row0 * head_dim;
     a.k = reinterpret_cast<const unsigned short*>(k_pool) + kh * kvh_stride;
     a.v = reinterpret_cast<const unsigned short*>(v_pool) + kh * kvh_stride;
@@ -614,8 +667,8 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     a.tok = tok_stride;
     a.hd = head_dim;
     a.bs = block_size;
-    a.hg = min(ATT_HG, gqa_ratio - h0);
-    a.fresh = fresh != 0;
+    a.hg = hg;
+    a.fresh = (fresh & 1) != 0;
     a.vec = (head_dim & 7) == 0 &&
             ((reinterpret_cast<unsigned long long>(a.k) | reinterpret_cast<unsigned long long>(a.v)) & 15) == 0 &&
             ((blk_stride | tok_stride) & 7) == 0;

@@ -492,6 +492,49 @@ def test_tile_step_gives_step_tile_bits(ctx, stream, rng) -> None:
         x.close()
 
 
+@given(counts=st.lists(st.integers(-5, 120), min_size=2, max_size=2), offset=st.integers(0, 40),
+       seed=st.integers(0, 2**32 - 1))
+def test_token_count_tiles(ctx, stream, counts: list[int], offset: int, seed: int) -> None:
+    """``TileStep.tile_tokens``: the device's token counts minus a host offset, clamped to the tile, decide its
+    tokens (page j holding tokens j * block_size ..); the same bits as the page-count tile of those tokens (two
+    sequences of one length), the float64 bound per sequence otherwise, the state fresh or carried."""
+    rng = np.random.default_rng(seed)
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, tile_capacity=6)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 9, "unit")
+    pages = [rng.permutation(9)[:6].astype(np.int32) for _ in range(2)]
+    blocks = upload(np.stack(pages), stream)
+    lens = [min(max(c - offset, 0), 6 * 16) for c in counts]
+    cnt = upload(np.array(counts, np.int32), stream)
+    outs = [poisoned(2 * 2 * 8 * 64, stream) for _ in range(2)]
+    tokens = [(np.repeat(p[:-(-n // 16)].astype(np.int64), 16)[:n], np.arange(n, dtype=np.int64) % 16)
+              for p, n in zip(pages, lens)]
+    ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides).tile_tokens(blocks, cnt, offset, outs[0])
+    got = Result(download(outs[0], (2, 8, 64), BF16, stream), *(np.zeros(0, np.float32) for _ in range(3)))
+    for s in range(2):
+        if lens[s]:
+            assert_close(got.out[s].astype(np.float64), reference(q[s:s + 1], pool, tokens[s:s + 1])[0], "bf16", (1,),
+                         f"token tile of {lens[s]} tokens")
+        else:   # nothing attended: a fresh state writes 0
+            assert not got.out[s].astype(np.float32).any()
+    n = lens[0]   # both sequences n tokens: the page-count tile with the same tokens gives the same bits
+    same = upload(np.array([counts[0]] * 2, np.int32), stream)
+    step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+    step.tile(blocks, upload(np.full(2, 1, np.int32), stream), 16)   # a first tile: the state is carried
+    step.tile_tokens(blocks, same, offset, outs[0])
+    step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+    step.tile(blocks, upload(np.full(2, 1, np.int32), stream), 16)
+    step.tile(blocks, upload(np.full(2, -(-n // 16), np.int32), stream), n - 16 * (-(-n // 16) - 1) if n else 0,
+              outs[1])
+    a, b = (download(o, (2, 8, 64), BF16, stream) for o in outs)
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"token tile of {n} tokens vs its page tile"
+    with pytest.raises(HssError, match="token_offset"):
+        step.tile_tokens(blocks, cnt, -1)
+    with pytest.raises(TypeError, match="token_offset"):
+        step.tile_tokens(blocks, cnt, 1.5)
+    for x in (*outs, blocks, cnt, same, ta, pool):
+        x.close()
+
+
 def test_an_output_into_the_attention_state_is_refused(ctx, stream, launches: list) -> None:
     """An output inside TiledAttention's own state or workspace (m, l, o, partials, counters) is refused before any
     device work, by step_tile, TileStep.tile and finalize alike: the step would overwrite what it folds into."""

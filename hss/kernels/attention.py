@@ -136,6 +136,13 @@ def _tile_tokens(blocks: np.ndarray, count: int, block_size: int, last_valid: in
     return pages, slots
 
 
+def _tile_tokens_counted(blocks: np.ndarray, count: int, block_size: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page id, slot) of every token of a token-mode tile: the first clamp(count - offset, 0, pages * block_size)."""
+    n = min(max(int(count) - int(offset), 0), blocks.size * block_size)
+    t = np.arange(n, dtype=np.int64)
+    return blocks[t // block_size].astype(np.int64), t % block_size
+
+
 def _pool_rows(pool: np.ndarray, pages: np.ndarray, slots: np.ndarray, a: SimpleNamespace, what: str,
                seq: int) -> np.ndarray:
     strides = (a.blk_stride, a.tok_stride, a.kvh_stride)
@@ -164,9 +171,12 @@ def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
     l = f32(a.l).reshape(ns, nq)
     o = f32(a.o).reshape(ns, nq, hd)
     for s in range(ns):
-        if a.fresh:   # the state begin_step asked for, not what the buffers hold
+        if a.fresh & 1:   # the state begin_step asked for, not what the buffers hold
             m[s], l[s], o[s] = -np.inf, 0.0, 0.0
-        pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
+        if a.fresh & 2:   # token mode: the device counts tokens, last_block_valid_slots is their offset
+            pages, slots = _tile_tokens_counted(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
+        else:
+            pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
         if pages.size:
             k = _pool_rows(kpool, pages, slots, a, "k_pool", s)
             v = _pool_rows(vpool, pages, slots, a, "v_pool", s)

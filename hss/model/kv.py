@@ -30,10 +30,14 @@ __all__ = ["HbmKV", "SwapKV", "sparse_support", "swap_block_size"]
 BF16 = ml_dtypes.bfloat16
 
 
+HBM_PAGE = 16   # tokens per page of HbmKV's positional caches as TiledAttention sees them
+
+
 class HbmKV:
-    """Paged KV in HBM (pages of one token, identity page table), attended by :class:`~hss.attention.TiledAttention`
-    in one tile whose token count is the device ``state.visible``: a decode step queues the same launches whatever
-    the position, so it is capturable. K and V: bf16 ``[n_layer, max_tokens, n_kv_head, head_dim]``."""
+    """Paged KV in HBM (the positional caches as pages of :data:`HBM_PAGE` tokens, identity page table), attended by
+    :class:`~hss.attention.TiledAttention` in one token-count tile whose length is the device ``state.visible``: a
+    decode step queues the same launches whatever the position, so it is capturable. K and V: bf16 ``[n_layer,
+    max_tokens, n_kv_head, head_dim]``."""
 
     mode = "hbm"
     capturable = True
@@ -47,11 +51,12 @@ class HbmKV:
         try:
             self.k = own(cm.DeviceBuffer(c.n_layer * max_tokens * self._row, ctx))
             self.v = own(cm.DeviceBuffer(c.n_layer * max_tokens * self._row, ctx))
-            self.table = own(cm.DeviceBuffer(4 * max_tokens, ctx))
-            ids = np.arange(max_tokens, dtype=np.int32)
+            pages = -(-max_tokens // HBM_PAGE)
+            self.table = own(cm.DeviceBuffer(4 * pages, ctx))
+            ids = np.arange(pages, dtype=np.int32)
             cm.copy_h_to_d_async(self.table, ids, ids.nbytes, stream)
-            self.attn = own(TiledAttention(ctx, TiledAttentionDims(1, c.n_head, c.n_kv_head, c.head_dim, 1,
-                                                                   max_tokens)))
+            self.attn = own(TiledAttention(ctx, TiledAttentionDims(1, c.n_head, c.n_kv_head, c.head_dim, HBM_PAGE,
+                                                                   pages)))
         except BaseException:
             self._owned.close()
             raise
@@ -70,14 +75,14 @@ class HbmKV:
         pass
 
     def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
-        """A capturable op: one tile over pages 0 .. counts[0] - 1 of ``layer`` (on this KV's stream)."""
+        """A capturable op: one tile over tokens 0 .. counts[0] - 1 of ``layer`` (on this KV's stream)."""
         k, v, _ = self.cache(layer)
         attn, table = self.attn, self.table.ptr
         tiles = attn.begin_tiles(self._stream, q, k, v, 1, *attn.paged_strides())
 
         def run(s: int) -> None:
             attn.begin_step(s, 1)
-            tiles.tile(table, counts, 1, output=out)
+            tiles.tile_tokens(table, counts, 0, output=out)
         return "attention", run
 
     def after_step(self, stream: int, pos: int) -> None:
