@@ -7,11 +7,12 @@
 // writes the token and advances pos and visible; model_rope_kv reads pos.
 //
 // model_embed_norm(ids i32 [m], embed bf16 [vocab, dim], gain f32 [dim], x f32 [m, dim], h bf16 [m, dim],
-//                  m, dim, vocab, eps)
+//                  m, dim, vocab, eps, next_gain)
 //   x[r] = f32(embed[ids[r]]); h[r] = bf16(x[r] * rsqrtf(ss / dim + eps) * gain), ss = sum_d x[r,d]^2   (RMSNorm)
 //   A row whose id is outside [0, vocab) is left untouched (the host checks ids; model_argmax writes valid ones).
-// model_add_norm(x f32 [m, dim], delta bf16 [m, dim], gain f32 [dim], h bf16 [m, dim], m, dim, eps)
+// model_add_norm(x f32 [m, dim], delta bf16 [m, dim], gain f32 [dim], h bf16 [m, dim], m, dim, eps, next_gain)
 //   x[r] += f32(delta[r]) (one f32 rounding); h[r] = RMSNorm of the new x[r] as above.
+// next_gain (both; f32 [dim] or null): the gain of the step's next row norm, prefetched into L2 (a hint only).
 // The order of ss (both): thread t owns the 4-element chunks c = t + k MODEL_THREADS (k = 0, 1, ...; elements
 //   4c .. 4c + 3 < dim) and chains ss = fmaf(x, x, ss) over them, k then the element ascending, from +0; the thread
 //   sums are added as hss_block_sum's (a shuffle-down tree per warp, then +0 and the warp sums in warp order).
@@ -387,9 +388,23 @@ __device__ __forceinline__ float refine_logit(const __nv_bfloat16* __restrict__ 
 
 }  // namespace
 
+namespace {
+
+// Ask L2 to fetch (and keep) the f32 row `next` [dim] that a later kernel of the step reads: the gain of the next
+// row norm, which the weight stream in between would otherwise leave in DRAM. CTA 0 only; a hint, no data moves.
+__device__ __forceinline__ void prefetch_gain(const float* __restrict__ next, int dim) {
+    if (next == nullptr || blockIdx.x != 0) return;
+    for (int i = threadIdx.x * 32; i < dim; i += blockDim.x * 32)   // one 128-byte line a thread
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(next + i));
+}
+
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
 model_embed_norm(const int* __restrict__ ids, const __nv_bfloat16* __restrict__ embed, const float* __restrict__ gain,
-                 float* __restrict__ x, __nv_bfloat16* __restrict__ h, int m, int dim, int vocab, float eps) {
+                 float* __restrict__ x, __nv_bfloat16* __restrict__ h, int m, int dim, int vocab, float eps,
+                 const float* __restrict__ next_gain) {
+    prefetch_gain(next_gain, dim);
     const int row = blockIdx.x;
     if (row >= m) return;
     const int id = ids[row];
@@ -399,7 +414,8 @@ model_embed_norm(const int* __restrict__ ids, const __nv_bfloat16* __restrict__ 
 
 extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
 model_add_norm(float* __restrict__ x, const __nv_bfloat16* __restrict__ delta, const float* __restrict__ gain,
-               __nv_bfloat16* __restrict__ h, int m, int dim, float eps) {
+               __nv_bfloat16* __restrict__ h, int m, int dim, float eps, const float* __restrict__ next_gain) {
+    prefetch_gain(next_gain, dim);
     const int row = blockIdx.x;
     if (row >= m) return;
     norm_row<true>(x + (size_t)row * dim, delta + (size_t)row * dim, gain, h + (size_t)row * dim, dim, eps);

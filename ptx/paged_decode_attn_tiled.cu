@@ -424,8 +424,8 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
             *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * first) = make_float2(h.x, h.y);
         }
     }
-    __threadfence();   // a group's slot is visible device-wide before the group is counted
-    __syncthreads();
+    if (!to_state) __threadfence();   // a group's slot is visible device-wide before the group is counted (the
+    __syncthreads();                  // state's fold ends the tile: nothing in this launch reads what it wrote)
 }
 
 // One unit u: the warps' steps, the unit's partial, its count and the folds it completes.

@@ -87,7 +87,7 @@ def run_embed_norm(gpu, stream, ids, embed, gain, eps, misaligned=False):
         upload_at(gain, stream, f_off)
     (xb, xp), (hb, hp) = poisoned_at(4 * m * dim, stream, f_off), poisoned_at(2 * m * dim, stream, b_off)
     launch(gpu, km.MODEL_EMBED_NORM, km.row_geometry(m), stream, ids=ip, embed=ep, gain=gp, x=xp, h=hp, m=m,
-           dim=dim, vocab=vocab, eps=eps)
+           dim=dim, vocab=vocab, eps=eps, next_gain=gp if misaligned else 0)   # a prefetch hint: no effect
     gx, gh = download(xp, (m, dim), F32, stream), download(hp, (m, dim), BF16, stream)
     assert untouched_outside(xb, f_off, 4 * m * dim, stream) and untouched_outside(hb, b_off, 2 * m * dim, stream)
     for b in (ib, eb, gb, xb, hb):
@@ -120,7 +120,8 @@ def run_add_norm(gpu, stream, x0, delta, gain, eps, misaligned=False):
     cm.copy_h_to_d_async(xp, x0, x0.nbytes, stream)
     (db, dp), (gb, gp) = upload_at(delta, stream, b_off), upload_at(gain, stream, f_off)
     hb, hp = poisoned_at(2 * m * dim, stream, b_off)
-    launch(gpu, km.MODEL_ADD_NORM, km.row_geometry(m), stream, x=xp, delta=dp, gain=gp, h=hp, m=m, dim=dim, eps=eps)
+    launch(gpu, km.MODEL_ADD_NORM, km.row_geometry(m), stream, x=xp, delta=dp, gain=gp, h=hp, m=m, dim=dim, eps=eps,
+           next_gain=0 if misaligned else gp)   # a prefetch hint: no effect
     gx, gh = download(xp, (m, dim), F32, stream), download(hp, (m, dim), BF16, stream)
     assert untouched_outside(xb, f_off, 4 * m * dim, stream) and untouched_outside(hb, b_off, 2 * m * dim, stream)
     for b in (xb, db, gb, hb):

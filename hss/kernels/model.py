@@ -153,18 +153,22 @@ def _rows(a: SimpleNamespace, width: int, size: int) -> int:
     return size * max(a.m, 0) * max(width, 0)
 
 
+def _next_gain(a: SimpleNamespace) -> int:
+    return 4 * max(a.dim, 0) if a.next_gain else 0   # optional: null = nothing prefetched
+
+
 MODEL_EMBED_NORM = declare(
     MODULE, "model_embed_norm",
-    "ptr ids, ptr embed, ptr gain, ptr x, ptr h, i32 m, i32 dim, i32 vocab, f32 eps",
+    "ptr ids, ptr embed, ptr gain, ptr x, ptr h, i32 m, i32 dim, i32 vocab, f32 eps, ptr next_gain",
     reads={"ids": lambda a: 4 * max(a.m, 0), "embed": lambda a: 2 * max(a.vocab, 0) * max(a.dim, 0),
-           "gain": lambda a: 4 * max(a.dim, 0)},
+           "gain": lambda a: 4 * max(a.dim, 0), "next_gain": _next_gain},
     writes={"x": lambda a: _rows(a, a.dim, 4), "h": lambda a: _rows(a, a.dim, 2)},
     emulate=_emulate_embed_norm, check=lambda a, launch: _held_to(row_geometry(a.m), launch))
 
 MODEL_ADD_NORM = declare(
-    MODULE, "model_add_norm", "ptr x, ptr delta, ptr gain, ptr h, i32 m, i32 dim, f32 eps",
+    MODULE, "model_add_norm", "ptr x, ptr delta, ptr gain, ptr h, i32 m, i32 dim, f32 eps, ptr next_gain",
     reads={"x": lambda a: _rows(a, a.dim, 4), "delta": lambda a: _rows(a, a.dim, 2),
-           "gain": lambda a: 4 * max(a.dim, 0)},
+           "gain": lambda a: 4 * max(a.dim, 0), "next_gain": _next_gain},
     writes={"x": lambda a: _rows(a, a.dim, 4), "h": lambda a: _rows(a, a.dim, 2)},
     emulate=_emulate_add_norm, check=lambda a, launch: _held_to(row_geometry(a.m), launch))
 

@@ -98,7 +98,7 @@ class Forward:
         c = self.config
         return [self._op("embed", km.MODEL_EMBED_NORM, km.row_geometry(m), ids=ids, embed=self.w.embed,
                          gain=self.w.layers[0].attn_norm, x=self.x, h=self.h, m=m, dim=c.dim, vocab=c.vocab_size,
-                         eps=c.norm_eps)]
+                         eps=c.norm_eps, next_gain=self.w.layers[0].ffn_norm)]
 
     def pre_ops(self, layer: int, m: int, k_cache: int, v_cache: int, cache_rows: int) -> list[Op]:
         """Layer ``layer``'s q/k/v for ``m`` rows at positions state.pos ...: q into ``q``, k and v into the cache
@@ -121,15 +121,17 @@ class Forward:
     def post_ops(self, layer: int, m: int) -> list[Op]:
         """From ``attn`` to the next layer's normed input ``h`` (the final norm after the last layer)."""
         c, lw = self.config, self.w.layers[layer]
-        nxt = self.w.layers[layer + 1].attn_norm if layer + 1 < c.n_layer else self.w.final_norm
+        last = layer + 1 == c.n_layer
+        nxt = self.w.final_norm if last else self.w.layers[layer + 1].attn_norm
         _, wo, wgu, wdown = self._gemms[layer]
-        norm = lambda gain: self._op("norm", km.MODEL_ADD_NORM, km.row_geometry(m), x=self.x,   # noqa: E731
-                                     delta=self.delta, gain=gain, h=self.h, m=m, dim=c.dim, eps=c.norm_eps)
-        return [self._gemm("gemm o", wo, self.attn, m), norm(lw.ffn_norm),
+        norm = lambda gain, then: self._op(   # noqa: E731   (then: the next norm's gain, prefetched)
+            "norm", km.MODEL_ADD_NORM, km.row_geometry(m), x=self.x, delta=self.delta, gain=gain, h=self.h, m=m,
+            dim=c.dim, eps=c.norm_eps, next_gain=then)
+        return [self._gemm("gemm o", wo, self.attn, m), norm(lw.ffn_norm, nxt),
                 self._gemm("gemm ffn", wgu, self.h, m),
                 self._op("silu*up", km.MODEL_SILU_MUL, km.silu_geometry(m, c.ffn_dim), gu=self.gu, act=self.act, m=m,
                          ffn=c.ffn_dim),
-                self._gemm("gemm ffn", wdown, self.act, m), norm(nxt)]
+                self._gemm("gemm ffn", wdown, self.act, m), norm(nxt, 0 if last else self.w.layers[layer + 1].ffn_norm)]
 
     def head_ops(self, rows: int, advance: int, all_rows: bool = False) -> list[Op]:
         """Logits of row ``rows - 1`` of ``h`` (``all_rows``: of every row, into :meth:`all_logits`), then the greedy
