@@ -5,11 +5,11 @@ In cuBLAS's column-major terms: C[n, m] = Aᵀ B with A = weight as a column-maj
 transposed), B = act as column-major [k, m] (ld k), C = out as column-major [n, m] (ld n).
 
 Each shape of at most :data:`LT_MAX_M` rows (decode: launch-bound, where the choice pays) at its first call outside
-a stream capture times ``cublasGemmEx``'s default against up to
-:data:`LT_CANDIDATES` of cuBLASLt's heuristic algorithms (each as a CUDA graph of :data:`LT_REPS` back-to-back
-calls, replayed twice between CUDA events; the stream is synchronised) and keeps the fastest for that shape; a
-shape first met inside a capture runs ``cublasGemmEx`` (nothing can be timed there). Every choice is an exact bf16
-GEMM with f32 accumulation; the algorithms differ in their tiling and split-K, so in the rounding of the f32 sums.
+a stream capture times ``cublasGemmEx``'s default against up to :data:`LT_CANDIDATES` of cuBLASLt's heuristic
+algorithms (each as a CUDA graph of :data:`LT_REPS` back-to-back calls, the least of :data:`LT_ROUNDS` replays
+between CUDA events; the stream is synchronised) and keeps the fastest for that shape; a shape first met inside a
+capture runs ``cublasGemmEx`` (nothing can be timed there). Every choice is an exact bf16 GEMM with f32
+accumulation; the algorithms differ in their tiling and split-K, so in the rounding of the f32 sums.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hss._driver import CudaError, is_emulator
 LT_MAX_M = 16               # rows up to which a shape's algorithm is chosen by timing (decode); more: GemmEx
 LT_CANDIDATES = 8            # cuBLASLt heuristic algorithms timed per shape
 LT_REPS = 20                 # back-to-back calls in a candidate's timing graph
+LT_ROUNDS = 4                # timed replays of that graph (the least counts)
 LT_WORKSPACE = 4 << 20       # bytes of device workspace the cuBLASLt algorithms may use
 CUDA_R_32F = 0
 
@@ -108,16 +109,18 @@ class Blas:
                         run()
                 finally:
                     graph = cm.end_capture(stream)
+                times = []
                 try:
                     graph.launch(stream)
-                    events[0].record(stream)
-                    graph.launch(stream)
-                    graph.launch(stream)
-                    events[1].record(stream)
-                    events[1].synchronize()
+                    for _ in range(LT_ROUNDS):   # the least of a few: the choice must not follow the noise
+                        events[0].record(stream)
+                        graph.launch(stream)
+                        events[1].record(stream)
+                        events[1].synchronize()
+                        times.append(events[0].elapsed_ms(events[1]))
                 finally:
                     graph.close()
-                return events[0].elapsed_ms(events[1])
+                return min(times)
             scal, ws = self._scalars.ctypes.data, self._workspace.ptr
             best, best_t = None, timed(lambda: self._gemm_ex(act, weight, out, m, n, k, stream))
             for plan in plans:
