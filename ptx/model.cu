@@ -21,8 +21,13 @@
 //   thread (dim <= 4096) stay in registers from the loads (x, delta and gain issued together) to h; wider rows read
 //   x and gain again.
 // model_rope_kv(qkv bf16 [m, (n_head + 2 n_kv_head) head_dim], cos f32 [max_pos, head_dim/2], sin (same),
-//               state, q_out bf16 [m, n_head, head_dim], k_cache bf16 [cache_rows, n_kv_head, head_dim], v_cache
-//               (same), m, n_head, n_kv_head, head_dim, max_pos, cache_rows)
+//               state, q_out bf16 [m, n_head, head_dim], k_cache bf16 (cache_rows rows of n_kv_head heads of
+//               head_dim), v_cache (same), m, n_head, n_kv_head, head_dim, max_pos, cache_rows, row_stride,
+//               kvh_stride)
+//   Element (row, kv head, d) of k_cache / v_cache is at row * row_stride + kv_head * kvh_stride + d (elements,
+//   i64, >= 0): positional [cache_rows, n_kv_head, head_dim] rows are row_stride = n_kv_head head_dim, kvh_stride =
+//   head_dim; a page of the swap store's layout (stripes [kv head][block_size, head_dim], SPEC §7.1) is row_stride =
+//   head_dim, kvh_stride = the stripe stride, cache_rows = block_size (v_cache: the page's V half).
 //   Row r is the token at pos = state[1] + r, stored at cache row pos % cache_rows. Each qkv row is q | k | v
 //   (heads in order); q and k heads get rotate-half RoPE (element j pairs with j + head_dim/2, j < head_dim/2):
 //   y_j = x_j c - x_{j+h} s, y_{j+h} = x_{j+h} c + x_j s, c = cos[pos, j], s = sin[pos, j] (f32 tables the host
@@ -436,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
 model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               const int* __restrict__ state, __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
               __nv_bfloat16* __restrict__ v_cache, int m, int n_head, int n_kv_head, int head_dim, int max_pos,
-              int cache_rows) {
+              int cache_rows, long long row_stride, long long kvh_stride) {
     constexpr int R = MODEL_ROPE_HELD;
     const int row = blockIdx.x;
     if (row >= m || cache_rows < 1) return;
@@ -463,7 +468,8 @@ model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ c
     const int crow = pos % cache_rows;
     const float* c_row = cos_t + (size_t)pos * half;
     const float* s_row = sin_t + (size_t)pos * half;
-    __nv_bfloat16* v_dst = v_cache + (size_t)crow * kv;
+    __nv_bfloat16* k_row = k_cache + crow * row_stride;
+    __nv_bfloat16* v_row = v_cache + crow * row_stride;
 #pragma unroll
     for (int k = 0; k < R; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
@@ -471,20 +477,23 @@ model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ c
             const int head = i / half, j = i - head * half;
             __nv_bfloat16* dst = head < n_head
                 ? q_out + ((size_t)row * n_head + head) * head_dim
-                : k_cache + ((size_t)crow * n_kv_head + (head - n_head)) * head_dim;
+                : k_row + (head - n_head) * kvh_stride;
             rope_pair(dst, j, half, hss_bf16_to_f32(x1[k]), hss_bf16_to_f32(x2[k]), c_row[j], s_row[j]);
         }
-        if (i < kv) v_dst[i] = vv[k];
+        if (i < kv) { const int h = i / head_dim; v_row[h * kvh_stride + (i - h * head_dim)] = vv[k]; }
     }
     for (int i = threadIdx.x + R * blockDim.x; i < pairs; i += blockDim.x) {   // wider rows
         const int head = i / half, j = i - head * half;
         __nv_bfloat16* dst = head < n_head
             ? q_out + ((size_t)row * n_head + head) * head_dim
-            : k_cache + ((size_t)crow * n_kv_head + (head - n_head)) * head_dim;
+            : k_row + (head - n_head) * kvh_stride;
         rope_pair(dst, j, half, hss_bf16_to_f32(src[head * head_dim + j]),
                   hss_bf16_to_f32(src[head * head_dim + j + half]), c_row[j], s_row[j]);
     }
-    for (int e = threadIdx.x + R * blockDim.x; e < kv; e += blockDim.x) v_dst[e] = vs[e];
+    for (int e = threadIdx.x + R * blockDim.x; e < kv; e += blockDim.x) {
+        const int h = e / head_dim;
+        v_row[h * kvh_stride + (e - h * head_dim)] = vs[e];
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(MODEL_THREADS)

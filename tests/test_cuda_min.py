@@ -283,6 +283,64 @@ def test_on_replay_runs_now_or_at_each_replay(ctx):
     s.close()
 
 
+def _fork_join_step(s, c, ev, slot, out, host, n, join=True, wait_copy=True):
+    """Two "layers" through one device slot: c copies host[i] into the slot, s copies the slot to out[i]; c waits for
+    s's read of the slot before the next copy (write after read) and s for each copy (read after write)."""
+    fork, copied, read = ev
+    fork.record(s)
+    cm.stream_wait_event(c, fork)
+    for i in range(2):
+        if i:
+            cm.stream_wait_event(c, read)
+        cm._h_to_d_planned(slot.ptr, host.ptr + i * n, n, c.handle)
+        copied.record(c)
+        if wait_copy and (join or i == 0):
+            cm.stream_wait_event(s, copied)
+        cm.copy_d_to_d_async(out.ptr + i * n, slot, n, s)
+        read.record(s)
+
+
+def test_capture_forks_and_joins_a_second_stream(ctx):
+    """A stream that waits for an event recorded in a capture joins it (the fork); the origin's wait for its last
+    event joins it back; the graph replays both streams' work in their order, reading pinned memory at replay time.
+    Work left unjoined fails the capture; on the emulator, a missing wait inside the graph leaves the work unrun."""
+    s, c = cm.CudaStream(ctx), cm.CudaStream(ctx)
+    n = 4096
+    ev = [cm.CudaEvent(ctx=ctx) for _ in range(3)]
+    host = cm.PinnedBuffer(2 * n, ctx)
+    with cm.DeviceBuffer(n, ctx) as slot, cm.DeviceBuffer(2 * n, ctx) as out:
+        host.array[:] = np.arange(2 * n) % 251
+        _fork_join_step(s, c, ev, slot, out, host, n)        # eager
+        assert (download(out, 2 * n, np.uint8, s.handle) == host.array).all()
+        cm.begin_capture(s)
+        _fork_join_step(s, c, ev, slot, out, host, n)
+        assert cm.is_capturing(c), "the copy stream joined the capture"
+        graph = cm.end_capture(s)
+        assert not cm.is_capturing(c)
+        for k in range(3):
+            host.array[:] = (np.arange(2 * n) * (k + 3)) % 253
+            cm.memset_d8_async(out, 0, 2 * n, s)
+            graph.launch(s)
+            assert (download(out, 2 * n, np.uint8, s.handle) == host.array).all(), k
+        graph.close()
+        cm.begin_capture(s)          # the last copy is never waited for: unjoined
+        _fork_join_step(s, c, ev, slot, out, host, n, join=False)
+        with pytest.raises(CudaError, match="cuStreamEndCapture"):
+            cm.end_capture(s)
+        assert not cm.is_capturing(s) and not cm.is_capturing(c)
+        if not ON_GPU:   # the emulator runs a lane only when waited for: without the wait the slot is stale
+            cm.memset_d8_async(slot, 7, n, s)
+            cm.begin_capture(s)
+            _fork_join_step(s, c, ev, slot, out, host, n, wait_copy=False)
+            cm.stream_wait_event(s, ev[1])     # joined at the end only
+            graph = cm.end_capture(s)
+            graph.launch(s)
+            assert (download(out, n, np.uint8, s.handle) == 7).all(), "the missing wait went unseen"
+            graph.close()
+    for obj in (*ev, host, c, s):
+        obj.close()
+
+
 def test_sync_inside_capture_is_refused(ctx):
     s = cm.CudaStream(ctx)
     cm.begin_capture(s)

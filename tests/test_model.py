@@ -160,9 +160,12 @@ def test_norm_vector_and_element_paths_agree_bitwise(gpu, stream, m, dim, seed):
 
 
 @given(m=st.integers(1, 5), heads=HEADS | st.just((16, 8)), hd=st.sampled_from([64, 32, 128, 8]),
-       max_pos=st.integers(8, 80),
-       rows=st.sampled_from(["m", "16", "max_pos"]), theta=st.sampled_from([1e4, 1e5]), data=st.data(), seed=SEEDS)
-def test_rope_kv_matches_reference(gpu, stream, m, heads, hd, max_pos, rows, theta, data, seed):
+       max_pos=st.integers(8, 80), rows=st.sampled_from(["m", "16", "max_pos"]), theta=st.sampled_from([1e4, 1e5]),
+       layout=st.sampled_from(["positional", "page"]), pad=st.sampled_from([0, 8, 64]), data=st.data(), seed=SEEDS)
+def test_rope_kv_matches_reference(gpu, stream, m, heads, hd, max_pos, rows, theta, layout, pad, data, seed):
+    """Both cache layouts: positional ``[cache_rows, n_kv_head, head_dim]`` K then V, and a page of the swap store's
+    layout (K stripes ``[kv head][cache_rows, head_dim]`` ``cache_rows * head_dim + pad`` elements apart, then the V
+    stripes) in one poisoned buffer: the written rows equal the reference and every other element keeps the poison."""
     rng = np.random.default_rng(seed)
     nq, nkv = heads
     cache_rows = {"m": m, "16": max(16, m), "max_pos": max(max_pos, m)}[rows]
@@ -173,28 +176,35 @@ def test_rope_kv_matches_reference(gpu, stream, m, heads, hd, max_pos, rows, the
     state = np.array([7, pos0, pos0 + 1, 0], np.int32)
     bufs = [upload(a, stream) for a in (qkv, cos, sin, state)]
     q_out = poisoned(2 * m * nq * hd, stream)
-    kc, vc = poisoned(2 * cache_rows * nkv * hd, stream), poisoned(2 * cache_rows * nkv * hd, stream)
+    if layout == "positional":
+        rs, ks, v0 = nkv * hd, hd, cache_rows * nkv * hd
+    else:
+        rs, ks = hd, cache_rows * hd + pad
+        v0 = nkv * ks
+    total = 2 * v0 + 16                  # K at element 0, V at v0, then 16 elements of poison past the end
+    cache = poisoned(2 * total, stream)
     launch(gpu, km.MODEL_ROPE_KV, km.row_geometry(m), stream, qkv=bufs[0], cos_t=bufs[1], sin_t=bufs[2],
-           state=bufs[3], q_out=q_out, k_cache=kc, v_cache=vc, m=m, n_head=nq, n_kv_head=nkv, head_dim=hd,
-           max_pos=max_pos, cache_rows=cache_rows)
+           state=bufs[3], q_out=q_out, k_cache=cache.ptr, v_cache=cache.ptr + 2 * v0, m=m, n_head=nq, n_kv_head=nkv,
+           head_dim=hd, max_pos=max_pos, cache_rows=cache_rows, row_stride=rs, kvh_stride=ks)
     gq = download(q_out, (m, nq, hd), BF16, stream)
-    gk, gv = (download(b, (cache_rows, nkv, hd), BF16, stream) for b in (kc, vc))
+    got = download(cache, (total,), BF16, stream)
+    at = lambda r: r[:, None, None] * rs + np.arange(nkv)[None, :, None] * ks + np.arange(hd)   # noqa: E731
     pos = pos0 + np.arange(m)
     live = (pos >= 0) & (pos < max_pos)
-    written = np.zeros(cache_rows, bool)
+    written = np.zeros(total, bool)
     if live.any():
         lp = pos[live]
         q, k, v = ref.rope_kv(qkv[live], cos[lp], sin[lp], 0, nq, nkv, hd)
         crow = lp % cache_rows
-        written[crow] = True
+        written[at(crow)] = written[v0 + at(crow)] = True
         assert_close(gq[live], q, "bf16", (2,), "rope_kv q")
-        assert_close(gk[crow], k, "bf16", (2,), "rope_kv k")
-        assert np.array_equal(gv[crow].view(np.uint16), v.astype(BF16).view(np.uint16)), "v is copied"
+        assert_close(got[at(crow)], k, "bf16", (2,), "rope_kv k")
+        assert np.array_equal(got[v0 + at(crow)].view(np.uint16), v.astype(BF16).view(np.uint16)), "v is copied"
         later = rope_cos_sin(lp + 1, hd, theta, F32)
         assert_bites(gq[live], ref.rope_kv(qkv[live], *later, 0, nq, nkv, hd)[0], "bf16", (2,), "q at pos + 1")
     assert nan_f32(gq[~live]).all()
-    assert nan_f32(gk[~written]).all() and nan_f32(gv[~written]).all()
-    for b in (*bufs, q_out, kc, vc):
+    assert nan_f32(got[~written]).all(), "written outside the rows' elements"
+    for b in (*bufs, q_out, cache):
         b.close()
 
 

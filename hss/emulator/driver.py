@@ -31,7 +31,7 @@ from .enums import (  # noqa: F401
     CUstreamCaptureMode,
 )
 from .memory import Arena, MemoryFault, host_view
-from .streams import Event, Graph, GraphExec, Stream
+from .streams import CaptureGroup, Dep, Event, Graph, GraphExec, Stream
 
 R = CUresult
 DRIVER_VERSION = 13000
@@ -129,6 +129,8 @@ def enqueue(stream: Stream, op: Any) -> None:
     """Queue ``op`` on ``stream`` (or its capture), with the legacy-stream ordering of blocking streams."""
     if stream.capture is not None:
         stream.capture.append(op)
+        if stream.capture_group is not None:
+            stream.capture_group.work[stream.capture_lane] = len(stream.capture)
         return
     legacy = S.legacy[S.ctx_device[stream.ctx]]   # the legacy stream orders the blocking streams of its context
     if stream is legacy:
@@ -331,7 +333,10 @@ def cuMemFreeHost(ptr: Any) -> tuple:
 
 
 def cuMemHostGetDevicePointer(ptr: Any, flags: int) -> tuple:
-    return (R.CUDA_SUCCESS, int(ptr)) if S.arena.is_pinned(int(ptr)) else (R.CUDA_ERROR_INVALID_VALUE, None)
+    """The device address of pinned memory: its own address (unified addressing; the device reads it in place)."""
+    if int(flags) != 0 or not S.arena.is_pinned(int(ptr)):     # the driver takes flags 0 only
+        return (R.CUDA_ERROR_INVALID_VALUE, None)
+    return (R.CUDA_SUCCESS, int(ptr))
 
 
 def _host_addr(obj: Any) -> int:
@@ -547,11 +552,13 @@ def cuEventRecord(hevent: Any, hstream: Any) -> tuple:
         return (R.CUDA_ERROR_INVALID_HANDLE,)
     with S.lock:
         ev.time = None
-        enqueue(st, ev.record_op())
         if st.capture is None:
-            ev.stream, ev.position = st, st.submitted
-        else:
-            ev.stream, ev.position = None, 0   # a captured record orders nothing outside the graph
+            enqueue(st, ev.record_op())
+            ev.stream, ev.position, ev.captured = st, st.submitted, None
+        else:   # a captured record orders nothing outside the graph; inside it, it marks a lane position
+            st.capture.append(ev.record_op())      # not work: a lane ending in records is joined
+            ev.stream, ev.position = None, 0
+            ev.captured = (st.capture_group, st.capture_lane, len(st.capture))
     return (R.CUDA_SUCCESS,)
 
 
@@ -590,11 +597,30 @@ def cuStreamWaitEvent(hstream: Any, hevent: Any, flags: int) -> tuple:
     if ev is None:
         return (R.CUDA_ERROR_INVALID_HANDLE,)
     with S.lock:
+        cap = ev.captured
+        if cap is not None and cap[0].active:
+            return _captured_wait(st, *cap)
         if ev.stream is not None and ev.stream is not st:
             if st.capture is not None:
                 return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
             other, pos = ev.stream, ev.position
             enqueue(st, lambda: other.run_to(pos))
+    return (R.CUDA_SUCCESS,)
+
+
+def _captured_wait(st: Stream, group: CaptureGroup, lane: int, pos: int) -> tuple:
+    """``st`` waits for lane ``lane`` of capture ``group`` up to ``pos``: a stream not capturing joins the capture
+    (the fork); one of another capture may not."""
+    if st.capture is None:
+        if st.handle == 0:
+            return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+        group.join(st)
+    elif st.capture_group is not group:
+        return (R.CUDA_ERROR_STREAM_CAPTURE_ISOLATION,)
+    if lane != st.capture_lane:
+        st.capture.append(Dep(lane, pos))
+        group.work[st.capture_lane] = len(st.capture)
+        group.waited[lane] = max(group.waited[lane], pos)
     return (R.CUDA_SUCCESS,)
 
 
@@ -609,13 +635,15 @@ def cuStreamBeginCapture(hstream: Any, mode: Any) -> tuple:
         return (R.CUDA_ERROR_ILLEGAL_STATE,)
     st.capture, st.capture_broken = [], False
     st.capture_id = next(S.capture_ids)
+    st.capture_group, st.capture_lane = CaptureGroup(st.capture_id, st), 0
     return (R.CUDA_SUCCESS,)
 
 
 def _capture_status(st: Stream) -> CUstreamCaptureStatus:
     if st.capture is None:
         return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-    if st.capture_broken:
+    group = st.capture_group
+    if st.capture_broken or (group is not None and any(lane.capture_broken for lane in group.lanes)):
         return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_INVALIDATED
     return CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
@@ -644,13 +672,24 @@ def cuStreamEndCapture(hstream: Any) -> tuple:
         return (err, None)
     if st.capture is None:
         return (R.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, None)
-    ops, broken = st.capture, st.capture_broken
-    st.capture, st.capture_broken = None, False
+    group = st.capture_group
+    if group is not None and group.lanes[0] is not st:   # a stream that joined a capture cannot end it
+        return (R.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, None)
+    lanes = group.lanes if group is not None else [st]
+    ops = [lane.capture for lane in lanes]
+    broken = any(lane.capture_broken for lane in lanes)
+    unjoined = group is not None and group.unjoined()
+    for lane in lanes:   # the capture ends for every lane, joined or not (the driver invalidates it)
+        lane.capture, lane.capture_broken, lane.capture_group, lane.capture_lane = None, False, None, 0
+    if group is not None:
+        group.active = False
     if broken:
         return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+    if unjoined:
+        return (R.CUDA_ERROR_STREAM_CAPTURE_UNJOINED, None)
     with S.lock:
         h = next(S.ids)
-        S.graphs[h] = Graph(h, ops)
+        S.graphs[h] = Graph(h, ops[0], ops)
     return (R.CUDA_SUCCESS, h)
 
 
@@ -672,9 +711,32 @@ def cuGraphLaunch(hexec: Any, hstream: Any) -> tuple:
     if ex is None:
         return (R.CUDA_ERROR_INVALID_HANDLE,)
     with S.lock:
-        for op in ex.ops:
-            enqueue(st, op)
+        if len(ex.lanes) == 1:
+            for op in ex.ops:
+                enqueue(st, op)
+        else:
+            _launch_lanes(st, ex.lanes)
     return (R.CUDA_SUCCESS,)
+
+
+def _launch_lanes(st: Stream, lanes: list[list]) -> None:
+    """Queue a forked graph: lane 0 on ``st``, every other lane on a private stream of its own (run only when a wait
+    reaches it, like any stream); each :class:`Dep` becomes a wait for its lane's position."""
+    subs = [st] + [Stream(-1, st.ctx, False, S.faults) for _ in lanes[1:]]
+    after: list[int] = []   # position of st after each operation of lane 0 (known before any op runs)
+
+    def wait(d: Dep) -> Any:
+        if d.lane == 0:
+            return lambda: st.run_to(after[d.pos - 1]) if d.pos else None
+        sub = subs[d.lane]
+        return lambda: sub.run_to(d.pos)
+
+    for sub, lane in zip(subs[1:], lanes[1:]):
+        for op in lane:
+            sub.push(wait(op) if isinstance(op, Dep) else op)
+    for op in lanes[0]:
+        enqueue(st, wait(op) if isinstance(op, Dep) else op)
+        after.append(st.submitted)
 
 
 def cuGraphDestroy(hgraph: Any) -> tuple:

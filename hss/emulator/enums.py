@@ -29,6 +29,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
     CUDA_ERROR_STREAM_CAPTURE_UNMATCHED = 903
     CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905
     CUDA_ERROR_UNKNOWN = 999
 
 
@@ -57,6 +58,7 @@ ERROR_STRINGS = {
     CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: "operation failed due to a previous error during capture",
     CUresult.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: "capture was not initiated in this stream",
     CUresult.CUDA_ERROR_STREAM_CAPTURE_UNJOINED: "capturing stream has unjoined work",
+    CUresult.CUDA_ERROR_STREAM_CAPTURE_ISOLATION: "dependency created on uncaptured work in another stream",
     CUresult.CUDA_ERROR_UNKNOWN: "unknown error",
 }
 

@@ -24,7 +24,7 @@ from hss.reference.numerics import to_bf16, to_f32
 
 __all__ = ["MODULE", "THREADS", "ARGMAX_THREADS", "ARGMAX_CANDIDATES", "ARGMAX_HELD", "ARGMAX_BATCH", "NORM_HELD",
            "NORM_HELD_DIM", "STATE_WORDS", "ATTN_HEAD_DIM", "ATTN_ROWS", "ATTN_KEYS", "ATTN_THREADS", "row_geometry",
-           "silu_geometry", "argmax_geometry", "prefill_attn_geometry",
+           "silu_geometry", "argmax_geometry", "prefill_attn_geometry", "positional_strides",
            "MODEL_EMBED_NORM", "MODEL_ADD_NORM", "MODEL_ROPE_KV", "MODEL_SILU_MUL", "MODEL_ARGMAX",
            "MODEL_PREFILL_ATTN"]
 
@@ -117,9 +117,11 @@ def _emulate_rope_kv(a: SimpleNamespace, launch: Launch) -> None:
     q, k, v = ref.rope_kv(qkv, cos, sin, 0, nq, nkv, hd)
     rows = pos[live] % a.cache_rows
     _bf16(a.q_out, m * nq * hd).reshape(m, nq, hd)[live] = to_bf16(q)
-    cache = a.cache_rows * nkv * hd
-    _bf16(a.k_cache, cache).reshape(a.cache_rows, nkv, hd)[rows] = to_bf16(k)
-    _bf16(a.v_cache, cache).reshape(a.cache_rows, nkv, hd)[rows] = to_bf16(v)
+    at = (rows[:, None, None] * a.row_stride + np.arange(nkv)[None, :, None] * a.kvh_stride
+          + np.arange(hd)[None, None, :])   # element (row, kv head, d) of the strided cache
+    n = _cache(a) // 2
+    _bf16(a.k_cache, n)[at] = to_bf16(k)
+    _bf16(a.v_cache, n)[at] = to_bf16(v)
 
 
 def _emulate_silu_mul(a: SimpleNamespace, launch: Launch) -> None:
@@ -174,7 +176,23 @@ MODEL_ADD_NORM = declare(
 
 
 def _cache(a: SimpleNamespace) -> int:
-    return 2 * max(a.cache_rows, 0) * max(a.n_kv_head, 0) * max(a.head_dim, 0)
+    """Bytes from k_cache (v_cache) to the end of its last element: (row, kv head, d) at row * row_stride +
+    kv_head * kvh_stride + d."""
+    if min(a.cache_rows, a.n_kv_head, a.head_dim) < 1:
+        return 0
+    return 2 * ((a.cache_rows - 1) * a.row_stride + (a.n_kv_head - 1) * a.kvh_stride + a.head_dim)
+
+
+def _rope_check(a: SimpleNamespace, launch: Launch) -> str | None:
+    if a.row_stride < 0 or a.kvh_stride < 0:
+        return f"needs row_stride and kvh_stride >= 0 (got {a.row_stride}, {a.kvh_stride})"
+    return _held_to(row_geometry(a.m), launch)
+
+
+def positional_strides(n_kv_head: int, head_dim: int) -> dict[str, int]:
+    """``model_rope_kv``'s ``row_stride`` / ``kvh_stride`` of positional ``[cache_rows, n_kv_head, head_dim]``
+    caches."""
+    return {"row_stride": n_kv_head * head_dim, "kvh_stride": head_dim}
 
 
 def _table(a: SimpleNamespace) -> int:
@@ -184,11 +202,11 @@ def _table(a: SimpleNamespace) -> int:
 MODEL_ROPE_KV = declare(
     MODULE, "model_rope_kv",
     "ptr qkv, ptr cos_t, ptr sin_t, ptr state, ptr q_out, ptr k_cache, ptr v_cache, i32 m, i32 n_head, "
-    "i32 n_kv_head, i32 head_dim, i32 max_pos, i32 cache_rows",
+    "i32 n_kv_head, i32 head_dim, i32 max_pos, i32 cache_rows, i64 row_stride, i64 kvh_stride",
     reads={"qkv": lambda a: _rows(a, (a.n_head + 2 * a.n_kv_head) * a.head_dim, 2), "cos_t": _table,
            "sin_t": _table, "state": lambda a: 4 * STATE_WORDS},
     writes={"q_out": lambda a: _rows(a, a.n_head * a.head_dim, 2), "k_cache": _cache, "v_cache": _cache},
-    emulate=_emulate_rope_kv, check=lambda a, launch: _held_to(row_geometry(a.m), launch))
+    emulate=_emulate_rope_kv, check=_rope_check)
 
 MODEL_SILU_MUL = declare(
     MODULE, "model_silu_mul", "ptr gu, ptr act, i32 m, i32 ffn",

@@ -2,10 +2,12 @@
 behind the high-speed swap (``--kv hbm | swap | sparse``), the text streamed as it is generated.
 
 The weights are uploaded once as bf16; every matmul is a cuBLAS GEMM, everything else a small hss kernel, and a
-decode step reads nothing from the host, so it replays as a CUDA graph (``--graph``, the default on a GPU; in the
-swap modes each stretch between two attentions is a graph). The end of the run prints tokens/s of the prefill and
-the decode, GPU time per stage, the KV bytes per token and, in the swap modes, the measured host-to-device
-bandwidth, the floor it sets and the resident hit rate. ``--kv sparse`` also compares next-token agreement and
+decode step reads nothing from the host, so it replays as a CUDA graph (``--graph``, the default on a GPU). In the
+exact swap mode the graph also streams each layer's history from pinned host memory in one copy per layer while
+the GPU computes (captured again, ahead of time, as each page completes); in the sparse mode each stretch between
+two attentions is a graph. The end of the run prints tokens/s of the prefill and the decode, GPU time per stage,
+the KV bytes per token and, in the swap modes, the measured host-to-device bandwidth, the floor it sets (streamed
+bytes per token / bandwidth) and the resident hit rate. ``--kv sparse`` also compares next-token agreement and
 cross-entropy with ``hbm`` on the prompt's last tokens (teacher forced). Without a GPU the same code runs on the CPU
 emulator for a short prompt and a few tokens. ``--model random`` uses a tiny random model (no model file).
 """
@@ -26,6 +28,7 @@ from hss.errors import HssError
 from hss.model.check import check_greedy
 from hss.model.kv import sparse_support
 from hss.model.session import DeviceModel, Session, StageTimer
+from hss.model.staged import RING
 from hss.realmodel import Config, Tokenizer, Weights, english_text, load_model, random_weights
 from hss.realmodel.forward import log_softmax
 
@@ -53,8 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default="swap", help="where the KV history lives "
                    "(default swap)")
-    p.add_argument("--resident", type=int, default=512, help="swap: resident pages, all layers (default 512)")
-    p.add_argument("--tile", type=int, default=64, help="swap: pages per streamed tile (default 64)")
+    p.add_argument("--resident", type=int, default=512, help="swap: resident pages in HBM, all layers (default "
+                   "512; exact swap: the first resident // layers pages of every layer, never streamed)")
+    p.add_argument("--tile", type=int, default=64, help="sparse: pages per streamed tile (default 64)")
+    p.add_argument("--ring", type=int, default=RING, help=f"swap: staging slots in HBM, layers whose copies run "
+                   f"ahead of the attention (default {RING})")
     p.add_argument("--rank", type=int, default=32, help="swap: predictor rank (default 32)")
     p.add_argument("--budget", type=int, default=16, help="sparse: pages attended per layer (default 16)")
     p.add_argument("--keep-first", type=int, default=1, help="sparse: first pages always attended (default 1)")
@@ -153,7 +159,7 @@ def _h2d_bandwidth(ctx: cm.CudaCtx, nbytes: int) -> float:
 def _options(args: argparse.Namespace, kv: str) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if kv != "hbm":
-        opts.update(resident=args.resident, tile=args.tile, rank=args.rank)
+        opts.update(resident=args.resident, tile=args.tile, ring=args.ring, rank=args.rank)
     return opts
 
 
@@ -213,8 +219,13 @@ def _report(sess: Session, model: DeviceModel, timer: StageTimer, n_tokens: int,
     per_token = delta["bytes_read"] / n
     bw = _h2d_bandwidth(model.ctx, (1 << 20) if emulated else (256 << 20))
     attended = delta["hits"] + delta["misses"]
+    how = (f"streamed in tiles of {st['tile_pages']} pages" if sess.mode == "sparse" else
+           f"the others streamed in one copy per layer through a ring of {st['ring']} layer slots; the step "
+           f"captured {sess.captures} time(s) in {sess.capture_seconds * 1e3:.1f} ms of host time, "
+           f"{sum(not a for _, a in sess.graph_switches)} of {len(sess.graph_switches)} page boundaries waited for "
+           "a capture")
     print(f"KV: {visible} tokens x {c.n_layer} layers in a pinned host store, pages of {st['block_size']} tokens, "
-          f"{st['resident_capacity']} resident pages (all layers), streamed in tiles of {st['tile_pages']} pages")
+          f"{st['resident_capacity']} resident pages (all layers), {how}")
     line = (f"KV streamed: {per_token / 1e6:.3f} MB per token; H2D {bw:.1f} GB/s (pinned, measured); resident hit "
             f"rate {delta['hits'] / max(attended, 1):.3f}")
     if sess.mode == "sparse":

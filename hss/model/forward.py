@@ -100,15 +100,22 @@ class Forward:
                          gain=self.w.layers[0].attn_norm, x=self.x, h=self.h, m=m, dim=c.dim, vocab=c.vocab_size,
                          eps=c.norm_eps, next_gain=self.w.layers[0].ffn_norm)]
 
-    def pre_ops(self, layer: int, m: int, k_cache: int, v_cache: int, cache_rows: int) -> list[Op]:
+    def pre_ops(self, layer: int, m: int, k_cache: int, v_cache: int, cache_rows: int, row_stride: int | None = None,
+                kvh_stride: int | None = None) -> list[Op]:
         """Layer ``layer``'s q/k/v for ``m`` rows at positions state.pos ...: q into ``q``, k and v into the cache
-        rows ``pos % cache_rows`` of ``k_cache`` / ``v_cache`` (bf16 ``[cache_rows, n_kv_head, head_dim]``)."""
+        rows ``pos % cache_rows`` of ``k_cache`` / ``v_cache`` (bf16, element (row, kv head, d) at ``row *
+        row_stride + kv_head * kvh_stride + d``; by default positional ``[cache_rows, n_kv_head, head_dim]``)."""
         c = self.config
+        strides = km.positional_strides(c.n_kv_head, c.head_dim)
+        if row_stride is not None:
+            strides["row_stride"] = row_stride
+        if kvh_stride is not None:
+            strides["kvh_stride"] = kvh_stride
         return [self._gemm("gemm qkv", self._gemms[layer][0], self.h, m),
                 self._op("rope+kv", km.MODEL_ROPE_KV, km.row_geometry(m), qkv=self.qkv, cos_t=self.w.rope_cos,
                          sin_t=self.w.rope_sin, state=self.state, q_out=self.q, k_cache=k_cache, v_cache=v_cache,
                          m=m, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
-                         max_pos=c.context_length, cache_rows=cache_rows)]
+                         max_pos=c.context_length, cache_rows=cache_rows, **strides)]
 
     def prefill_attn_op(self, m: int, k_cache: int, v_cache: int, q_start: int) -> Op:
         """Causal attention of ``m`` query rows at positions ``q_start ...`` over cache rows ``0 .. q_start + m -

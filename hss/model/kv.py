@@ -22,6 +22,7 @@ from hss import cuda_min as cm
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.errors import HssError
 from hss.model.forward import Op
+from hss.model.staged import RING, StagedPages
 from hss.realmodel import Config
 from hss.swap import GroupLayout, HighSpeedSwap, HighSpeedSwapConfig, ModelDims
 
@@ -41,6 +42,7 @@ class HbmKV:
 
     mode = "hbm"
     capturable = True
+    graph_epoch = 0   # the step's work never changes: one capture replays for the whole session
 
     def __init__(self, ctx: cm.CudaCtx, config: Config, max_tokens: int, stream: int) -> None:
         c = self.config = config
@@ -66,13 +68,21 @@ class HbmKV:
         off = layer * self.max_tokens * self._row
         return self.k.ptr + off, self.v.ptr + off, self.max_tokens
 
-    prefill_cache = decode_cache = cache
+    prefill_cache = cache
+
+    def decode_cache(self, layer: int) -> tuple[int, int, int, int, int]:
+        """(k, v, rows, row_stride, kvh_stride) of ``layer``: positional rows (``model_rope_kv``'s strides)."""
+        c = self.config
+        return *self.cache(layer), c.n_kv_head * c.head_dim, c.head_dim
 
     def begin_prefill(self, stream: int, tokens: int) -> None:
         pass
 
     def end_prefill(self, stream: int, tokens: int) -> None:
         pass
+
+    def step_begin_ops(self) -> list[Op]:
+        return []
 
     def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
         """A capturable op: one tile over tokens 0 .. counts[0] - 1 of ``layer`` (on this KV's stream)."""
@@ -134,23 +144,31 @@ def _projection_route() -> str | None:
 
 class SwapKV:
     """The history in a :class:`~hss.swap.HighSpeedSwap` ``HostStore`` (pinned host memory): pages of
-    :func:`swap_block_size` tokens, a resident set of ``resident`` pages (all layers) and two streamed tiles of
-    ``tile`` pages in HBM. Only each layer's last, incomplete page stays on the device (the *tail*, bf16 ``[bs,
-    n_kv_head, head_dim]``): a step attends the complete pages through ``attend_layer`` (exact; or sparse with
-    ``budget``) and folds the tail into the same running state with one more tile, which writes the output. A page
-    is offloaded when it completes (one host sync per ``bs`` tokens, for all layers).
+    :func:`swap_block_size` tokens, offloaded as they complete (one host sync per ``bs`` tokens, for all layers).
+    Only each layer's last, incomplete page stays on the device (the *tail*).
 
-    ``budget`` (pages, sparse mode) needs :func:`sparse_support`; ``projection`` / ``head_temperature`` go to the
+    Exact mode (``budget`` None; :attr:`capturable`): the step of :class:`~hss.model.staged.StagedPages`: the first
+    ``resident // n_layer`` complete pages of every layer stay in HBM, each layer's other complete pages stream from
+    the store in one copy per layer (a copy stream, a ring of ``ring`` layer slots) while the compute stream runs the
+    layers; the tail is a page of StagedPages' pool in the store's layout (``model_rope_kv`` writes it in place), and
+    one token-count tile per layer attends the complete pages and the tail. The step queues the
+    same work until the page count changes (every ``bs`` tokens: :attr:`graph_epoch` counts the changes), so a step
+    captured in one epoch replays until the next. ``tile`` is not used.
+
+    Sparse mode (``budget`` pages; needs :func:`sparse_support`): ``attend_layer`` over the swap's resident set of
+    ``resident`` pages (all layers) and two streamed tiles of ``tile`` pages, a host op per layer (it waits for the
+    predictor scores), then the tail tile, which writes the output. ``projection`` / ``head_temperature`` go to the
     swap's predictor (a calibrated ``[n_layer, n_kv_head, head_dim, rank]`` bf16 projection)."""
-
-    capturable = False
 
     def __init__(self, ctx: cm.CudaCtx, config: Config, max_tokens: int, stream: int, *, resident: int, tile: int,
                  rank: int = 32, seed: int = 0x5EED, budget: int | None = None, keep_first: int = 1,
                  keep_recent: int = 1, projection: np.ndarray | None = None,
-                 head_temperature: float | None = None) -> None:
+                 head_temperature: float | None = None, ring: int = RING) -> None:
         c = self.config = config
         self.mode = "swap" if budget is None else "sparse"
+        exact = self.capturable = budget is None
+        if exact and (type(ring) is not int or not 1 <= ring):
+            raise HssError(f"ring must be an int >= 1 (staging slots), got {ring!r}")
         bs = self.block_size = swap_block_size(c.head_dim)
         self._stream, self._ctx = stream, ctx
         self._sparse: dict[str, int] = {}
@@ -166,9 +184,10 @@ class SwapKV:
         dims = ModelDims(c.n_layer, -(-max_tokens // bs), c.n_head, c.n_kv_head, c.head_dim, bs)
         layout = GroupLayout(dims.max_blocks_per_layer, c.n_kv_head, bs, c.head_dim)
         self._dir = tempfile.mkdtemp(prefix="hss-model-swap-")
+        swap_resident, swap_tile = (0, 1) if exact else (resident, tile)   # exact: the swap's scratch is unused
         cfg = HighSpeedSwapConfig(dir=self._dir, bytes=c.n_layer * layout.bytes_per_layer,
-                                  resident_blocks=resident + 2 * tile, rank=rank, qd=8, graph=False,
-                                  projection_seed=seed, store="host", stream_tile_blocks=tile)
+                                  resident_blocks=swap_resident + 2 * swap_tile, rank=rank, qd=8, graph=False,
+                                  projection_seed=seed, store="host", stream_tile_blocks=swap_tile)
         self._owned = contextlib.ExitStack()
         self._owned.callback(shutil.rmtree, self._dir, True)
         own = self._owned.enter_context
@@ -186,6 +205,12 @@ class SwapKV:
             cm.memset_d32_async(self._count, 1, 1, stream)
             self._host_k = own(cm.PinnedBuffer(c.n_layer * self._page, ctx))
             self._host_v = own(cm.PinnedBuffer(c.n_layer * self._page, ctx))
+            self.staged: StagedPages | None = None
+            if exact:
+                self.staged = own(contextlib.closing(StagedPages(
+                    ctx, self.swap.store, c.n_layer, c.n_head, dims.max_blocks_per_layer, resident // c.n_layer,
+                    stream, ring)))
+                self._host_tail = own(cm.PinnedBuffer(self.staged.tail_pages()[1], ctx))   # the pages' images
         except BaseException:
             self._owned.close()
             raise
@@ -212,8 +237,14 @@ class SwapKV:
         off = layer * t * 2 * c.n_kv_head * c.head_dim
         return self._pk.ptr + off, self._pv.ptr + off, t
 
-    def decode_cache(self, layer: int) -> tuple[int, int, int]:
-        return self.k_tail.ptr + layer * self._page, self.v_tail.ptr + layer * self._page, self.block_size
+    def decode_cache(self, layer: int) -> tuple[int, int, int, int, int]:
+        """``model_rope_kv``'s cache of ``layer``'s decode step: (k, v, rows, row_stride, kvh_stride) of its tail
+        (exact mode: the page in StagedPages' pool; sparse: positional rows of ``k_tail`` / ``v_tail``)."""
+        if self.staged is not None:
+            return self.staged.tail_cache(layer)
+        c = self.config
+        return (self.k_tail.ptr + layer * self._page, self.v_tail.ptr + layer * self._page, self.block_size,
+                c.n_kv_head * c.head_dim, c.head_dim)
 
     def end_prefill(self, stream: int, tokens: int) -> None:
         """Offload the prompt's complete pages (waits for the stream), move each layer's last partial page into its
@@ -227,17 +258,26 @@ class SwapKV:
         cm.stream_sync(stream)
         self._grow(full)
         page = self._page
+        st = self.staged
+        if st is not None and rest:   # the tails as page images (rows rest .. bs - 1 zero)
+            zeros = np.zeros((bs - rest, c.n_kv_head, c.head_dim), BF16)
+            pad = lambda a, layer: np.concatenate([a[layer, full * bs:], zeros])   # noqa: E731
+            images = np.stack([self.swap.layout.pack_page(pad(k, layer), pad(v, layer))
+                               for layer in range(c.n_layer)])
+            cm.copy_h_to_d_async(st.tail_pages()[0], images, images.nbytes, stream)   # pageable: staged at once
         for layer in range(c.n_layer):
             kd = self.prefill_cache(layer)[0]
             for p in range(full):
                 rows = slice(p * bs, (p + 1) * bs)
                 self.swap.offload_block_on_stream(stream, layer, self._blocks[p], kd + p * page, k[layer, rows],
                                                   v[layer, rows])
-            if rest:
+            if rest and st is None:
                 src = full * page
-                kt, vt, _ = self.decode_cache(layer)
+                kt, vt = self.decode_cache(layer)[:2]
                 cm.copy_d_to_d_async(kt, kd + src, rest * page // bs, stream)
                 cm.copy_d_to_d_async(vt, self.prefill_cache(layer)[1] + src, rest * page // bs, stream)
+        if st is not None:
+            st.set_full(full, stream)
         cm.stream_sync(stream)   # the projections and tail copies read the prefill caches
         self._prefill.close()
         self._prefill = None
@@ -248,15 +288,40 @@ class SwapKV:
             block = self.swap.alloc_disk_block()
             if block is None:
                 raise HssError("SwapKV: the swap's disk block ids are exhausted (max_tokens too small)")
+            if self.staged is not None and block != len(self._blocks):   # one copy per layer needs page p = block p
+                raise HssError(f"SwapKV: the swap gave disk block {block} for page {len(self._blocks)}: the exact "
+                               "mode needs a fresh swap (block ids in page order)")
             self._blocks.append(block)
         self._ids = np.asarray(self._blocks, np.int64)
 
     # -- decode ------------------------------------------------------------------------------------
+    @property
+    def graph_epoch(self) -> int:
+        """Changes exactly when the step's work changes (a page completed): a step graph captured under one value
+        replays correctly while it holds (always 0 in the sparse mode, which is not capturable)."""
+        return 0 if self.staged is None else self.staged.epoch
+
+    def next_epoch(self) -> contextlib.AbstractContextManager[int] | None:
+        """Exact mode: a context in which the ops queue the step of the next :attr:`graph_epoch` (one more complete
+        page), yielding that epoch, for a capture ahead of time; None when there is none (sparse mode, or no page
+        left)."""
+        st = self.staged
+        if st is None or st.full + 1 > st.max_pages:
+            return None
+        return st.planning(st.full + 1)
+
+    def step_begin_ops(self) -> list[Op]:
+        """Ops queued at the start of every decode step, before the embedding (exact mode: the first copies)."""
+        return [] if self.staged is None else [self.staged.begin_op()]
+
     def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
-        """A host op (not capturable: ``attend_layer`` waits for the predictor scores): the complete pages through
-        the swap, then the tail tile, which writes ``out``."""
+        """Exact mode: a capturable op (:meth:`StagedPages.attention_op <hss.model.staged.StagedPages.attention_op>`,
+        ``counts`` the device visible-token count). Sparse mode: a host op (``attend_layer`` waits for the predictor
+        scores): the complete pages through the swap, then the tail tile, which writes ``out``."""
+        if self.staged is not None:
+            return self.staged.attention_op(layer, q, out, counts, self._stream)
         swap, attn, bs = self.swap, self.swap.attn, self.block_size
-        kt, vt, _ = self.decode_cache(layer)
+        kt, vt = self.decode_cache(layer)[:2]
         strides = attn.paged_strides()
         table, count, sparse = self._table.ptr, self._count.ptr, self._sparse
 
@@ -273,20 +338,41 @@ class SwapKV:
         """After the step that wrote position ``pos``: offload the tails when that completed a page."""
         c, bs = self.config, self.block_size
         self._pos = pos + 1
+        if self.staged is not None:
+            self.staged.count_step()
         if self._pos % bs:
             return
         p = pos // bs
         self._grow(p + 1)
-        cm.copy_d_to_h_async(self._host_k, self.k_tail, self._host_k.bytes, stream)
-        cm.copy_d_to_h_async(self._host_v, self.v_tail, self._host_v.bytes, stream)
-        cm.stream_sync(stream)
         shape = (c.n_layer, bs, c.n_kv_head, c.head_dim)
         hk, hv = self._host_k.view(BF16).reshape(shape), self._host_v.view(BF16).reshape(shape)
+        st = self.staged
+        if st is None:
+            cm.copy_d_to_h_async(self._host_k, self.k_tail, self._host_k.bytes, stream)
+            cm.copy_d_to_h_async(self._host_v, self.v_tail, self._host_v.bytes, stream)
+            cm.stream_sync(stream)
+        else:   # the tail pages are store images already; the predictor projects NHD keys: k_tail gets them
+            tails, nbytes = st.tail_pages()
+            cm.copy_d_to_h_async(self._host_tail, tails, nbytes, stream)
+            cm.stream_sync(stream)
+            images = self._host_tail.view(np.uint8).reshape(c.n_layer, st.page_bytes)
+            for layer in range(c.n_layer):
+                hk[layer], hv[layer] = self.swap.layout.unpack_page(images[layer])
+            cm.copy_h_to_d_async(self.k_tail, self._host_k, self._host_k.bytes, stream)
         for layer in range(c.n_layer):
-            self.swap.offload_block_on_stream(stream, layer, self._blocks[p], self.decode_cache(layer)[0], hk[layer],
-                                              hv[layer])
+            self.swap.offload_block_on_stream(stream, layer, self._blocks[p], self.k_tail.ptr + layer * self._page,
+                                              hk[layer], hv[layer])
+        if st is not None:
+            st.set_full(p + 1, stream)   # the tail pages are reused as they are: token counts hide the old rows
 
     def stats(self) -> dict[str, Any]:
+        """Counters since the start: ``hits`` / ``misses`` (complete pages attended from the resident set / streamed,
+        all layers), ``bytes_read`` (streamed), ``steps``; sizes (``resident_capacity`` pages, all layers,
+        ``block_size``; sparse mode: ``tile_pages``, ``skipped``; exact mode: ``ring`` slots)."""
+        if self.staged is not None:
+            st = self.staged
+            return {**st.counters, "skipped": 0, "resident_capacity": st.resident * self.config.n_layer,
+                    "ring": st.ring, "tile_pages": 0, "block_size": self.block_size}
         d = self.swap.diagnostic_summary()
         return {"hits": d.hits, "misses": d.misses, "bytes_read": d.bytes_read, "steps": d.steps,
                 "skipped": getattr(d, "skipped", 0), "resident_capacity": d.resident_capacity,

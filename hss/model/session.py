@@ -2,11 +2,13 @@
 greedy decode steps (eager, or replayed as CUDA graphs), teacher forcing, per-stage timing.
 
 A decode step is a program of prepared operations (:mod:`hss.model.forward`) with the KV mode's attention between
-them. In ``hbm`` mode the attention is capturable, so the whole step (every layer, the LM head and the argmax that
-feeds the next step) is one CUDA graph; in the swap modes ``attend_layer`` waits on the host for the predictor's
-scores, so each stretch between two attentions is a graph and the attentions run eagerly between them. Tokens are
-copied to pinned memory behind each step and read by the host a few steps later (:meth:`Session.generate`), so the
-host never stalls the device to print.
+them. In the ``hbm`` and exact ``swap`` modes the attention is capturable, so the whole step (every layer, the LM
+head and the argmax that feeds the next step) is one CUDA graph (the swap's copy stream forks from and joins back
+into it); in the ``sparse`` mode ``attend_layer`` waits on the host for the predictor's scores, so each stretch
+between two attentions is a graph and the attentions run eagerly between them. A KV mode's ``graph_epoch`` changes
+when its step's work does (the swap: a page completed, every ``block_size`` tokens); the step is then captured
+again before its next replay. Tokens are copied to pinned memory behind each step and read by the host a few steps
+later (:meth:`Session.generate`), so the host never stalls the device to print.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from hss.gpu import CudaBackend
 from hss.kernels import model as km
 from hss.model.forward import Forward, Op
 from hss.model.kv import HbmKV, SwapKV
+from hss.model.staged import RING
 from hss.model.weights import BF16, DeviceWeights
 from hss.realmodel import Weights
 
@@ -106,13 +109,15 @@ class Session:
     ``"sparse"`` (SwapKV with ``budget`` pages). ``max_tokens``: prompt + generated tokens the session may hold
     (at most the model's context length). ``graph``: replay decode steps as CUDA graphs (captured after the first
     eager step). ``prefill_chunk``: prompt rows per forward pass. Swap options: ``resident`` (resident pages, all
-    layers), ``tile`` (pages per streamed tile), ``rank`` (predictor rank), ``budget``, ``keep_first``,
-    ``keep_recent`` (sparse pages), ``projection``, ``head_temperature`` (the swap predictor's).
+    layers; exact swap: the first ``resident // n_layer`` pages of every layer), ``tile`` (sparse: pages per streamed
+    tile), ``ring`` (exact swap: staging slots, layers whose copies run ahead), ``rank`` (predictor rank),
+    ``budget``, ``keep_first``, ``keep_recent`` (sparse pages), ``projection``, ``head_temperature`` (the swap
+    predictor's).
     Everything is checked before device work; a bad argument raises ``TypeError`` / :class:`HssError`.
     """
 
     def __init__(self, model: DeviceModel, kv: str = "hbm", *, max_tokens: int, graph: bool = False,
-                 prefill_chunk: int = 2048, resident: int = 512, tile: int = 64, rank: int = 32,
+                 prefill_chunk: int = 2048, resident: int = 512, tile: int = 64, ring: int = RING, rank: int = 32,
                  budget: int | None = None, keep_first: int = 1, keep_recent: int = 1,
                  projection: np.ndarray | None = None, head_temperature: float | None = None) -> None:
         if not isinstance(model, DeviceModel):
@@ -135,10 +140,13 @@ class Session:
         if kv != "hbm":
             _positive("resident", resident, 0)
             _positive("tile", tile)
+            _positive("ring", ring)
             _positive("rank", rank)
         self.model, self.mode, self.graph = model, kv, graph
         self.config = c
         s = self.stream = model.ctx.stream
+        self._stacks: dict[str, contextlib.ExitStack] = {}   # "current" / "next": the graphs of a capture
+        self._next: tuple[int, list[tuple[str, Any]]] | None = None   # (epoch, graphs) captured ahead
         self._owned = contextlib.ExitStack()
         own = self._owned.enter_context
         try:
@@ -149,7 +157,8 @@ class Session:
                 self.kv = own(contextlib.closing(SwapKV(
                     model.ctx, c, self.max_tokens, s, resident=resident, tile=tile, rank=rank, budget=budget,
                     keep_first=keep_first, keep_recent=keep_recent, projection=projection,
-                    head_temperature=head_temperature)))
+                    head_temperature=head_temperature, ring=ring)))
+            self._owned.callback(self._drop_graphs, "current", "next")
             self._ring = own(cm.PinnedBuffer(4 * AHEAD, model.ctx))
             self._ring_events = [own(cm.CudaEvent(ctx=model.ctx)) for _ in range(AHEAD)]
         except BaseException:
@@ -160,6 +169,10 @@ class Session:
         self.steps = 0
         self._program: list[tuple[str, Any]] | None = None
         self._graphs: list[tuple[str, Any]] | None = None
+        self._graph_epoch = 0
+        self.captures = 0             # captures of the decode step so far (the first, ahead, and again)
+        self.capture_seconds = 0.0    # host time they took
+        self.graph_switches: list[tuple[int, bool]] = []   # (pos, captured ahead) where the replayed graphs changed
         self.prefill_seconds = (0.0, 0.0)   # (forward, KV hand-off) of the last prefill, host wall time
         self.decode_stats: dict[str, Any] = {}
 
@@ -225,7 +238,7 @@ class Session:
         """The decode step: ("ops", [Op, ...]) stretches and ("host", Op) attentions (swap modes)."""
         fwd, kv, c = self.fwd, self.kv, self.config
         items: list[tuple[str, Any]] = []
-        ops: list[Op] = fwd.embed_ops(fwd.state, 1)
+        ops: list[Op] = kv.step_begin_ops() + fwd.embed_ops(fwd.state, 1)
         for layer in range(c.n_layer):
             ops += fwd.pre_ops(layer, 1, *kv.decode_cache(layer))
             attend = kv.decode_attention(layer, fwd.q, fwd.attn, fwd.state + 8)   # state.visible: the count
@@ -256,6 +269,8 @@ class Session:
             self._program = self._build_program()
         s = self.stream
         if self._graphs is not None and timer is None:
+            if self.kv.graph_epoch != self._graph_epoch:   # the step's work changed: its graphs too
+                self._next_graphs()
             for kind, item in self._graphs:
                 if kind == "graph":
                     item.launch(s)
@@ -274,9 +289,48 @@ class Session:
 
     def capture(self) -> None:
         """Capture the decode step's stretches as CUDA graphs (after at least one eager step: cuBLAS and the
-        attention's first-use setup must not happen inside a capture); :meth:`step` replays them from then on."""
+        attention's first-use setup must not happen inside a capture); :meth:`step` replays them from then on, and
+        captures them again when the KV mode's ``graph_epoch`` changes (unless :meth:`capture_ahead` did)."""
         if not self.steps:
             raise HssError("capture before any eager decode step (run step() once first)")
+        self._graphs = None
+        self._drop_graphs("current", "next")   # (replays already queued keep theirs: the driver frees them later)
+        epoch = self.kv.graph_epoch
+        graphs = self._capture_program("current")
+        self._graphs, self._graph_epoch = graphs, epoch
+
+    def capture_ahead(self) -> bool:
+        """Capture the step of the KV mode's next ``graph_epoch`` now, while the device runs the steps queued (no
+        device work; the host's time that :meth:`step` would otherwise spend at the epoch change). False when there
+        is nothing to do: no graphs yet, already captured, or a KV mode whose epoch never changes."""
+        plan = getattr(self.kv, "next_epoch", None)
+        if self._graphs is None or self._next is not None or plan is None:
+            return False
+        ahead = plan()
+        if ahead is None:
+            return False
+        with ahead as epoch:
+            graphs = self._capture_program("next")
+        self._next = (epoch, graphs)
+        return True
+
+    def _next_graphs(self) -> None:
+        """The KV mode's epoch changed: replay the graphs captured ahead for it, else capture again."""
+        nxt, self._next = self._next, None
+        ahead = nxt is not None and nxt[0] == self.kv.graph_epoch
+        self.graph_switches.append((self.pos, ahead))
+        if not ahead:
+            self.capture()
+            return
+        self._drop_graphs("current")
+        self._stacks["current"] = self._stacks.pop("next")
+        self._graphs, self._graph_epoch = nxt[1], nxt[0]
+
+    def _capture_program(self, which: str) -> list[tuple[str, Any]]:
+        """The program's stretches captured as graphs, owned by ``self._stacks[which]``; counted and timed."""
+        t0 = time.perf_counter()
+        self._drop_graphs(which)
+        stack = self._stacks[which] = contextlib.ExitStack()
         s, graphs = self.stream, []
         for kind, item in self._program:
             if kind == "host":
@@ -288,9 +342,20 @@ class Session:
             except BaseException:
                 with contextlib.suppress(Exception):
                     cm.end_capture(s).close()
+                self._drop_graphs(which)
                 raise
-            graphs.append(("graph", self._owned.enter_context(cm.end_capture(s))))
-        self._graphs = graphs
+            graphs.append(("graph", stack.enter_context(cm.end_capture(s))))
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
+        return graphs
+
+    def _drop_graphs(self, *which: str) -> None:
+        for w in which:
+            stack = self._stacks.pop(w, None)
+            if stack is not None:
+                if w == "next":
+                    self._next = None
+                stack.close()
 
     def _read(self, i: int) -> None:
         """Queue the copy of the state's token (step i's output) into ring slot i % AHEAD."""
@@ -330,6 +395,7 @@ class Session:
         self._read(0)
         while queued < n and not done:
             if queued - consumed >= AHEAD:   # the ring is full: read the oldest token first
+                self.capture_ahead()         # (host time while the device runs the queued steps)
                 consume_next()
                 continue
             if self.graph and self._graphs is None and queued > eager_steps:
