@@ -52,6 +52,8 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("qsa_device"),
     # model: the decoder forward's small kernels (hss.model; no --use_fast_math)
     ModuleSpec("model"),
+    # swap: HostStore reads of scattered pages from mapped pinned memory (hss.swap.gather; no --use_fast_math)
+    ModuleSpec("page_gather"),
 )}
 
 

@@ -86,9 +86,11 @@ def failing(name: str, at: int, err: int):
 
 
 class SwapMachine(RuleBasedStateMachine):
-    @initialize(seed=st.integers(0, 2**32 - 1), store=st.sampled_from(["host", "file"]), tile=st.integers(1, 2),
-                resident=st.integers(0, 3))
+    @initialize(seed=st.integers(0, 2**32 - 1), store=st.sampled_from(["host", "host-gather", "file"]),
+                tile=st.integers(1, 2), resident=st.integers(0, 3))
     def setup(self, seed: int, store: str, tile: int, resident: int) -> None:
+        gather = store == "host-gather"     # every HostStore read into the pool through page_gather
+        store = "host" if gather else store
         self.ctx = cm.CudaCtx(0)
         self.s = self.ctx.stream
         gc.collect()   # what earlier tests dropped is freed now, not during this run
@@ -98,6 +100,8 @@ class SwapMachine(RuleBasedStateMachine):
         self.cfg = HighSpeedSwapConfig(os.path.join(self.dir, "kv"), 1 << 30, resident + 2 * tile, 16, 2, False, seed,
                                        store=store, stream_tile_blocks=tile)
         self.h = HighSpeedSwap(self.ctx, self.cfg, ModelDims(LAYERS, BLOCKS, NQ, NKV, HD, BS))
+        if gather:
+            self.h.store.gather_min_runs = 0
         self.ids = Allocator()
         self.k = np.zeros((LAYERS, BLOCKS, *PAGE), BF16)
         self.v = np.zeros((LAYERS, BLOCKS, *PAGE), BF16)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hss import ptx
-from hss.kernels import DECLARATIONS, attention, model, predictor, qsa, qsa_device, qsa_prefill
+from hss.kernels import DECLARATIONS, attention, gather, model, predictor, qsa, qsa_device, qsa_prefill
 from hss.reference import qsa_prefill as ref_qsa_prefill
 
 PTX_DIR = ptx.ptx_dir()
@@ -145,6 +145,9 @@ MIRRORS = [
     ("MODEL_ATTN_KEYS", model.ATTN_KEYS),
     ("MODEL_ATTN_THREADS", model.ATTN_THREADS),
     ("4 * MODEL_ATTN_ROWS", model.ATTN_THREADS),   # 4 threads per query row
+    ("GATHER_THREADS", gather.THREADS),
+    ("GATHER_UNROLL", gather.UNROLL),
+    ("GATHER_CHUNK", gather.CHUNK),
 ]
 
 
@@ -176,6 +179,7 @@ BLOCKS = {
     "model_silu_mul": model.silu_geometry(1, 1).block[0],
     "model_argmax": model.argmax_geometry().block[0],
     "model_prefill_attn": model.prefill_attn_geometry(1, 1).block[0],
+    "page_gather": gather.gather_geometry(1, 1).block[0],
 }
 
 

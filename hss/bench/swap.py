@@ -23,6 +23,11 @@ all in one run:
   max(non-resident bytes / H2D bandwidth, all K+V bytes / copy bandwidth) -- for the FileStore also
   non-resident bytes / the best disk bandwidth. The last timed step's recorded tile schedule is replayed with
   in-HBM tiled attention: the outputs must agree bit for bit;
+* the HostStore's two ways of reading a group of scattered pages (a tile of every other page into pool slots, one
+  run per page, as a sparse step's misses): one ``page_gather`` launch (zero-copy from the mapped pinned buffer) and
+  one batched DMA call: device time (bandwidth) and host µs per group (the driver's share of a sparse step);
+  ``--gather-min-runs N`` sets the swaps' choice between them (default: the library's; 0: every group into pool
+  slots through the kernel; a large N: batched copies only);
 * the sparse swap mode (SPEC §17.6) on the HostStore swap, right after its exact steps: ``--sparse-steps``
   consecutive steps attending the first ``--keep-first`` and last ``--keep-recent`` pages plus ``--budget`` of the
   pages by predictor score, with the exact step's query every step (the resident set settles on what the query
@@ -93,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-recent", type=int, default=4, help="sparse mode: last pages always attended")
     p.add_argument("--sparse-steps", type=int, default=64, help="sparse mode: consecutive timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--gather-min-runs", type=int, default=None, help="HostStore reads: groups of more runs go "
+                   "through page_gather (default: the library's choice; 0: all; a large number: none)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: a code-path check")
     p.add_argument("--tp", type=int, default=1, help="N > 1: only the step split over N devices by kv heads against "
@@ -316,7 +323,7 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
         step = functools.partial(_swap_step, args, ctx, k=k, v=v, k_dev=k_dev, v_dev=v_dev, q_dev=q_dev,
                                  kv_bytes=kv_bytes, h2d_bw=h2d_bw, copy_bw=copy_bw, row=row)
         host = step(store="host", sparse=args.budget > 0)
-        rows += [host, *host.pop("sparse_rows", [])]
+        rows += [host, *host.pop("sparse_rows", []), *host.pop("gather_rows", [])]
         with tempfile.TemporaryDirectory(prefix="hss-swap-", dir=args.dir) as tmp:
             disk_row = _disk_row(args, tmp, pages, nkv, bs, hd, row)
             rows += [disk_row, step(store="file", directory=tmp, disk=disk_row["disk"])]
@@ -385,6 +392,8 @@ def _swap_step(args: argparse.Namespace, ctx: Any, *, store: str, k: np.ndarray,
     cfg = HighSpeedSwapConfig(directory or tempfile.gettempdir(), 1 << 62, resident + 2 * tile, 32, qd, False,
                               0xCAFE_F00D, store=store, stream_tile_blocks=tile, run_cap_bytes=run_cap)
     h = HighSpeedSwap(ctx, cfg, ModelDims(1, pages, nq, nkv, hd, bs))
+    if store == "host" and args.gather_min_runs is not None:
+        h.store.gather_min_runs = args.gather_min_runs
     out = cm.DeviceBuffer(2 * nq * hd)
     try:
         page_bytes = bs * nkv * hd * 2
@@ -422,10 +431,41 @@ def _swap_step(args: argparse.Namespace, ctx: Any, *, store: str, k: np.ndarray,
                       replay_equal=same)
         if sparse:
             result["sparse_rows"] = _sparse_rows(args, ctx, h, ids, k_dev, v_dev, q_dev, out, us, row)
+        if store == "host":
+            result["gather_rows"] = _gather_rows(args, ctx, h, row)
         return result
     finally:
         out.close()
         h.close()
+
+
+def _gather_rows(args: argparse.Namespace, ctx: Any, h: Any, row: Any) -> list[dict]:
+    """The HostStore of ``h`` (every page written) reading one tile of every other page of layer 0 into the stream
+    buffer slots, planned once: as one page_gather launch and as one batched DMA call. Device µs per group (events
+    around ``args.iters`` groups) and host µs per group (the issue alone, then a sync)."""
+    from hss import cuda_min as cm
+    from hss.bench._timer import Case, gpu_us, host_us
+    store, pool, stream = h.store, h.pool, ctx.stream
+    n = max(1, min(h.tile_blocks, h.model.max_blocks_per_layer // 2))
+    pages = np.arange(0, 2 * n, 2, dtype=np.int64)
+    slots = h.resident_capacity + np.arange(n, dtype=np.int64)
+    bb = store.layout.block_bytes
+    rows, saved = [], store.gather_min_runs
+    try:
+        for name, min_runs in (("one page_gather launch", 0), ("one batched DMA call", 1 << 30)):
+            store.gather_min_runs = min_runs
+            reads = store._plan_reads(0, pages, pool.ptr + bb * slots, np.array([0, n]), [0, n],
+                                      (pool._slot_ptrs, slots))
+            issue = functools.partial(reads.issue, 0, stream)
+            dev = gpu_us(stream, issue, batch=args.iters, warmup=args.warmup).us
+            host = host_us({"issue": Case(issue, lambda: cm.stream_sync(stream))}, batch=args.iters, batches=3,
+                           warmup=args.warmup)["issue"].us
+            rows.append(row(f"HostStore read of {n} scattered pages into pool slots ({name})", dev, n * bb / dev / 1e3,
+                            f"{_mib(n * bb)} a group; host {host:.1f} us per group"))
+    finally:
+        store.gather_min_runs = saved
+        cm.stream_sync(stream)
+    return rows
 
 
 def _sparse_rows(args: argparse.Namespace, ctx: Any, h: Any, ids: np.ndarray, k_dev: Any, v_dev: Any, q_dev: Any,

@@ -15,6 +15,7 @@ __all__ = ["DECLARATIONS", "Extent", "KernelDecl", "Launch", "declare", "f32"]
 # Domain declarations register themselves on import; the emulator sees them all through this package.
 from hss.kernels import (
     attention,  # noqa: E402,F401
+    gather,  # noqa: E402,F401
     model,  # noqa: E402,F401
     predictor,  # noqa: E402,F401
     qsa,  # noqa: E402,F401

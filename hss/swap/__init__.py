@@ -2,6 +2,7 @@
 
 Modules: :mod:`~hss.swap.layout` (GroupLayout: where a page's stripes live), :mod:`~hss.swap.eviction`
 (EvictionPolicy), :mod:`~hss.swap.pool` (ScratchPool), :mod:`~hss.swap.stores` (HostStore, FileStore),
+:mod:`~hss.swap.gather` (the HostStore's page_gather launches from its mapped pinned buffer, and its read fences),
 :mod:`~hss.swap.config` (HighSpeedSwapConfig, ModelDims, DiskBlockAllocator, HighSpeedSwapDiagnostic),
 :mod:`~hss.swap.orchestrator` (HighSpeedSwap: a resident set attended in place plus a double-buffered stream
 of the other pages, reads overlapping attention through CUDA events on a copy stream), :mod:`~hss.swap.sparse`

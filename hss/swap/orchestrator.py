@@ -12,13 +12,14 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
 
 1. Everything is checked and every read of the step is planned at once (:meth:`BackingStore.prepare_reads
    <hss.swap.stores.BackingStore.prepare_reads>`): the tiles follow from hits and misses alone (hits = pages
-   resident for this layer; misses stream in tiles of T, sequence order, tile i through buffer i % 2). ``s``
-   waits for the previous step (``step_done``) and records ``go``; ``c`` waits for it (write-after-read: the
-   stream buffers may still be read by the previous step) and the reads of the first two tiles are queued on it.
+   resident for this layer; misses stream in tiles of T, sequence order, tile i through buffer i % 2). ``s`` and
+   ``c`` wait for the previous step (``step_done``; write-after-read: the stream buffers may still be read by it;
+   the first step's ``c`` waits for ``s`` instead, through ``go``) and the reads of the first two tiles are queued
+   on ``c``.
 2. On ``s``, all that does not need the scores: q_proj = project_q(q), scores of the layer's pages, their D2H into
    pinned memory, the block tables (one copy from pinned memory), the ``scores`` event (it covers the tables too:
    the next step refills their pinned copy); ``begin_step``; the resident tile (hits, attended in place); tile 0
-   (after ``loaded[0]``, see 4).
+   (after its reads, see 4).
 3. The **host waits for the scores** (the step's one planned host sync; the original synchronized here too) and
    plans: misses are promoted into the resident set best score first: into free slots, then replacing the
    first-ranked resident (lowest score, then least recently touched) while that one ranks before the new page.
@@ -26,23 +27,27 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
    after its tile is attended, before that tile's ``done``; every hit is attended in the resident tile, queued
    before any streamed tile, so none is overwritten early.
 4. Tile i's pages are read on ``c`` into buffer i % 2, which first waits for ``done[i % 2]`` (tile i-2 attended and
-   its promotions copied out), then records ``loaded[i % 2]``. ``s`` waits ``loaded[i % 2]``, attends tile i, does
-   its promotions, records ``done[i % 2]``. Reads run two tiles ahead of attention.
+   its promotions copied out); the reads' fence follows them (a HostStore records one after every group of reads:
+   :attr:`PreparedReads.fence <hss.swap.stores.PreparedReads>`; else ``c`` records ``loaded[i % 2]``). ``s`` waits
+   for it, attends tile i, does its promotions and, when tile i + 2 exists, records ``done[i % 2]``. Reads run two
+   tiles ahead of attention.
 5. The step's last tile also writes ``out`` (the bits ``finalize`` would write; a step with no page
    finalizes the empty state instead); ``s`` records ``step_done``.
 
 The **sparse mode** (SPEC §17.6; ``budget_pages=K, keep_first=F, keep_recent=R``, opt in: exact stays the default)
 attends only the first F and last R pages plus the K others that score best. Its step checks that every page is
-readable, then on ``s`` (after ``step_done``; ``go`` as above) queues the scores and the host waits for them at
+readable, then on ``s`` (after ``step_done``, as above) queues the scores and the host waits for them at
 once; it picks the pages (:func:`~hss.swap.sparse.select_pages`), records this query's scores for the resident
 pages it skips (so they are the first victims when they score low), and runs 1-5 above over the pages picked
-(hits = those resident; only the picked misses are read, each tile's in one prepared batch). Its scores being known
+(hits = those resident; only the picked misses are read, each tile's in one prepared group: one batched copy, or one
+``page_gather`` launch where a HostStore finds the tile's pages scattered). Its scores being known
 before any read, its promotions (the same rule, best score first) are planned first and those misses are read
 straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool
 bookkeeping of the step is one vectorized update once its reads are queued (of the tiles whose reads were queued,
 if one failed). A tile whose reads overwrite the slot of
-a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. A budget covering every
-other page is the exact step: the same code path, the same bits.
+a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. Its scores were waited for
+before its table upload, so no second ``scores`` event follows the upload: the step's end covers it. A budget
+covering every other page is the exact step: the same code path, the same bits.
 
 Every tile is recorded (:class:`StepRecord`): the ordered slots, the block ids they hold and the
 last_block_valid_slots each tile was applied with. Replaying the same block ids in the same tiles with
@@ -52,8 +57,9 @@ last_block_valid_slots.
 
 Nothing else synchronizes the host, except as documented: FileStore reads (pread, and reusing a bounce page
 only after its copy ran), HostStore writes (wait for queued reads of the bytes they replace), a step after one
-that failed before its score wait and an exact step after a sparse one (each waits for that step's table
-upload), and ``diagnostic_summary`` (waits for
+that failed before its score wait (waits for that step's table upload) and an exact step after a sparse one (waits
+for that step's end), the first HostStore reads of a tile wider than any before (waits for queued reads: its index
+ring grows), and ``diagnostic_summary`` (waits for
 the stall timers of issued steps). One instance is used from one thread.
 """
 from __future__ import annotations
@@ -410,6 +416,7 @@ class HighSpeedSwap:
         self._count_rows = self._tile_index_host.view(np.int32)[:self._max_tiles]
         self._table_rows = self._tile_index_host.view(np.int32)[self._tables_offset // 4:].reshape(self._max_tiles, cap)
         self._tables_pending = False
+        self._tables_fence = self._ev_scores     # what covers the last table upload (see _upload_tables)
         # streamed miss j goes to slot R + (j // T % 2) * T + j % T: tile j // T in stream buffer (j // T) % 2
         j = np.arange(nb, dtype=np.int64)
         self._stream_slots = R + j // T % 2 * T + j % T
@@ -430,6 +437,7 @@ class HighSpeedSwap:
                                           "a bf16 [num_q_heads, head_dim] output", device=dev)
         self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
         self._stepped = False
+        self._ended = False      # the last step's end was recorded (step_done follows all its work on its stream)
         self._last_sparse: SparseBudget | None = None
         self.last_step: StepRecord | None = None
         self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0, sparse_steps=0,
@@ -714,16 +722,21 @@ class HighSpeedSwap:
                      miss_slots)
 
     def _begin(self, s: int) -> None:
-        """Order the step after the previous one on ``s`` and the copy stream after ``s`` (the stream buffers may
-        still be read by the previous step)."""
+        """Order the step after the previous one on ``s`` and on the copy stream (the stream buffers and the promoted
+        pages' slots may still be read by the previous step); before any step, the copy stream after ``s``."""
+        c = self.copy_stream.handle
         if self._stepped:
             cm.stream_wait_event(s, self._ev_step_done)
-        self._ev_go.record(s)
-        cm.stream_wait_event(self.copy_stream.handle, self._ev_go)
+        if self._ended:
+            cm.stream_wait_event(c, self._ev_step_done)
+        else:        # (and after a step whose end was not recorded: step_done is older than its work on s)
+            self._ev_go.record(s)
+            cm.stream_wait_event(c, self._ev_go)
 
     def _end(self, s: int) -> None:
+        self._ended = False
         self._ev_step_done.record(s)
-        self._stepped = True
+        self._stepped = self._ended = True
 
     def _step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int, plan: _Plan,
               known: np.ndarray | None, whole: tuple | None = None, budget: SparseBudget | None = None) -> StepRecord:
@@ -749,6 +762,7 @@ class HighSpeedSwap:
         evicted: list[tuple[int, tuple[int, int], int]] = []      # exact: (decision rank, (layer, page), slot)
         wait_tile = promo.wait_tile if known is not None and promo is not None else ns
         issued = [0, 0]          # streamed tiles whose reads were begun, and queued (tiles are read in order)
+        ready: list[Any] = [None, None]     # the event after the reads of the last tile read into each buffer
         pool = self.pool
 
         def read(i: int) -> None:
@@ -761,7 +775,12 @@ class HighSpeedSwap:
             n["bytes_read"] += reads.issue(i, c)
             issued[1] = i + 1
             self._host_read += time.perf_counter() - t
-            loaded[i % 2].record(c)
+            fence = reads.fence      # (the store keeps this record for FENCES - 1 more groups: s waits for it
+            #                          before read(i + 2))
+            if fence is None:        # a FileStore's: its own events guard its bounce ring
+                fence = loaded[i % 2]
+                fence.record(c)
+            ready[i % 2] = fence
 
         def attend(row: int, tile_lbvs: int) -> None:
             output = out if row == first + ns - 1 else 0   # the step's last tile also writes the output
@@ -772,7 +791,7 @@ class HighSpeedSwap:
 
         def attend_streamed(i: int) -> None:
             timer.begin(s)
-            cm.stream_wait_event(s, loaded[i % 2])
+            cm.stream_wait_event(s, ready[i % 2])
             timer.end(s)
             attend(first + i, lbvs if i == ns - 1 and not last_is_hit else bs)
 
@@ -784,7 +803,11 @@ class HighSpeedSwap:
                 if known is None:
                     self._queue_scores(s, layer, q, int(ids.max()) + 1)
                 self._upload_tables(s, slots[hit_pos], first, ns, m, miss_slots)
-                self._record_scores_event(s)   # covers the table upload: the next step may refill the pinned tables
+                if known is None:     # covers the table upload: the next step may refill the pinned tables
+                    self._record_scores_event(s)
+                    self._tables_fence = self._ev_scores
+                else:                 # a sparse step waited for its scores already: its end covers the upload
+                    self._tables_fence = self._ev_step_done
             ta.begin_step(s, 1)
             if first:
                 attend(0, lbvs if last_is_hit else bs)
@@ -819,18 +842,20 @@ class HighSpeedSwap:
                         promoted.append((rank, block, slot))
                         if old is not None:
                             evicted.append((rank, old, slot))
-                done[i % 2].record(s)
-                if i + 2 < ns:
+                if i + 2 < ns:       # (the next step's reads wait for step_done)
+                    done[i % 2].record(s)
                     read(i + 2)
             if not first + ns:   # no tile: the output of the empty state
                 ta.finalize(s, out, 1)
         finally:
-            self._end(s)
-            if known is None:
-                n["promotions"] += len(promoted)
-                n["evictions"] += len(evicted)
-            elif promo is not None:
-                self._put_promotions(layer, promo, miss_ids, issued[1], issued[0] > issued[1])
+            try:       # the bookkeeping of what was queued, even when the step's end cannot be recorded
+                if known is None:
+                    n["promotions"] += len(promoted)
+                    n["evictions"] += len(evicted)
+                elif promo is not None:
+                    self._put_promotions(layer, promo, miss_ids, issued[1], issued[0] > issued[1])
+            finally:
+                self._end(s)
         t_issued = time.perf_counter()
         self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
         n["steps"] += 1
@@ -946,8 +971,8 @@ class HighSpeedSwap:
         nt = first + ns
         if not nt:
             return
-        if self._tables_pending:      # the last upload may not have run (a step failed before its score wait)
-            self._ev_scores.synchronize()
+        if self._tables_pending:      # the last upload may not have run (a step failed before its score wait, or
+            self._tables_fence.synchronize()    # a sparse step: its end covers it)
         table, count = self._table_rows, self._count_rows
         T = self.tile_blocks
         if first:

@@ -17,6 +17,7 @@ head of the first byte that could not be read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import mmap
 import os
@@ -31,6 +32,7 @@ import numpy as np
 from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError, StoreError, StoreIOError
+from hss.swap.gather import FENCES, GATHER_MIN_RUNS, PageGather, ReadFences, gather_fits
 from hss.swap.layout import GroupLayout, host_bytes
 
 __all__ = ["BackingStore", "HostStore", "FileStore", "PreparedReads", "StoreError", "StoreIOError", "layer_path"]
@@ -66,16 +68,23 @@ class PreparedReads:
     ``pages``, ``dsts``: the requests (int64); ``bounds``: the group edges (a list); ``run_starts``,
     ``run_counts``: the transfers in order (first request, pages), group i's being ``run_bounds[i]`` up to
     ``run_bounds[i + 1]``. Groups may be issued in any order, each any number of times.
+
+    ``fence``: after an ``issue``, an event recorded on its stream right after the group's reads (a HostStore's),
+    which keeps that record until the store has issued ``hss.swap.gather.FENCES - 1`` more groups: wait for it
+    (``stream_wait_event``) before then. None where the store has none (a FileStore) or nothing was queued: a caller
+    that orders other work after the reads records its own event.
     """
 
     __slots__ = ("store", "layer", "pages", "dsts", "bounds", "run_starts", "run_counts", "run_bounds", "copies",
-                 "_block_bytes", "_epoch")
+                 "gather", "fence", "_block_bytes", "_epoch")
 
     def __init__(self, store: BackingStore, layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: list[int],
                  run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
         self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
         self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
         self.copies: Any = None     # HostStore: the transfers as one HostToDeviceBatch (see _prepared)
+        self.gather: _Gathered | None = None     # HostStore: the groups read by page_gather, if any
+        self.fence: cm.CudaEvent | None = None
         self._block_bytes, self._epoch = store.layout.block_bytes, store._epoch
 
     def __len__(self) -> int:
@@ -105,6 +114,7 @@ class PreparedReads:
         if store._closed or store._epoch != self._epoch:
             store._live()
             store._check_valid(self.layer, self.pages[lo:hi])
+        self.fence = None
         if hi == lo:
             return 0
         store._issue(self, i, s)
@@ -319,33 +329,60 @@ class BackingStore:
         self.close()
 
 
+class _Gathered(NamedTuple):
+    """A HostStore's groups of reads into pool slots that ``page_gather`` copies (``via``): ``kernel[i]`` whether
+    group i goes through the kernel, ``pairs`` int32 [requests, 2] (page in the layer, pool slot), the pool's and the
+    layer's device addresses, the 16-byte vectors of a page."""
+    via: PageGather
+    kernel: list
+    pairs: np.ndarray
+    dst: int
+    src: int
+    page_vecs: int
+
+
 class HostStore(BackingStore):
     """Every layer in ONE pinned host buffer (layer-major, each layer laid out like its file).
 
-    Reads are H2D copies straight from the buffer (consecutive pages in one copy; one batched driver call per
-    read, its copy list built once by ``prepare_reads``). A write first waits (on the host) for reads already
-    queued from the buffer, so it never changes bytes a queued copy has yet to read.
+    Reads go straight from the buffer, a group (``prepare_reads``) at a time: as H2D copies, consecutive pages in one
+    copy, the group's copies in one batched driver call (its copy list built once by ``prepare_reads``); or, for a
+    group of more than :attr:`gather_min_runs` runs into the swap's pool slots (a sparse step's scattered misses), as
+    ONE ``page_gather`` launch that reads the pages through the buffer's device mapping (cuMemHostGetDevicePointer),
+    its (page, slot) pairs written into a small mapped ring (:mod:`hss.swap.gather`). Either way the group then
+    records a fence event (its :attr:`PreparedReads.fence`). A write first waits (on the host) for the reads already
+    queued from the buffer, so it never changes bytes a queued read has yet to read.
     """
 
     kind = "host"
+    gather_min_runs = GATHER_MIN_RUNS   # per instance too: 0 sends every group into pool slots through the kernel
 
     def __init__(self, layout: GroupLayout, num_layers: int, *, ctx: cm.CudaCtx | None = None,
                  run_cap_bytes: int = 1 << 30) -> None:
         super().__init__(layout, num_layers, run_cap_bytes)
-        self.buffer = cm.PinnedBuffer(self.num_layers * layout.bytes_per_layer, ctx)
-        # page (layer, p) is entry layer * num_blocks + p (each layer laid out like its file)
-        self._page_ptrs = cm.PointerTable(self.buffer.ptr, layout.block_bytes, self.num_layers * layout.num_blocks)
-        self._reads_done = cm.CudaEvent(ctx=ctx)
-        self._reads_queued = False
+        self._parts = contextlib.ExitStack()
+        own = self._parts.enter_context
+        try:
+            self.buffer = own(cm.PinnedBuffer(self.num_layers * layout.bytes_per_layer, ctx))
+            # page (layer, p) is entry layer * num_blocks + p (each layer laid out like its file)
+            self._page_ptrs = cm.PointerTable(self.buffer.ptr, layout.block_bytes,
+                                              self.num_layers * layout.num_blocks)
+            self._fences = ReadFences(FENCES, ctx)
+            self._parts.callback(self._fences.close)
+            self._gather: PageGather | None = None
+            if gather_fits(layout.block_bytes, layout.num_blocks):
+                self._mapped = self.buffer.device_ptr()    # where the device reads the buffer (page_gather)
+                self._gather = PageGather(FENCES, ctx)
+                self._parts.callback(self._gather.close)
+        except BaseException:
+            self._parts.close()
+            raise
 
     def offset(self, layer: int, page: int) -> int:
         """Byte offset of (layer, page) in :attr:`buffer`."""
         return self._layer(layer) * self.layout.bytes_per_layer + self._page(page) * self.layout.block_bytes
 
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
-        if self._reads_queued:
-            self._reads_done.synchronize()
-            self._reads_queued = False
+        self._fences.wait_all()
         at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset_in_page
         self.buffer.array[at:at + data.nbytes] = data
 
@@ -361,15 +398,40 @@ class HostStore(BackingStore):
         # into the pool, from this buffer: in range by construction
         table, index = slots
         pages = reads.pages
+        if table.stride == bb:
+            self._plan_gather(reads, table.base, index)
         if first.size != pages.size:       # (else every run is one page: first is 0, 1, ...)
             index, pages = index[first], pages[first]
         reads.copies = cm.HostToDeviceBatch._planned(reads.run_counts * bb, table, index, self._page_ptrs,
                                                      pages + reads.layer * self.layout.num_blocks)
 
+    def _plan_gather(self, reads: PreparedReads, pool: int, slots: np.ndarray) -> None:
+        """Mark the groups of more than ``gather_min_runs`` runs for ``page_gather`` (pool slots ``slots`` of the
+        pool at ``pool``) and make their index pairs; the index ring grows to the widest (after waiting for every
+        queued read: rare, the first steps)."""
+        gather = self._gather
+        kernel = np.diff(reads.run_bounds) > self.gather_min_runs
+        if gather is None or not kernel.any():
+            return
+        widest = int(np.diff(reads.bounds)[kernel].max())
+        if widest > gather.capacity:
+            self._fences.wait_all()              # no launch may still read the old index slots
+            gather.reserve(widest)
+        pairs = np.empty((reads.pages.size, 2), dtype=np.int32)
+        pairs[:, 0] = reads.pages
+        pairs[:, 1] = slots
+        src = self._mapped + reads.layer * self.layout.bytes_per_layer
+        reads.gather = _Gathered(gather, kernel.tolist(), pairs, pool, src, self.layout.block_bytes // 16)
+
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
-        reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
-        self._reads_done.record(stream)
-        self._reads_queued = True
+        k = self._fences.take()     # fence k guards index slot k: free once the group it fenced has run
+        g = reads.gather
+        if g is not None and g.kernel[group]:
+            lo, hi = reads.bounds[group], reads.bounds[group + 1]
+            g.via.launch(stream, k, g.dst, g.src, g.pairs[lo:hi], g.page_vecs)
+        else:
+            reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
+        reads.fence = self._fences.record(k, stream)
 
     def close(self) -> None:
         """Wait for queued reads, then free the pinned buffer; later calls do nothing."""
@@ -377,11 +439,9 @@ class HostStore(BackingStore):
             return
         self._closed = True
         try:
-            if self._reads_queued:
-                self._reads_done.synchronize()
+            self._fences.wait_all()
         finally:
-            self._reads_done.close()
-            self.buffer.close()
+            self._parts.close()
 
 
 class _Ahead(NamedTuple):
