@@ -26,7 +26,11 @@ __all__ = ["GATHER_MIN_RUNS", "FENCES", "PageGather", "ReadFences", "gather_fits
 # A group of more than GATHER_MIN_RUNS runs is read by the kernel, the others by the copy engine: a DMA copy costs
 # ~1-2 µs of driver time on the host (measured on an H200: 407 µs of host for two batches of ~113 copies), a launch
 # plus its fence ~5 µs whatever the pages, and one long run is what the copy engine does best.
-GATHER_MIN_RUNS = 4
+# Off by default for now (HostStore.gather_min_runs = 0 or a small count opts in): on the H200 (2026-12-01) with
+# the kernel taking groups of more than 4 runs, the exact HostStore step measured 1.27x its floor (1.13-1.14x by DMA
+# the session before) and the new-query sparse step 0.301x the exact step (0.306-0.457x by DMA): the sparse step
+# is bound by its Python planning, and the kernel's reads compete with the attention for the SMs.
+GATHER_MIN_RUNS = 1 << 30
 FENCES = 8             # fences (and index slots) of a store: a fence is re-recorded FENCES groups after its last record
 _FIRST_CAPACITY = 256  # pairs per index slot at first; grown to the widest gathered group
 
