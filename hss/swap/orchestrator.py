@@ -14,8 +14,8 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
    <hss.swap.stores.BackingStore.prepare_reads>`): the tiles follow from hits and misses alone (hits = pages
    resident for this layer; misses stream in tiles of T, sequence order, tile i through buffer i % 2). ``s`` and
    ``c`` wait for the previous step (``step_done``; write-after-read: the stream buffers may still be read by it;
-   the first step's ``c`` waits for ``s`` instead, through ``go``) and the reads of the first two tiles are queued
-   on ``c``.
+   before any step, or after one whose ``step_done`` could not be recorded, ``c`` waits for ``s`` instead, through
+   ``go``) and the reads of the first two tiles are queued on ``c``.
 2. On ``s``, all that does not need the scores: q_proj = project_q(q), scores of the layer's pages, their D2H into
    pinned memory, the block tables (one copy from pinned memory), the ``scores`` event (it covers the tables too:
    the next step refills their pinned copy); ``begin_step``; the resident tile (hits, attended in place); tile 0

@@ -4,8 +4,10 @@
 Both keep every layer in the :class:`~hss.swap.layout.GroupLayout` page layout, so a page is one
 contiguous ``block_bytes`` range in the store and in a scratch slot, and consecutive pages read with one
 transfer. Writes are synchronous host operations; ``read_pages`` queues host-to-device copies on the
-caller's stream and returns without waiting for them. ``prepare_reads`` checks and plans many reads at once
-(a decode step's tiles) into :class:`PreparedReads`, whose groups then issue with almost no host work.
+caller's stream and returns without waiting for them (a HostStore can read a scattered group into the swap's
+pool slots with one ``page_gather`` launch instead, opted into by ``gather_min_runs``: :mod:`hss.swap.gather`).
+``prepare_reads`` checks and plans many reads at once (a decode step's tiles) into :class:`PreparedReads`, whose
+groups then issue with almost no host work.
 
 Validity: a per-group bitmap. A write clears the bits of the groups it covers, writes the data, and sets
 them only after the data is fully written, so a failed or partial write never leaves a group readable.
