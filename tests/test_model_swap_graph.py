@@ -17,6 +17,7 @@ from hss.errors import HssError
 from hss.model import DeviceModel, swap_block_size
 from hss.model.demo import random_model
 from hss.model.kv import SwapKV
+from hss.model.staged import RING
 
 from conftest import ON_GPU
 
@@ -85,7 +86,7 @@ def test_swap_graph_tokens_equal_hbm_across_page_boundaries(model, bs, hbm, resi
     for i, (got, w, lg) in enumerate(zip(tokens, want, logits)):
         assert got == w or lg[w] >= lg.max() - 2.0 ** -7 * abs(lg.max()) - 1e-3, (i, got, w)
     assert sum(a == b for a, b in zip(tokens, want)) >= 0.95 * n
-    assert [p for p, _ in info["switches"]] == [p for p in range(len(ids) + 2, len(ids) + n - 1) if p % bs == 0]
+    assert [p for p, _ in info["switches"]] == switches(len(ids) + 2, len(ids) + n - 1, bs, ring)
     st, layers = info["stats"], model.config.n_layer
     r = min(resident // layers, -(-(len(ids) + n + 1) // bs))
     pages = sum((len(ids) + i) // bs for i in range(n - 1))      # complete pages per layer over the steps
@@ -94,6 +95,13 @@ def test_swap_graph_tokens_equal_hbm_across_page_boundaries(model, bs, hbm, resi
     assert (st["hits"], st["misses"]) == (layers * hits, layers * (pages - hits))
     assert st["bytes_read"] == st["misses"] * info["page_bytes"]
     assert info["page_bytes"] == 2 * model.config.n_kv_head * 2 * bs * model.config.head_dim   # 4 KiB stripes
+
+
+def switches(lo: int, hi: int, bs: int, ring: int) -> list[int]:
+    """Positions in lo .. hi - 1 where the step graphs change: each page boundary and, with more than one staging
+    slot, the step after it (the first one whose first layers the step before copied)."""
+    bounds = [p for p in range(lo, hi) if p % bs == 0]
+    return sorted(bounds + [p + 1 for p in bounds if ring > 1 and p + 1 < hi])
 
 
 def test_swap_graph_replay_equals_eager_bitwise(model, bs):
@@ -106,14 +114,14 @@ def test_swap_graph_replay_equals_eager_bitwise(model, bs):
 
 
 def test_step_graphs_change_exactly_at_page_boundaries(model, bs, hbm):
-    """One switch per boundary crossed, at a position that is a multiple of the page size; every one after the
-    first was captured ahead (the host had AHEAD steps queued); a stale graph (no switch) gives other tokens."""
+    """A switch at each boundary crossed (a position that is a multiple of the page size) and at the step after it;
+    every one after the first boundary's two was captured ahead (the host had AHEAD steps queued); a stale graph (no
+    switch) gives other tokens."""
     ids, n, want = hbm
     _, _, info = decode(model, "swap", ids, n, graph=True, resident=2)
     start, end = len(ids), len(ids) + n - 1
-    boundaries = [p for p in range(start + 1, end) if p % bs == 0]
-    assert [p for p, _ in info["switches"]] == boundaries
-    assert all(ahead for _, ahead in info["switches"][1:])
+    assert [p for p, _ in info["switches"]] == switches(start + 1, end, bs, RING)
+    assert all(ahead for _, ahead in info["switches"][2:])   # (the first boundary comes before the ring fills)
     if ON_GPU:     # a stale graph skips copies: its slots hold whatever HBM held (poison on the emulator)
         return
     with pytest.MonkeyPatch.context() as mp:   # the mutation: replay the first epoch's graphs throughout

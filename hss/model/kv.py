@@ -84,6 +84,9 @@ class HbmKV:
     def step_begin_ops(self) -> list[Op]:
         return []
 
+    def step_end_ops(self) -> list[Op]:
+        return []
+
     def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
         """A capturable op: one tile over tokens 0 .. counts[0] - 1 of ``layer`` (on this KV's stream)."""
         k, v, _ = self.cache(layer)
@@ -210,7 +213,6 @@ class SwapKV:
                 self.staged = own(contextlib.closing(StagedPages(
                     ctx, self.swap.store, c.n_layer, c.n_head, dims.max_blocks_per_layer, resident // c.n_layer,
                     stream, ring)))
-                self._host_tail = own(cm.PinnedBuffer(self.staged.tail_pages()[1], ctx))   # the pages' images
         except BaseException:
             self._owned.close()
             raise
@@ -297,7 +299,8 @@ class SwapKV:
     # -- decode ------------------------------------------------------------------------------------
     @property
     def graph_epoch(self) -> int:
-        """Changes exactly when the step's work changes (a page completed): a step graph captured under one value
+        """Changes exactly when the step's work changes (a page completed, or the step after that): a step graph
+        captured under one value
         replays correctly while it holds (always 0 in the sparse mode, which is not capturable)."""
         return 0 if self.staged is None else self.staged.epoch
 
@@ -306,13 +309,16 @@ class SwapKV:
         page), yielding that epoch, for a capture ahead of time; None when there is none (sparse mode, or no page
         left)."""
         st = self.staged
-        if st is None or st.full + 1 > st.max_pages:
-            return None
-        return st.planning(st.full + 1)
+        nxt = None if st is None else st.next_state()
+        return None if nxt is None else st.planning(*nxt)
 
     def step_begin_ops(self) -> list[Op]:
         """Ops queued at the start of every decode step, before the embedding (exact mode: the first copies)."""
         return [] if self.staged is None else [self.staged.begin_op()]
+
+    def step_end_ops(self) -> list[Op]:
+        """Ops queued at the end of every decode step (exact mode: the join of the copy stream)."""
+        return [] if self.staged is None else [self.staged.end_op()]
 
     def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
         """Exact mode: a capturable op (:meth:`StagedPages.attention_op <hss.model.staged.StagedPages.attention_op>`,
@@ -340,30 +346,22 @@ class SwapKV:
         self._pos = pos + 1
         if self.staged is not None:
             self.staged.count_step()
+            self.staged.step_queued()
         if self._pos % bs:
             return
         p = pos // bs
         self._grow(p + 1)
+        if self.staged is not None:   # exact mode: device-to-host copies in stream order, no host wait
+            self.staged.offload_tails(p, stream)
+            return
         shape = (c.n_layer, bs, c.n_kv_head, c.head_dim)
         hk, hv = self._host_k.view(BF16).reshape(shape), self._host_v.view(BF16).reshape(shape)
-        st = self.staged
-        if st is None:
-            cm.copy_d_to_h_async(self._host_k, self.k_tail, self._host_k.bytes, stream)
-            cm.copy_d_to_h_async(self._host_v, self.v_tail, self._host_v.bytes, stream)
-            cm.stream_sync(stream)
-        else:   # the tail pages are store images already; the predictor projects NHD keys: k_tail gets them
-            tails, nbytes = st.tail_pages()
-            cm.copy_d_to_h_async(self._host_tail, tails, nbytes, stream)
-            cm.stream_sync(stream)
-            images = self._host_tail.view(np.uint8).reshape(c.n_layer, st.page_bytes)
-            for layer in range(c.n_layer):
-                hk[layer], hv[layer] = self.swap.layout.unpack_page(images[layer])
-            cm.copy_h_to_d_async(self.k_tail, self._host_k, self._host_k.bytes, stream)
+        cm.copy_d_to_h_async(self._host_k, self.k_tail, self._host_k.bytes, stream)
+        cm.copy_d_to_h_async(self._host_v, self.v_tail, self._host_v.bytes, stream)
+        cm.stream_sync(stream)
         for layer in range(c.n_layer):
             self.swap.offload_block_on_stream(stream, layer, self._blocks[p], self.k_tail.ptr + layer * self._page,
                                               hk[layer], hv[layer])
-        if st is not None:
-            st.set_full(p + 1, stream)   # the tail pages are reused as they are: token counts hide the old rows
 
     def stats(self) -> dict[str, Any]:
         """Counters since the start: ``hits`` / ``misses`` (complete pages attended from the resident set / streamed,

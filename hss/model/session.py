@@ -248,7 +248,7 @@ class Session:
                 items += [("ops", ops), ("host", attend)]
                 ops = []
             ops += fwd.post_ops(layer, 1)
-        items.append(("ops", ops + fwd.head_ops(1, 1)))
+        items.append(("ops", ops + fwd.head_ops(1, 1) + kv.step_end_ops()))
         return items
 
     def _run(self, ops: Iterable[Op], timer: StageTimer | None = None) -> None:
@@ -306,6 +306,9 @@ class Session:
         plan = getattr(self.kv, "next_epoch", None)
         if self._graphs is None or self._next is not None or plan is None:
             return False
+        if self.kv.graph_epoch != self._graph_epoch:   # the next step's work changed already: capture it as it is
+            self._next = (self.kv.graph_epoch, self._capture_program("next"))
+            return True
         ahead = plan()
         if ahead is None:
             return False
