@@ -22,7 +22,7 @@ from hss.errors import EmulatorError, MemoryFault
 from hss.kernels import gather as kg
 from hss.reference import gather as ref
 from hss.swap import GroupLayout, HostStore
-from hss.swap.gather import FENCES, GATHER_MIN_RUNS, PageGather, gather_fits
+from hss.swap.gather import FENCES, GATHER_MIN_RUNS, SPARSE_GATHER_MIN_RUNS, PageGather, gather_fits
 from hss.swap.pool import ScratchPool
 
 from helpers import download
@@ -318,6 +318,7 @@ def test_swap_steps_through_the_gather_equal_the_batched_copies(ctx, tmp_path, m
     a, b = (Setup(ctx, tmp_path / name, np.random.default_rng(seed), "host", resident_blocks=14, tile=4,
                   max_blocks=40, dims=SMALL) for name in ("gather", "dma"))
     a.h.store.gather_min_runs, b.h.store.gather_min_runs = 0, NEVER
+    b.h.sparse_gather_min_runs = NEVER
     ids = [int(x) for x in np.random.default_rng(seed).permutation(36)]
     for s in (a, b):
         s.offload(0, ids)
@@ -370,6 +371,42 @@ def test_a_sparse_step_queues_few_events(ctx, tmp_path, rng, monkeypatch) -> Non
         assert len(calls) >= 1 + 3 * ns + 1 + extra + max(ns - 2, 0), (n, ns, calls)
         check_sparse(s, 0, ids, q, q_dev, rec, got, 5, (7, 1, 1), f"step {n}")
         q_dev.close()
+    s.close()
+
+
+def test_by_default_only_a_sparse_steps_scattered_tiles_go_through_the_kernel(ctx, tmp_path, rng,
+                                                                             monkeypatch) -> None:
+    """The defaults: an exact step's tiles are batched copies (HostStore.gather_min_runs: off), a sparse step's tiles
+    of more than one run are one page_gather launch each (HighSpeedSwap.sparse_gather_min_runs), one of a single run
+    one batched copy; the steps are right either way."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40, dims=SMALL)
+    assert s.h.store.gather_min_runs == GATHER_MIN_RUNS == NEVER and s.h.sparse_gather_min_runs == 1
+    assert SPARSE_GATHER_MIN_RUNS == 1
+    ids = [int(b) for b in rng.permutation(36)]
+    s.offload(0, ids)
+    real = s.h.store._plan_reads
+    kinds = set()
+    for n in range(10):
+        q, q_dev = s.query()
+        kw = dict(budget_pages=7, keep_first=1, keep_recent=1) if n % 2 else {}
+        plans: list = []
+        monkeypatch.setattr(s.h.store, "_plan_reads", lambda *a: plans.append(real(*a)) or plans[-1])
+        calls = count_calls(monkeypatch, ("cuMemcpyBatchAsync",))
+        rec, got = s.step(0, ids, q_dev, q_pos=35 * 16 + 4, **kw)
+        monkeypatch.undo()
+        reads, = plans
+        runs = np.diff(reads.run_bounds).tolist()
+        kernel = [bool(kw) and r > 1 for r in runs]
+        assert (reads.gather.kernel if reads.gather else [False] * len(runs)) == kernel, (n, runs)
+        assert len(calls) == sum(r > 0 and not k for r, k in zip(runs, kernel)), (n, runs, calls)
+        kinds.update(zip(kernel, [bool(kw)] * len(kernel)))
+        if kw:
+            check_sparse(s, 0, ids, q, q_dev, rec, got, 5, (7, 1, 1), f"step {n}")
+        else:
+            check_step(s, 0, ids, q, q_dev, rec, got, 5, f"step {n}")
+        resident_bytes_match(s)
+        q_dev.close()
+    assert (True, True) in kinds and (False, False) in kinds, kinds
     s.close()
 
 

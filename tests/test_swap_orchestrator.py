@@ -1032,9 +1032,11 @@ def test_sparse_misses_go_out_as_one_batch_per_tile_straight_into_their_slots(ct
     the tables go up in one copy; the resident pages then hold exactly their bytes, and promotions follow the rule
     (the best attended misses, replacing the lowest-scoring residents). New random queries every step, so resident
     pages attended in the resident tile are evicted by misses of the same step (their slots read into only after the
-    resident tile)."""
+    resident tile). (Batched copies asked for: by default a HostStore reads a scattered tile with page_gather,
+    tests/test_page_gather.py.)"""
     s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
               dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
+    s.h.sparse_gather_min_runs = 1 << 30
     ids = [int(b) for b in rng.permutation(36)]
     s.offload(0, ids)
     T = s.h.tile_blocks
@@ -1131,17 +1133,20 @@ def test_sparse_host_profile_counts_its_parts(ctx, tmp_path, rng) -> None:
     s.close()
 
 
-def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotions(ctx, tmp_path, rng,
-                                                                                  monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["dma", "gather"])
+def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotions(ctx, tmp_path, rng, monkeypatch,
+                                                                                  path) -> None:
     """A sparse step's pool bookkeeping is done at once after its reads are queued: when the reads of a later tile
-    fail, the promotions of the tiles before it are in the pool (their pages' bytes in their slots), the failing
-    tile's promoted slots are free (their old pages may be overwritten), no other page moved; the next steps are
-    exact."""
+    fail (its batched copy, or its page_gather launch), the promotions of the tiles before it are in the pool (their
+    pages' bytes in their slots), the failing tile's promoted slots are free (their old pages may be overwritten), no
+    other page moved; the next steps are exact."""
     s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
               dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
     ids = [int(b) for b in rng.permutation(36)]
     s.offload(0, ids)
-    real_batch, real_put = _driver.api.cuMemcpyBatchAsync, s.h._put_promotions
+    s.h.store.gather_min_runs = s.h.sparse_gather_min_runs = 1 << 30 if path == "dma" else 0   # every tile one way
+    gather = s.h.store._gather
+    real_batch, real_launch, real_put = _driver.api.cuMemcpyBatchAsync, gather.launch, s.h._put_promotions
     seen = 0
     for n in range(40):
         q, q_dev = s.query()
@@ -1152,13 +1157,22 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
         def batch(*a):
             calls[0] += 1
             return (_driver.api.CUresult.CUDA_ERROR_INVALID_VALUE,) if calls[0] == 2 else real_batch(*a)
-        monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", batch)
+
+        def launch(*a):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise cm.CudaError("cuLaunchKernel", "CUDA_ERROR_INVALID_VALUE", "injected")
+            return real_launch(*a)
+        if path == "dma":
+            monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", batch)
+        else:
+            monkeypatch.setattr(gather, "launch", launch)
         monkeypatch.setattr(s.h, "_put_promotions", lambda *a: (puts.append(a), real_put(*a))[1])
         try:
             s.step(0, ids, q_dev, budget_pages=7, keep_first=1, keep_recent=1)
             failed = False
         except cm.CudaError as exc:
-            assert "cuMemcpyBatchAsync" in str(exc) and calls[0] == 2
+            assert ("cuMemcpyBatchAsync" if path == "dma" else "cuLaunchKernel") in str(exc) and calls[0] == 2
             failed = True
         monkeypatch.undo()
         if failed and puts:

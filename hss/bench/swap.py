@@ -26,8 +26,9 @@ all in one run:
 * the HostStore's two ways of reading a group of scattered pages (a tile of every other page into pool slots, one
   run per page, as a sparse step's misses): one ``page_gather`` launch (zero-copy from the mapped pinned buffer) and
   one batched DMA call: device time (bandwidth) and host µs per group (the driver's share of a sparse step);
-  ``--gather-min-runs N`` sets the swaps' choice between them (default: the library's; 0: every group into pool
-  slots through the kernel; a large N: batched copies only);
+  ``--gather-min-runs N`` sets the swaps' choice between them for every step, exact and sparse (default: the
+  library's: a sparse step's tiles of more than one run through the kernel, the rest batched copies; 0: every group
+  into pool slots through the kernel; a large N: batched copies only);
 * the sparse swap mode (SPEC §17.6) on the HostStore swap, right after its exact steps: ``--sparse-steps``
   consecutive steps attending the first ``--keep-first`` and last ``--keep-recent`` pages plus ``--budget`` of the
   pages by predictor score, with the exact step's query every step (the resident set settles on what the query
@@ -99,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparse-steps", type=int, default=64, help="sparse mode: consecutive timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gather-min-runs", type=int, default=None, help="HostStore reads: groups of more runs go "
-                   "through page_gather (default: the library's choice; 0: all; a large number: none)")
+                   "through page_gather, exact and sparse steps alike (default: the library's choice; 0: all; a "
+                   "large number: none)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: a code-path check")
     p.add_argument("--tp", type=int, default=1, help="N > 1: only the step split over N devices by kv heads against "
@@ -393,7 +395,7 @@ def _swap_step(args: argparse.Namespace, ctx: Any, *, store: str, k: np.ndarray,
                               0xCAFE_F00D, store=store, stream_tile_blocks=tile, run_cap_bytes=run_cap)
     h = HighSpeedSwap(ctx, cfg, ModelDims(1, pages, nq, nkv, hd, bs))
     if store == "host" and args.gather_min_runs is not None:
-        h.store.gather_min_runs = args.gather_min_runs
+        h.store.gather_min_runs = h.sparse_gather_min_runs = args.gather_min_runs
     out = cm.DeviceBuffer(2 * nq * hd)
     try:
         page_bytes = bs * nkv * hd * 2

@@ -134,11 +134,12 @@ class EvictionPolicy:
                 i += 1
         return np.concatenate([np.asarray(out, dtype=np.int64), a[i:], b[j:]]).astype(np.int64)
 
-    def _rank_all(self) -> np.ndarray:
-        """:meth:`rank` of every slot (nothing pinned): the swap's steady state, every slot holding a page."""
+    def _rank_all(self, low: float | None = None) -> np.ndarray:
+        """:meth:`rank` of every slot (nothing pinned): the swap's steady state, every slot holding a page. ``low``:
+        ``last_score.min()`` if the caller has it (NaN where any score is)."""
         score = self.last_score
-        top = score.max() if score.size else 0.0
-        if top != top:      # a NaN (max propagates it): the merge by recency
+        top = (score.min() if low is None else low) if score.size else 0.0
+        if top != top:      # a NaN (min propagates it): the merge by recency
             return self.rank()
         return np.lexsort((self.last_access, score))     # stable: ties in both keep the slot order
 

@@ -4,9 +4,9 @@ that say when queued reads have run, so that what they read is not rewritten ear
 
 A group of reads is either one batched DMA call (``cuMemcpyBatchAsync``: each run of consecutive pages one copy,
 ~1-2 µs of driver time per copy) or one kernel launch whatever its runs; the HostStore picks per group with
-:data:`GATHER_MIN_RUNS`. The kernel reads its (page, slot) index pairs from mapped pinned memory too, so a launch needs
-no upload: index slot k is guarded by fence k, both taken round robin, and rewritten only once the launch that read
-it has run.
+:data:`GATHER_MIN_RUNS` (a sparse swap step's misses: :data:`SPARSE_GATHER_MIN_RUNS`). The kernel reads its (page,
+slot) index pairs from mapped pinned memory too, so a launch needs no upload: index slot k is guarded by fence k, both
+taken round robin, and rewritten only once the launch that read it has run.
 """
 from __future__ import annotations
 
@@ -21,16 +21,20 @@ from hss.errors import HssError
 from hss.kernels.gather import CHUNK, MAX_CHUNKS, MODULE, PAGE_GATHER, THREADS, VECTOR
 from hss.ptx import load_module
 
-__all__ = ["GATHER_MIN_RUNS", "FENCES", "PageGather", "ReadFences", "gather_fits"]
+__all__ = ["GATHER_MIN_RUNS", "SPARSE_GATHER_MIN_RUNS", "FENCES", "PageGather", "ReadFences", "gather_fits"]
 
 # A group of more than GATHER_MIN_RUNS runs is read by the kernel, the others by the copy engine: a DMA copy costs
 # ~1-2 µs of driver time on the host (measured on an H200: 407 µs of host for two batches of ~113 copies), a launch
 # plus its fence ~5 µs whatever the pages, and one long run is what the copy engine does best.
-# Off by default for now (HostStore.gather_min_runs = 0 or a small count opts in): on the H200 (2026-12-01) with
-# the kernel taking groups of more than 4 runs, the exact HostStore step measured 1.27x its floor (1.13-1.14x by DMA
-# the session before) and the new-query sparse step 0.301x the exact step (0.306-0.457x by DMA): the sparse step
-# is bound by its Python planning, and the kernel's reads compete with the attention for the SMs.
+# GATHER_MIN_RUNS applies to every group a HostStore plans into pool slots, and is off (HostStore.gather_min_runs = 0
+# or a small count opts in): on the H200 (2026-12-01) with the kernel taking every group of more than 4 runs, the
+# EXACT HostStore step measured 1.27x its floor (1.11-1.14x by DMA): its tiles are few long runs, and the kernel's
+# reads compete with its attention for the SMs. SPARSE_GATHER_MIN_RUNS is what a sparse swap step asks for its
+# misses (HighSpeedSwap.sparse_gather_min_runs): a tile of scattered pages (one run each, ~100 runs) is one launch
+# instead of ~100 DMA copies; a tile that is one contiguous run stays one DMA copy. Measured with the kernel on, the
+# new-query sparse step ran 0.301x the exact step (0.404x by DMA).
 GATHER_MIN_RUNS = 1 << 30
+SPARSE_GATHER_MIN_RUNS = 1
 FENCES = 8             # fences (and index slots) of a store: a fence is re-recorded FENCES groups after its last record
 _FIRST_CAPACITY = 256  # pairs per index slot at first; grown to the widest gathered group
 

@@ -40,9 +40,10 @@ readable, then on ``s`` (after ``step_done``, as above) queues the scores and th
 once; it picks the pages (:func:`~hss.swap.sparse.select_pages`), records this query's scores for the resident
 pages it skips (so they are the first victims when they score low), and runs 1-5 above over the pages picked
 (hits = those resident; only the picked misses are read, each tile's in one prepared group: one batched copy, or one
-``page_gather`` launch where a HostStore finds the tile's pages scattered). Its scores being known
-before any read, its promotions (the same rule, best score first) are planned first and those misses are read
-straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool
+``page_gather`` launch where a HostStore finds the tile's pages scattered, in more than ``sparse_gather_min_runs``
+runs; an exact step's tiles stay batched copies unless the store's ``gather_min_runs`` says otherwise). Its scores
+being known before any read, its promotions (the same rule, best score first) are planned first and those misses are
+read straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool
 bookkeeping of the step is one vectorized update once its reads are queued (of the tiles whose reads were queued,
 if one failed). A tile whose reads overwrite the slot of
 a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. Its scores were waited for
@@ -79,6 +80,7 @@ from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
+from hss.swap.gather import SPARSE_GATHER_MIN_RUNS
 from hss.swap.layout import GroupLayout
 from hss.swap.pool import ScratchPool
 from hss.swap.sparse import SparseBudget, select_pages, sparse_budget
@@ -333,6 +335,11 @@ class HighSpeedSwap:
     work and frees everything once. Single sequence per step, like the mainline original.
     """
 
+    #: a sparse step's tile of misses of more runs than this is read by one ``page_gather`` launch where the store
+    #: is a HostStore (:data:`~hss.swap.gather.SPARSE_GATHER_MIN_RUNS`; per instance too: a huge value keeps them
+    #: batched DMA copies). Exact steps' tiles follow the store's own ``gather_min_runs`` (off by default).
+    sparse_gather_min_runs: int = SPARSE_GATHER_MIN_RUNS
+
     def __init__(self, ctx: cm.CudaCtx, cfg: HighSpeedSwapConfig, model: ModelDims) -> None:
         if not isinstance(ctx, cm.CudaCtx):
             raise TypeError(f"ctx must be a CudaCtx, got {type(ctx).__name__}; new_on_stream takes a stream")
@@ -420,7 +427,8 @@ class HighSpeedSwap:
         # streamed miss j goes to slot R + (j // T % 2) * T + j % T: tile j // T in stream buffer (j // T) % 2
         j = np.arange(nb, dtype=np.int64)
         self._stream_slots = R + j // T % 2 * T + j % T
-        self._stream_dsts = self.pool.ptr + self.layout.block_bytes * self._stream_slots
+        self._slot_dsts = self.pool.ptr + self.layout.block_bytes * np.arange(self.pool.num_slots, dtype=np.int64)
+        self._stream_dsts = self._slot_dsts[self._stream_slots]
         self._tile_bounds = np.arange(0, (self._max_tiles + 1) * T, T, dtype=np.int64)
         self._buffer_slots = (tuple(range(R, R + T)), tuple(range(R + T, R + 2 * T)))
         self._stream_table = np.zeros((self._max_tiles, cap), dtype=np.int32)
@@ -439,6 +447,9 @@ class HighSpeedSwap:
         self._stepped = False
         self._ended = False      # the last step's end was recorded (step_done follows all its work on its stream)
         self._last_sparse: SparseBudget | None = None
+        self._last_ids = (np.zeros(0, dtype=np.int64), -1)     # the last seq_block_ids checked (_seq_ids)
+        self._last_bytes = b""
+        self._readable: dict[int, tuple[np.ndarray, int]] = {}  # layer: (ids, store epoch) with every page readable
         self.last_step: StepRecord | None = None
         self._n = dict(steps=0, tiles=0, hits=0, misses=0, promotions=0, evictions=0, bytes_read=0, sparse_steps=0,
                        skipped=0)
@@ -471,6 +482,9 @@ class HighSpeedSwap:
         """``seq_block_ids`` checked, as our own int64 copy (the step record keeps it), and its largest id (-1 when
         empty)."""
         arr = np.asarray(seq_block_ids)
+        last, last_top = self._last_ids
+        if arr.shape == last.shape and arr.dtype == last.dtype and last.size and arr.tobytes() == self._last_bytes:
+            return last, last_top     # a decode loop passes the same pages step after step: our (read-only) copy
         if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind not in "f"):   # [] is float64
             raise TypeError(f"seq_block_ids must hold ints, got {arr.dtype}")
         if arr.ndim != 1:
@@ -489,6 +503,8 @@ class HighSpeedSwap:
             if counts.max() > 1:
                 raise HssError(f"seq_block_ids repeats block ids {np.flatnonzero(counts > 1)[:8].tolist()}: each "
                                "page may appear once per attend_layer call")
+        arr.setflags(write=False)      # the step records keep it, and the next step may reuse it
+        self._last_ids, self._last_bytes = (arr, top), arr.tobytes()
         return arr, top
 
     def _sparse_args(self, budget_pages: Any, keep_first: Any, keep_recent: Any) -> SparseBudget | None:
@@ -654,9 +670,7 @@ class HighSpeedSwap:
         their resident slots (no device-to-device copy); every tile's reads are one prepared batch."""
         prof = self._prof
         t0 = time.perf_counter()
-        missing = self.store._missing_planned(layer, ids)
-        if missing.size:
-            raise _never_offloaded(layer, missing)
+        self._check_readable(layer, ids)
         self._begin(s)
         try:
             self._queue_scores(s, layer, q, top + 1)
@@ -707,19 +721,36 @@ class HighSpeedSwap:
             if promo is not None:
                 miss_slots = self._stream_slots[:m].copy()
                 miss_slots[promo.take] = promo.into
-                dsts, dst_slots = self.pool.ptr + self.layout.block_bytes * miss_slots, miss_slots
+                dsts, dst_slots = self._slot_dsts[miss_slots], miss_slots
         t0 = time.perf_counter()
         bounds = self._tile_bounds[:ns + 1].copy()
         bounds[-1] = m
         edges = bounds.tolist()
-        if known is None:     # (a sparse step checked every page of the sequence first)
+        if known is None and not self._known_readable(layer, ids):   # (a sparse step checked every page first)
             missing = self.store._missing_planned(layer, miss_ids)
             if missing.size:
                 raise _never_offloaded(layer, missing)
-        reads = self.store._plan_reads(layer, miss_ids, dsts, bounds, edges, (self.pool._slot_ptrs, dst_slots))
+        reads = self.store._plan_reads(layer, miss_ids, dsts, bounds, edges, (self.pool._slot_ptrs, dst_slots),
+                                       None if known is None else self.sparse_gather_min_runs)
         self._host_read += time.perf_counter() - t0
         return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]), promo,
                      miss_slots)
+
+    def _known_readable(self, layer: int, ids: np.ndarray) -> bool:
+        """Whether every page ``ids`` (our read-only copy) of ``layer`` was found readable since the store last
+        changed (its epoch: bumped by every write and invalidation)."""
+        seen = self._readable.get(layer)
+        return seen is not None and seen[0] is ids and seen[1] == self.store._epoch
+
+    def _check_readable(self, layer: int, ids: np.ndarray) -> None:
+        """StoreError naming the pages ``ids`` of ``layer`` never offloaded, if any; once all are readable, the same
+        ids are not looked up again until the store changes."""
+        if self._known_readable(layer, ids):
+            return
+        missing = self.store._missing_planned(layer, ids)
+        if missing.size:
+            raise _never_offloaded(layer, missing)
+        self._readable[layer] = (ids, self.store._epoch)
 
     def _begin(self, s: int) -> None:
         """Order the step after the previous one on ``s`` and on the copy stream (the stream buffers and the promoted
@@ -928,10 +959,12 @@ class HighSpeedSwap:
                 victims = eviction.rank(free)
                 victims = victims[pool._keys_planned(victims)[0] >= 0]
             else:       # every slot holds a page (a slot is free exactly when it holds none)
-                victims = eviction._rank_all()
-                # the usual steady state: every miss scores below the first victim (a NaN max: some miss does not)
-                if not victims.size or miss_scores.max() < eviction.last_score[victims[0]]:
+                # the usual steady state: every miss scores below the first victim, the lowest score (a NaN on
+                # either side: not known here; then the rule below decides, as it would have here)
+                low = eviction.last_score.min()
+                if miss_scores.max() < low:
                     return None
+                victims = eviction._rank_all(low)
         order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
         k = 0
         if victims is not None:
@@ -950,7 +983,7 @@ class HighSpeedSwap:
             into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]])
         else:
             into = victims[:k]
-        rank = np.argsort(take, kind="stable")                   # decision rank of each, in sequence order
+        rank = np.argsort(take)         # decision rank of each, in sequence order (distinct: any sort is stable)
         take, into = take[rank], into[rank]
         old_layer, old_page = pool._keys_planned(into)
         at = np.searchsorted(take, self._tile_bounds[:ns + 1]).tolist()

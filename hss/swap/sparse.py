@@ -64,12 +64,14 @@ def select_pages(scores: np.ndarray, budget: SparseBudget) -> np.ndarray:
         others = scores[first:hi]
         neg = -(others if others.dtype.kind == "f" else others.astype(np.float64))   # ascending = best first
         kth = np.partition(neg, k - 1)[k - 1]     # the K-th best (NaN sorts last: fewer than K numbers)
-        if kth != kth:     # NaN
+        if kth != kth:     # NaN: every number, then the earliest NaN
             take = ~np.isnan(neg)
-            tied = (~take).nonzero()[0]
+            take[(~take).nonzero()[0][:k - int(np.count_nonzero(take))]] = True
         else:
-            take = neg < kth
-            tied = (neg == kth).nonzero()[0]
-        take[tied[:k - int(np.count_nonzero(take))]] = True     # ties (NaN last) to the earlier page
+            take = neg <= kth
+            if np.count_nonzero(take) != k:     # (the usual case: none past the K-th ties with it)
+                take = neg < kth
+                tied = (neg == kth).nonzero()[0]
+                take[tied[:k - int(np.count_nonzero(take))]] = True     # ties to the earlier page
         keep[first:hi] = take
     return keep.nonzero()[0]

@@ -5,7 +5,8 @@ Both keep every layer in the :class:`~hss.swap.layout.GroupLayout` page layout, 
 contiguous ``block_bytes`` range in the store and in a scratch slot, and consecutive pages read with one
 transfer. Writes are synchronous host operations; ``read_pages`` queues host-to-device copies on the
 caller's stream and returns without waiting for them (a HostStore can read a scattered group into the swap's
-pool slots with one ``page_gather`` launch instead, opted into by ``gather_min_runs``: :mod:`hss.swap.gather`).
+pool slots with one ``page_gather`` launch instead: a sparse swap step's scattered misses, or any group into pool slots
+where ``gather_min_runs`` opts in: :mod:`hss.swap.gather`).
 ``prepare_reads`` checks and plans many reads at once (a decode step's tiles) into :class:`PreparedReads`, whose
 groups then issue with almost no host work.
 
@@ -84,7 +85,8 @@ class PreparedReads:
                  run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
         self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
         self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
-        self.copies: Any = None     # HostStore: the transfers as one HostToDeviceBatch (see _prepared)
+        self.copies: Any = None     # HostStore: the transfers as one HostToDeviceBatch (see _prepared; None where
+        #                             every group goes through page_gather)
         self.gather: _Gathered | None = None     # HostStore: the groups read by page_gather, if any
         self.fence: cm.CudaEvent | None = None
         self._block_bytes, self._epoch = store.layout.block_bytes, store._epoch
@@ -186,7 +188,7 @@ class BackingStore:
 
     def _missing_planned(self, layer: int, pages: np.ndarray) -> np.ndarray:
         """:meth:`missing_pages` of values the caller checked (``layer`` in range; ``pages`` int64, in range)."""
-        ok = self._page_ok[layer, pages]
+        ok = self._page_ok[layer].take(pages)
         return pages[~ok] if np.count_nonzero(ok) != ok.size else pages[:0]
 
     def invalidate_page(self, layer: int, page: int) -> None:
@@ -273,15 +275,18 @@ class BackingStore:
         return self._plan_reads(layer, pages, dsts, b, edges)
 
     def _plan_reads(self, layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: np.ndarray, edges: list[int],
-                    slots: tuple[cm.PointerTable, np.ndarray] | None = None) -> PreparedReads:
+                    slots: tuple[cm.PointerTable, np.ndarray] | None = None,
+                    gather_min_runs: int | None = None) -> PreparedReads:
         """:meth:`prepare_reads` of values the caller checked or computed: ``pages`` (int64, our own) readable pages
         of ``layer``; ``dsts`` (int64, our own) into live hss memory with room for a page each; ``bounds`` (int64)
         and ``edges`` (the same as a list) non-decreasing in 0..len(pages). ``slots``: every destination is a slot
         of the swap's scratch pool, ``dsts[i]`` entry ``slots[1][i]`` of its pointer table ``slots[0]`` (then the
-        planned runs need no range check)."""
+        planned runs need no range check). ``gather_min_runs``: a HostStore reads those groups (into pool slots) of
+        more runs than this or its own :attr:`HostStore.gather_min_runs`, the smaller, with ``page_gather`` (a sparse
+        swap step's scattered misses)."""
         first, counts, at = _plan_runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages, bounds)
         reads = PreparedReads(self, layer, pages, dsts, edges, first, counts, at.tolist())
-        self._prepared(reads, slots)
+        self._prepared(reads, slots, gather_min_runs)
         return reads
 
     def _dsts(self, dsts: Any) -> np.ndarray:
@@ -307,8 +312,10 @@ class BackingStore:
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None) -> None:
-        """Prebuild whatever issuing ``reads``' groups needs (``slots``: see :meth:`_plan_reads`)."""
+    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None,
+                  gather_min_runs: int | None = None) -> None:
+        """Prebuild whatever issuing ``reads``' groups needs (``slots``, ``gather_min_runs``: see
+        :meth:`_plan_reads`)."""
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         raise NotImplementedError
@@ -348,7 +355,8 @@ class HostStore(BackingStore):
 
     Reads go straight from the buffer, a group (``prepare_reads``) at a time: as H2D copies, consecutive pages in one
     copy, the group's copies in one batched driver call (its copy list built once by ``prepare_reads``); or, for a
-    group of more than :attr:`gather_min_runs` runs into the swap's pool slots (a sparse step's scattered misses), as
+    group into the swap's pool slots of more than :attr:`gather_min_runs` runs (or of more than the planning call's
+    ``gather_min_runs``: a sparse step's scattered misses, see :data:`~hss.swap.gather.SPARSE_GATHER_MIN_RUNS`), as
     ONE ``page_gather`` launch that reads the pages through the buffer's device mapping (cuMemHostGetDevicePointer),
     its (page, slot) pairs written into a small mapped ring (:mod:`hss.swap.gather`). Either way the group then
     records a fence event (its :attr:`PreparedReads.fence`). A write first waits (on the host) for the reads already
@@ -357,6 +365,7 @@ class HostStore(BackingStore):
 
     kind = "host"
     gather_min_runs = GATHER_MIN_RUNS   # per instance too: 0 sends every group into pool slots through the kernel
+    #                                     (a planning call's own, smaller gather_min_runs still applies to its groups)
 
     def __init__(self, layout: GroupLayout, num_layers: int, *, ctx: cm.CudaCtx | None = None,
                  run_cap_bytes: int = 1 << 30) -> None:
@@ -388,7 +397,8 @@ class HostStore(BackingStore):
         at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset_in_page
         self.buffer.array[at:at + data.nbytes] = data
 
-    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None) -> None:
+    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None,
+                  gather_min_runs: int | None = None) -> None:
         # one batched driver call per group (the DMA keeps its bandwidth on many mid-size copies): every transfer
         # checked here at once (unless they are pool slots), in one batch that each group queues its part of
         bb, first = self.layout.block_bytes, reads.run_starts
@@ -401,21 +411,27 @@ class HostStore(BackingStore):
         table, index = slots
         pages = reads.pages
         if table.stride == bb:
-            self._plan_gather(reads, table.base, index)
+            min_runs = self.gather_min_runs if gather_min_runs is None else min(gather_min_runs, self.gather_min_runs)
+            if self._plan_gather(reads, table.base, index, min_runs):
+                return       # every group through the kernel: no copy list
         if first.size != pages.size:       # (else every run is one page: first is 0, 1, ...)
             index, pages = index[first], pages[first]
         reads.copies = cm.HostToDeviceBatch._planned(reads.run_counts * bb, table, index, self._page_ptrs,
                                                      pages + reads.layer * self.layout.num_blocks)
 
-    def _plan_gather(self, reads: PreparedReads, pool: int, slots: np.ndarray) -> None:
-        """Mark the groups of more than ``gather_min_runs`` runs for ``page_gather`` (pool slots ``slots`` of the
-        pool at ``pool``) and make their index pairs; the index ring grows to the widest (after waiting for every
-        queued read: rare, the first steps)."""
+    def _plan_gather(self, reads: PreparedReads, pool: int, slots: np.ndarray, min_runs: int) -> bool:
+        """Mark the groups of more than ``min_runs`` runs for ``page_gather`` (pool slots ``slots`` of the pool at
+        ``pool``) and make their index pairs; the index ring grows to the widest (after waiting for every queued
+        read: rare, the first steps). Returns whether every non-empty group goes through the kernel."""
         gather = self._gather
-        kernel = np.diff(reads.run_bounds) > self.gather_min_runs
-        if gather is None or not kernel.any():
-            return
-        widest = int(np.diff(reads.bounds)[kernel].max())
+        rb = reads.run_bounds
+        if gather is None or min_runs >= rb[-1] - rb[0]:      # (no group has more runs than all of them)
+            return False
+        kernel = [hi - lo > min_runs for lo, hi in zip(rb, rb[1:])]     # a few groups: plain ints
+        if not any(kernel):
+            return False
+        b = reads.bounds
+        widest = max(hi - lo for lo, hi, k in zip(b, b[1:], kernel) if k)
         if widest > gather.capacity:
             self._fences.wait_all()              # no launch may still read the old index slots
             gather.reserve(widest)
@@ -423,7 +439,8 @@ class HostStore(BackingStore):
         pairs[:, 0] = reads.pages
         pairs[:, 1] = slots
         src = self._mapped + reads.layer * self.layout.bytes_per_layer
-        reads.gather = _Gathered(gather, kernel.tolist(), pairs, pool, src, self.layout.block_bytes // 16)
+        reads.gather = _Gathered(gather, kernel, pairs, pool, src, self.layout.block_bytes // 16)
+        return all(k or lo == hi for lo, hi, k in zip(rb, rb[1:], kernel))
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         k = self._fences.take()     # fence k guards index slot k: free once the group it fenced has run
@@ -672,7 +689,8 @@ class FileStore(BackingStore):
                                f"of {self.path(layer)}: {exc.strerror or exc}", exc.errno) from exc
 
     # -- reads -----------------------------------------------------------------------------------
-    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None) -> None:
+    def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None,
+                  gather_min_runs: int | None = None) -> None:
         # every transfer's destination range against the live hss buffers, at once (HostStore's batch does this)
         if slots is None:
             first = reads.run_starts
