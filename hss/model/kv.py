@@ -300,8 +300,7 @@ class SwapKV:
     @property
     def graph_epoch(self) -> int:
         """Changes exactly when the step's work changes (a page completed, or the step after that): a step graph
-        captured under one value
-        replays correctly while it holds (always 0 in the sparse mode, which is not capturable)."""
+        captured under one value replays correctly while it holds (always 0 in the sparse mode, not capturable)."""
         return 0 if self.staged is None else self.staged.epoch
 
     def next_epoch(self) -> contextlib.AbstractContextManager[int] | None:
