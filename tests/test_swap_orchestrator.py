@@ -971,6 +971,7 @@ def test_a_sparse_step_failing_after_its_score_wait_leaves_the_next_exact(ctx, t
     def broken(*a, **kw):
         raise HssError("injected")
 
+    s.h.time_sparse_stalls = True     # (its stall timer is where the tiles fail)
     for obj, name in ((orchestrator, "select_pages"), (s.h._timer, "begin")):
         monkeypatch.setattr(obj, name, broken)
         with pytest.raises(HssError, match="injected"):
@@ -1233,3 +1234,79 @@ def test_step_records_are_immutable_records_of_python_values(ctx, tmp_path, rng)
         assert len(rec.attended) == len(ids) - len(rec.skipped)
     q_dev.close()
     s.close()
+
+
+# -- promotion planning against the scalar rule ------------------------------------------------------------------------
+def scalar_promotions(policy, held: np.ndarray, free: list[int], miss: np.ndarray) -> tuple[list, list, list]:
+    """The promotion rule one miss at a time (best score first, ties to the earlier miss, NaN last): into the front of
+    the free list, else into the next victim (``policy.rank`` of the slots not free, held ones) while that one does
+    not score above the miss. (take, into, rank: decision ranks) in sequence order."""
+    victims = [int(v) for v in policy.rank(free) if held[v]]
+    order = sorted(range(miss.size), key=lambda i: (bool(np.isnan(miss[i])), 0.0 if np.isnan(miss[i]) else -miss[i], i))
+    picked = []
+    for i in order:
+        if free:
+            picked.append((i, free.pop(0)))
+        elif victims and not policy.last_score[victims[0]] > miss[i]:
+            picked.append((i, victims.pop(0)))
+        else:
+            break
+    seq = sorted(range(len(picked)), key=lambda r: picked[r][0])
+    return [picked[r][0] for r in seq], [picked[r][1] for r in seq], seq
+
+
+def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
+    """``_plan_promotions`` (its vectorized paths: free slots, a full resident set by sorted values, NaN by the
+    ranking) against the rule applied one miss at a time, over scores with many ties (-0.0 and 0.0, infinities,
+    NaN sometimes) and without ties, full and partly free resident sets, one or several tiles; ``wait_tile`` against
+    its definition."""
+    from types import SimpleNamespace
+
+    from hss.swap import EvictionPolicy, GroupLayout, ScratchPool
+    paths = set()
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        R, T, nb = int(rng.integers(1, 12)), int(rng.integers(1, 5)), 40
+        values = np.array([-np.inf, -1.0, -0.0, 0.0, 0.5, 2.0, np.inf] + ([np.nan] if seed % 4 == 0 else []),
+                          dtype=np.float32)
+        pool = ScratchPool(GroupLayout(nb, 1, 4, 64), R + 2 * T, num_layers=2, reserved_slots=2 * T, ctx=ctx)
+        try:
+            for trial in range(25):
+                pool.clear()
+                n_held = R if trial % 3 else int(rng.integers(0, R + 1))
+                held_slots = rng.permutation(R)[:n_held]
+                pool.put_many(int(rng.integers(0, 2)), rng.permutation(nb)[:n_held], held_slots)
+                ev = EvictionPolicy(R)
+                distinct = seed % 2 == 1        # (no two scores equal: the plain sorts' path)
+                ev.last_score[:] = rng.standard_normal(R) if distinct else rng.choice(values, R)
+                ev.last_access[:] = rng.integers(0, 4, R)
+                m = int(rng.integers(1, 3 * T + 1))
+                miss = (rng.standard_normal(m) + 0.5).astype(np.float32) if distinct else rng.choice(values, m)
+                ns = -(-m // T)
+                hits = rng.permutation(held_slots)[:int(rng.integers(0, n_held + 1))].astype(np.int64)
+                fake = SimpleNamespace(resident_capacity=R, pool=pool, eviction=ev, tile_blocks=T,
+                                       _tile_bounds=np.arange(0, (ns + 2) * T, T, dtype=np.int64))
+                for name in ("_promote_into_free", "_promote_ranked", "_promote_by_value"):
+                    setattr(fake, name, getattr(HighSpeedSwap, name).__get__(fake))
+                scores = np.concatenate([miss, rng.choice(values, 3)])     # the misses at positions 0..m-1
+                got = HighSpeedSwap._plan_promotions(fake, scores, np.arange(m), ns, hits)
+                held = pool._layer_of >= 0
+                take, into, rank = scalar_promotions(ev, held, pool.free_slots()[:m], miss)
+                nan = bool(np.isnan(ev.last_score).any() or np.isnan(miss).any())
+                paths.add((bool(pool.free_count), nan, bool(take)))
+                what = (seed, trial, ev.last_score.tolist(), ev.last_access.tolist(), held.tolist(), miss.tolist())
+                if not take:
+                    assert got is None, what
+                    continue
+                assert got is not None, what
+                assert (got.take.tolist(), got.into.tolist(), got.rank.tolist()) == (take, into, rank), what
+                assert got.take.dtype == got.into.dtype == got.rank.dtype == np.int64, what
+                assert np.array_equal(got.scores, miss[take], equal_nan=True), what
+                layers, pages = pool.keys_of(into)
+                assert (got.old_layer.tolist(), got.old_page.tolist()) == (layers.tolist(), pages.tolist()), what
+                assert got.at == np.searchsorted(take, np.arange(0, (ns + 1) * T, T)).tolist(), what
+                over = [t for t, slot in zip(take, into) if slot in hits.tolist()]
+                assert got.wait_tile == (over[0] // T if over else ns), what
+        finally:
+            pool.close()
+    assert {(False, False, True), (False, False, False), (True, False, True), (False, True, True)} <= paths, paths

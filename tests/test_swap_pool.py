@@ -147,6 +147,18 @@ def test_touch_record_reset_and_epoch_wrap() -> None:
         EvictionPolicy(-1)
 
 
+def test_planned_touches_are_touch_many_across_every_epoch() -> None:
+    """``_touch_planned`` (one arange while the epochs stay below 2^63) gives ``touch_many``'s accesses and epoch at any
+    epoch: small, around 2^63, and wrapping at 2^64."""
+    for epoch in (1, 2**53 - 1, 2**63 - 3, 2**63 + 7, 2**64 - 2):
+        a, b = EvictionPolicy(6), EvictionPolicy(6)
+        a.epoch = b.epoch = epoch
+        slots = np.array([4, 0, 5, 2], dtype=np.int64)
+        a.touch_many(slots.tolist())
+        b._touch_planned(slots)
+        assert a.last_access.tolist() == b.last_access.tolist() and a.epoch == b.epoch, epoch
+
+
 # -- ScratchPool -------------------------------------------------------------------------------
 @pytest.fixture
 def pool(ctx):

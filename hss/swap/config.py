@@ -204,7 +204,8 @@ class HighSpeedSwapDiagnostic:
     ``resident_pages`` is the number of pages actually resident. Counters: ``hits`` (pages attended in
     place), ``misses`` (pages streamed from the store), ``bytes_read`` (store -> device), ``promotions``
     (streamed pages copied into the resident set), ``evictions`` (resident pages replaced),
-    ``read_stall_ms`` (device time the attention stream waited for reads), ``host_read_ms`` (host time in
+    ``read_stall_ms`` (device time the attention stream waited for reads: of exact steps, and of sparse steps only
+    where ``HighSpeedSwap.time_sparse_stalls`` is set), ``host_read_ms`` (host time in
     store reads: planning and checking a step's reads, issuing them, file I/O, bounce waits),
     ``score_wait_ms`` (host time blocked on the predictor scores event), ``sparse_steps`` (steps in the sparse
     mode, SPEC §17.6) and ``skipped`` (pages those steps did not attend; hits and misses count attended pages).

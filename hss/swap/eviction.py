@@ -99,8 +99,12 @@ class EvictionPolicy:
     def _touch_planned(self, slots: np.ndarray) -> None:
         """:meth:`touch_many` without the argument checks (``slots``: int64, in 0..num_slots-1, computed by the
         caller)."""
-        self.last_access[slots] = np.arange(slots.size, dtype=np.uint64) + np.uint64(self.epoch)   # wraps mod 2^64
-        self.epoch = (self.epoch + slots.size) % _U64
+        e, n = self.epoch, slots.size
+        if e + n <= 2**63:        # (no wrap, and within arange's int64 reach: one op)
+            self.last_access[slots] = np.arange(e, e + n, dtype=np.uint64)
+        else:
+            self.last_access[slots] = np.arange(n, dtype=np.uint64) + np.uint64(e)   # wraps mod 2^64
+        self.epoch = (e + n) % _U64
 
     def reset(self) -> None:
         """Scores -inf, accesses 0, epoch 1."""

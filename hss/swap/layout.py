@@ -9,6 +9,7 @@ back to back; a scratch slot holds one page in the same layout. Pure arithmetic:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,23 +72,23 @@ class GroupLayout:
         if fs & (fs - 1):
             raise HssError(f"GroupLayout.fs_block_size ({fs}) must be a power of two")
 
-    # -- sizes ---------------------------------------------------------------------------------
-    @property
+    # -- sizes (made once: the swap's hot loops read them every step) -----------------------------
+    @functools.cached_property
     def group_bytes(self) -> int:
         """Bytes of one stripe's data: block_size * head_dim * elem_bytes."""
         return self.block_size * self.head_dim * self.elem_bytes
 
-    @property
+    @functools.cached_property
     def group_stride(self) -> int:
         """Bytes between consecutive stripes: group_bytes rounded up to fs_block_size."""
         return _round_up(self.group_bytes, self.fs_block_size)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         """Bytes of one page (all K then all V stripes): 2 * num_kv_heads * group_stride."""
         return 2 * self.num_kv_heads * self.group_stride
 
-    @property
+    @functools.cached_property
     def bytes_per_layer(self) -> int:
         """Bytes of one layer file: 2 * num_blocks * num_kv_heads * group_stride."""
         return self.num_blocks * self.block_bytes

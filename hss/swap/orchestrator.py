@@ -47,8 +47,10 @@ read straight into their resident slots, where their tile attends them: no devic
 bookkeeping of the step is one vectorized update once its reads are queued (of the tiles whose reads were queued,
 if one failed). A tile whose reads overwrite the slot of
 a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. Its scores were waited for
-before its table upload, so no second ``scores`` event follows the upload: the step's end covers it. A budget
-covering every other page is the exact step: the same code path, the same bits.
+before its table upload, so no second ``scores`` event follows the upload: the step's end covers it. It times no read
+stall (no timing events around its tiles' waits; ``read_stall_ms`` counts exact steps') unless
+:attr:`HighSpeedSwap.time_sparse_stalls` is set. A budget covering every other page is the exact step: the same code
+path, the same bits (and its stalls are timed).
 
 Every tile is recorded (:class:`StepRecord`): the ordered slots, the block ids they hold and the
 last_block_valid_slots each tile was applied with. Replaying the same block ids in the same tiles with
@@ -339,6 +341,11 @@ class HighSpeedSwap:
     #: is a HostStore (:data:`~hss.swap.gather.SPARSE_GATHER_MIN_RUNS`; per instance too: a huge value keeps them
     #: batched DMA copies). Exact steps' tiles follow the store's own ``gather_min_runs`` (off by default).
     sparse_gather_min_runs: int = SPARSE_GATHER_MIN_RUNS
+
+    #: whether sparse steps time their streamed tiles' read stalls (``read_stall_ms``): off by default, a sparse step
+    #: records no timing events (two a streamed tile, and their queries); exact steps always time theirs. Per
+    #: instance too.
+    time_sparse_stalls: bool = False
 
     def __init__(self, ctx: cm.CudaCtx, cfg: HighSpeedSwapConfig, model: ModelDims) -> None:
         if not isinstance(ctx, cm.CudaCtx):
@@ -789,6 +796,7 @@ class HighSpeedSwap:
         kp, vp, blk, tok, kvh = self._operands
         tables, counts = self._tables_dev, self._counts_dev
         loaded, done, timer, n = self._ev_loaded, self._ev_done, self._timer, self._n
+        timed = known is None or self.time_sparse_stalls      # (a sparse step's stalls: opt in)
         promoted: list[tuple[int, int, int]] = []                 # exact: (decision rank, block id, slot)
         evicted: list[tuple[int, tuple[int, int], int]] = []      # exact: (decision rank, (layer, page), slot)
         wait_tile = promo.wait_tile if known is not None and promo is not None else ns
@@ -821,9 +829,12 @@ class HighSpeedSwap:
                 ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs, output)
 
         def attend_streamed(i: int) -> None:
-            timer.begin(s)
-            cm.stream_wait_event(s, ready[i % 2])
-            timer.end(s)
+            if timed:
+                timer.begin(s)
+                cm.stream_wait_event(s, ready[i % 2])
+                timer.end(s)
+            else:
+                cm.stream_wait_event(s, ready[i % 2])
             attend(first + i, lbvs if i == ns - 1 and not last_is_hit else bs)
 
         try:
@@ -951,26 +962,55 @@ class HighSpeedSwap:
             return None
         pool, eviction = self.pool, self.eviction
         miss_scores = scores[miss_pos]
-        free = pool.free_slots()[:m] if pool.free_count else []
-        nf = len(free)
+        if pool.free_count:
+            picked = self._promote_into_free(miss_scores)
+        else:       # every slot holds a page (a slot is free exactly when it holds none): the steady state
+            # the usual case: every miss scores below the first victim, the lowest score (a NaN on either side: not
+            # known here; then the rule below decides, as it would have here)
+            low, top = eviction.last_score.min(), miss_scores.max()
+            if top < low:
+                return None
+            picked = (self._promote_by_value(miss_scores) if low == low and top == top else
+                      self._promote_ranked(miss_scores, [], eviction._rank_all(low)))
+        if picked is None:
+            return None
+        take, into, rank, k = picked
+        old_layer, old_page = pool._keys_planned(into)
+        at = [0, take.size] if ns == 1 else np.searchsorted(take, self._tile_bounds[:ns + 1]).tolist()
+        wait_tile = ns
+        if hit_slots is not None and hit_slots.size and k:
+            hit = np.zeros(self.resident_capacity, dtype=bool)
+            hit[hit_slots] = True
+            over = hit[into]
+            if ns == 1:
+                wait_tile = 0 if over.any() else 1
+            else:
+                over = over.nonzero()[0]
+                if over.size:
+                    wait_tile = int(take[over[0]]) // self.tile_blocks
+        return _Promotions(take, into, rank, old_layer, old_page, miss_scores[take], at, wait_tile)
+
+    def _promote_into_free(self, miss_scores: np.ndarray) -> tuple | None:
+        """:meth:`_plan_promotions`' (take, into, rank, victims taken) with free slots: the free ones first, then the
+        first-ranked of the others."""
+        m, pool = miss_scores.size, self.pool
+        free = pool.free_slots()[:m]
         victims = None
-        if nf < m:
-            if free:
-                victims = eviction.rank(free)
-                victims = victims[pool._keys_planned(victims)[0] >= 0]
-            else:       # every slot holds a page (a slot is free exactly when it holds none)
-                # the usual steady state: every miss scores below the first victim, the lowest score (a NaN on
-                # either side: not known here; then the rule below decides, as it would have here)
-                low = eviction.last_score.min()
-                if miss_scores.max() < low:
-                    return None
-                victims = eviction._rank_all(low)
+        if len(free) < m:
+            victims = self.eviction.rank(free)
+            victims = victims[pool._keys_planned(victims)[0] >= 0]
+        return self._promote_ranked(miss_scores, free, victims)
+
+    def _promote_ranked(self, miss_scores: np.ndarray, free: list, victims: np.ndarray | None) -> tuple | None:
+        """The rule itself: the best misses (NaN last) into the ``free`` slots, then into the ranked ``victims`` while
+        each ranks before its miss. (take, into, rank: in sequence order; victims taken), or None."""
+        m, nf = miss_scores.size, len(free)
         order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
         k = 0
         if victims is not None:
             k = min(m - nf, victims.size)
             if k:      # not EvictionPolicy.yields_to: False for NaN, like the scalar rule
-                bad = eviction.last_score[victims[:k]] > miss_scores[order[nf:nf + k]]
+                bad = self.eviction.last_score[victims[:k]] > miss_scores[order[nf:nf + k]]
                 j = int(bad.argmax())
                 if bad[j]:
                     k = j
@@ -984,17 +1024,30 @@ class HighSpeedSwap:
         else:
             into = victims[:k]
         rank = np.argsort(take)         # decision rank of each, in sequence order (distinct: any sort is stable)
-        take, into = take[rank], into[rank]
-        old_layer, old_page = pool._keys_planned(into)
-        at = np.searchsorted(take, self._tile_bounds[:ns + 1]).tolist()
-        wait_tile = ns
-        if hit_slots is not None and hit_slots.size and k:
-            hit = np.zeros(self.resident_capacity, dtype=bool)
-            hit[hit_slots] = True
-            over = hit[into].nonzero()[0]
-            if over.size:
-                wait_tile = int(take[over[0]]) // self.tile_blocks
-        return _Promotions(take, into, rank, old_layer, old_page, miss_scores[take], at, wait_tile)
+        return take[rank], into[rank], rank, k
+
+    def _promote_by_value(self, miss_scores: np.ndarray) -> tuple | None:
+        """:meth:`_promote_ranked` into a full resident set with no NaN score on either side, the same answer with
+        cheaper sorts: how many victims yield follows from the sorted scores alone (the i-th lowest resident against
+        the i-th best miss), and where no two scores on a side are equal (-0.0 equals 0.0) any sort of them is the
+        stable one (the usual case: a plain argsort, not the lexsort by recency and the stable sort)."""
+        eviction = self.eviction
+        score, neg = eviction.last_score, -miss_scores
+        n = min(miss_scores.size, self.resident_capacity)
+        victims, order = score.argsort(), neg.argsort()
+        low, best = score[victims], miss_scores[order]     # sorted: the victims' scores, the misses' best first
+        bad = low[:n] > best[:n]
+        j = int(bad.argmax())
+        k = j if bad[j] else n
+        if not k:
+            return None
+        if np.count_nonzero(low[1:] == low[:-1]):     # a tie: recency, then the slot, decides
+            victims = np.lexsort((eviction.last_access, score))
+        if np.count_nonzero(best[1:] == best[:-1]):   # a tie: the earlier miss first
+            order = neg.argsort(kind="stable")
+        take, victims = order[:k], victims[:k]
+        rank = np.argsort(take)         # decision rank of each, in sequence order (distinct: any sort is stable)
+        return take[rank], victims[rank], rank, k
 
     def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int,
                        miss_slots: np.ndarray | None = None) -> None:
