@@ -161,13 +161,18 @@ class Blas:
                 pass
 
 
-def _cublas():
+def _binding(name: str) -> Any:
+    """``nvmath.bindings.<name>`` (``cublas`` or ``cublasLt``); a CudaError that says what to install if absent."""
+    import importlib
     try:
-        from nvmath.bindings import cublas
+        return importlib.import_module(f"nvmath.bindings.{name}")
     except ImportError as exc:
-        raise CudaError("import nvmath.bindings.cublas", "ImportError",
+        raise CudaError(f"import nvmath.bindings.{name}", "ImportError",
                         f"{exc}; install nvmath-python (and cuBLAS: pip install 'nvmath-python[cu13]')") from None
-    return cublas
+
+
+def _cublas() -> Any:
+    return _binding("cublas")
 
 
 _UNSET = object()
@@ -256,10 +261,5 @@ def _lt_call(name: str, fn: Any, *args: Any) -> Any:
         raise CudaError(name, type(exc).__name__, str(exc)) from None
 
 
-def _cublaslt():
-    try:
-        from nvmath.bindings import cublasLt
-    except ImportError as exc:
-        raise CudaError("import nvmath.bindings.cublasLt", "ImportError",
-                        f"{exc}; install nvmath-python (and cuBLAS: pip install 'nvmath-python[cu13]')") from None
-    return cublasLt
+def _cublaslt() -> Any:
+    return _binding("cublasLt")
