@@ -438,19 +438,13 @@ class TileStep:
     def tile(self, tile_blocks: Any, tile_block_counts: Any, last_block_valid_slots: int, output: Any = None) -> None:
         """One tile: ``step_tile``'s ``tile_blocks``, ``tile_block_counts``, ``last_block_valid_slots`` and
         ``output`` (the same meaning), on the step's stream."""
-        ta, s = self._ta, self._s
+        ta = self._ta
         if ta._closed:
             ta._live()
         lbvs = last_block_valid_slots
         if type(lbvs) is not int or not -2**31 <= lbvs <= _I32_MAX:
             lbvs = ta._lbvs(lbvs)
-        tp = ta._table_arg(tile_blocks, s, self._table_bytes)
-        cp = ta._counts_arg(tile_block_counts, s, 4 * self._n)
-        out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
-        if out:
-            ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
-        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
-        ta._launch(s, self._n, out)
+        self._queue(tile_blocks, tile_block_counts, lbvs, output, 0)
 
     def tile_tokens(self, tile_blocks: Any, token_counts: Any, token_offset: int = 0, output: Any = None) -> None:
         """One tile whose length the device holds (capturable while it changes): sequence i attends the first
@@ -458,7 +452,7 @@ class TileStep:
         ``tile_blocks`` holding its tokens j * block_size ..). ``token_counts``: a device int32 array [num_seqs];
         ``token_offset``: a host int >= 0. Otherwise :meth:`tile` (the same bits as a ``tile`` with the page count
         and last_block_valid_slots those tokens make)."""
-        ta, s = self._ta, self._s
+        ta = self._ta
         if ta._closed:
             ta._live()
         off = token_offset
@@ -466,10 +460,16 @@ class TileStep:
             off = _args.as_int("token_offset", off)
             if not 0 <= off <= _I32_MAX:
                 raise HssError(f"token_offset must be in 0..{_I32_MAX} (got {off})")
-        tp = ta._table_arg(tile_blocks, s, self._table_bytes)
-        cp = ta._counts_arg(token_counts, s, 4 * self._n)
+        self._queue(tile_blocks, token_counts, off, output, 2)
+
+    def _queue(self, table: Any, counts: Any, lbvs: int, output: Any, mode: int) -> None:
+        """Check the tile's device arrays and output, refill the prepared launch and queue it (``mode`` 2: token
+        counts, ``lbvs`` their offset)."""
+        ta, s = self._ta, self._s
+        tp = ta._table_arg(table, s, self._table_bytes)
+        cp = ta._counts_arg(counts, s, 4 * self._n)
         out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
         if out:
             ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
-        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, off)
-        ta._launch(s, self._n, out, 2)
+        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
+        ta._launch(s, self._n, out, mode)
