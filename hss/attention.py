@@ -40,6 +40,7 @@ from hss.kernels.attention import (
     head_groups,
     max_units,
     padded_head_dim,
+    rope_declaration,
     step_declaration,
     step_grid_z,
     step_shared_bytes,
@@ -145,12 +146,15 @@ class TiledAttention:
         self._begun = False           # tiles and finalize need a begin_step first
         own = self._owned.enter_context
         try:
-            self._step_decl = step_declaration(dims.head_dim)
-            self._step_fn = own(load_module("paged_decode_attn_tiled", ctx)).function(self._step_decl.name)
+            self._step_decl, self._rope_decl = step_declaration(dims.head_dim), rope_declaration(dims.head_dim)
+            module = own(load_module("paged_decode_attn_tiled", ctx))
+            self._step_fn = module.function(self._step_decl.name)
+            self._rope_fn = module.function(self._rope_decl.name)
             self._fin_fn = own(load_module("attention_finalize", ctx)).function(ATTENTION_FINALIZE.name)
             self._step_shared = step_shared_bytes(dims.head_dim)
             if self._step_shared > 48 * 1024:
                 self._step_fn.set_max_dynamic_shared(self._step_shared)
+                self._rope_fn.set_max_dynamic_shared(self._step_shared)
             rows = dims.max_seqs * dims.num_q_heads
             self.m = own(cm.DeviceBuffer(4 * rows, ctx))
             self.l = own(cm.DeviceBuffer(4 * rows, ctx))
@@ -183,6 +187,15 @@ class TiledAttention:
                                          "blk_stride", "tok_stride", "kvh_stride", "last_block_valid_slots",
                                          "fresh"))
         self._run_step = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack)
+        self._rope_pack = rpack = self._rope_decl.pack(
+            part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
+            merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, num_kv_heads=d.num_kv_heads,
+            head_dim=d.head_dim, block_size=d.block_size, tile_capacity=d.tile_capacity, gqa_ratio=d.gqa_ratio,
+            max_units=d.max_units)
+        self._rope_slots = tuple(rpack.slot(name) for name in (
+            "q", "k_pool", "v_pool", "blk_stride", "tok_stride", "kvh_stride", "tile_blocks", "tile_block_counts",
+            "last_block_valid_slots", "out", "fresh", "cos_t", "sin_t", "max_pos"))
+        self._run_rope = launcher(self._rope_fn, (STEP_THREADS, 1, 1), self._step_shared, rpack)
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
@@ -205,6 +218,15 @@ class TiledAttention:
         self._table_arg = ptr_arg("tile_blocks", None, 4, "i32",
                                             what="i32 [num_seqs, tile_capacity] page ids")
         self._counts_arg = ptr_arg("tile_block_counts", None, 4, "i32", what="i32 [num_seqs] entry counts")
+        self._qkv_bytes = 2 * (d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim   # per sequence
+        self._qkv_arg = ptr_arg("qkv", None, 2, "bf16",
+                                what="bf16 [num_seqs, num_q_heads + 2 num_kv_heads, head_dim] rows (q | k | v)")
+        self._cos_arg = ptr_arg("cos", None, 4, "f32", what="the f32 [max_pos, head_dim / 2] cos table")
+        self._sin_arg = ptr_arg("sin", None, 4, "f32", what="the f32 [max_pos, head_dim / 2] sin table")
+        self._kw_arg = ptr_arg("k_pool", None, 2, "bf16", write=True,
+                               what="the bf16 K page pool (the rope tile writes its newest token's rows)")
+        self._vw_arg = ptr_arg("v_pool", None, 2, "bf16", write=True,
+                               what="the bf16 V page pool (the rope tile writes its newest token's rows)")
 
     @classmethod
     def new(cls, dims: TiledAttentionDims, ctx: cm.CudaCtx | None = None) -> TiledAttention:
@@ -304,7 +326,7 @@ class TiledAttention:
         kp = self._k_arg(k_pool, s, pool_bytes)
         vp = self._v_arg(v_pool, s, pool_bytes)
         self.begin_step(s, n)
-        return TileStep(self, s, n, qp, kp, vp, blk, tok, kvh)
+        return TileStep(self, s, n, qp, kp, vp, blk, tok, kvh, (k_pool, v_pool, pool_bytes))
 
     def _initialise(self, s: int) -> None:
         """Queue the initial state begin_step promised (when no step_tile writes it)."""
@@ -382,7 +404,7 @@ class TiledAttention:
         self._lbvs_slot.value = last_block_valid_slots
         self._launch(s, 1, output)
 
-    def _launch(self, s: int, n: int, out: int, mode: int = 0) -> None:
+    def _launch(self, s: int, n: int, out: int, mode: int = 0, rope: bool = False) -> None:
         if not self._begun:
             raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
                            "begin_tiles) first: it sets the state the tiles fold into")
@@ -393,13 +415,16 @@ class TiledAttention:
             self._counts_zeroed = True
         if self._fresh and self._fresh != n:
             self._initialise(s)
-        self._out_slot.value = out
-        self._fresh_slot.value = (1 if self._fresh else 0) | mode   # mode 2: token counts (tile_tokens)
+        fresh = (1 if self._fresh else 0) | mode   # mode 2: token counts (tile_tokens)
+        if rope:
+            self._rope_slots[9].value, self._rope_slots[10].value = out, fresh
+        else:
+            self._out_slot.value, self._fresh_slot.value = out, fresh
         self._fresh = 0
         z = self._grid_z.get(n)
         if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
             z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
-        self._run_step(s, n, self._grid_y, z)
+        (self._run_rope if rope else self._run_step)(s, n, self._grid_y, z)
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream`` (also
@@ -427,13 +452,16 @@ class TileStep:
     their strides and the sequence count were checked once; :meth:`tile` checks the tile's table and counts (device
     arrays), ``last_block_valid_slots`` and the optional output, refills the prepared launch and queues it."""
 
-    __slots__ = ("_ta", "_s", "_n", "_q", "_k", "_v", "_blk", "_tok", "_kvh", "_table_bytes", "_row_bytes")
+    __slots__ = ("_ta", "_s", "_n", "_q", "_k", "_v", "_blk", "_tok", "_kvh", "_table_bytes", "_row_bytes", "_pools",
+                 "_rope")
 
     def __init__(self, ta: TiledAttention, s: int, n: int, q: int, k: int, v: int, blk: int, tok: int,
-                 kvh: int) -> None:
+                 kvh: int, pools: tuple = ()) -> None:
         self._ta, self._s, self._n = ta, s, n
         self._q, self._k, self._v, self._blk, self._tok, self._kvh = q, k, v, blk, tok, kvh
         self._table_bytes, self._row_bytes = n * ta._table_bytes, n * ta._row_bytes
+        self._pools = pools    # (k_pool, v_pool, bytes) as given: checked writable by the first rope tile
+        self._rope: tuple | None = None   # the last rope tile's checked (qkv, cos, sin, max_pos) objects and values
 
     def tile(self, tile_blocks: Any, tile_block_counts: Any, last_block_valid_slots: int, output: Any = None) -> None:
         """One tile: ``step_tile``'s ``tile_blocks``, ``tile_block_counts``, ``last_block_valid_slots`` and
@@ -462,14 +490,70 @@ class TileStep:
                 raise HssError(f"token_offset must be in 0..{_I32_MAX} (got {off})")
         self._queue(tile_blocks, token_counts, off, output, 2)
 
-    def _queue(self, table: Any, counts: Any, lbvs: int, output: Any, mode: int) -> None:
-        """Check the tile's device arrays and output, refill the prepared launch and queue it (``mode`` 2: token
-        counts, ``lbvs`` their offset)."""
+    def tile_tokens_rope(self, tile_blocks: Any, token_counts: Any, qkv: Any, cos: Any, sin: Any, max_pos: int,
+                         token_offset: int = 0, output: Any = None) -> None:
+        """:meth:`tile_tokens` with the newest token and the query arriving un-rotated (a decode step's fused RoPE):
+        ``qkv`` bf16 ``[num_seqs, num_q_heads + 2 num_kv_heads, head_dim]`` (q | k | v heads, the QKV projection's
+        rows); ``cos`` / ``sin`` f32 ``[max_pos, head_dim / 2]``. Each sequence's newest token is its tile's last,
+        at position ``token_offset + its tile length - 1``: the launch rotates the query heads and that token's k
+        heads (rotate-half RoPE, the rounding of ``model_rope_kv``), writes that token's K and V rows into the
+        pools at its page and slot, and attends it: the same bits as ``model_rope_kv`` followed by
+        :meth:`tile_tokens` (the q given to ``begin_tiles`` is not read). A sequence whose position is outside
+        ``0 .. max_pos - 1`` is left untouched (state, output and pools). ``head_dim`` must be even."""
+        ta = self._ta
+        if ta._closed:
+            ta._live()
+        off = token_offset
+        if type(off) is not int or not 0 <= off <= _I32_MAX:
+            off = _args.as_int("token_offset", off)
+            if not 0 <= off <= _I32_MAX:
+                raise HssError(f"token_offset must be in 0..{_I32_MAX} (got {off})")
+        last = self._rope
+        if last is None or last[0] is not qkv or last[1] is not cos or last[2] is not sin or last[3] != max_pos:
+            last = self._rope = self._rope_args(qkv, cos, sin, max_pos)
+        table, counts, out = self._checked(tile_blocks, token_counts, output)
+        r = ta._rope_slots
+        r[0].value, r[1].value, r[2].value = last[4], self._k, self._v
+        r[3].value, r[4].value, r[5].value = self._blk, self._tok, self._kvh
+        r[6].value, r[7].value, r[8].value = table, counts, off
+        r[11].value, r[12].value, r[13].value = last[5], last[6], last[3]
+        ta._launch(self._s, self._n, out, 2, rope=True)
+
+    def _rope_args(self, qkv: Any, cos: Any, sin: Any, max_pos: Any) -> tuple:
+        """The rope tile's step-invariant arguments checked: (qkv, cos, sin, max_pos, their three addresses)."""
+        ta, s = self._ta, self._s
+        hd = ta.dims.head_dim
+        if hd % 2:
+            raise HssError(f"tile_tokens_rope needs an even head_dim (got {hd}): rotate-half RoPE pairs element j "
+                           "with j + head_dim / 2")
+        mp = _args.as_int("max_pos", max_pos)
+        if not 1 <= mp <= _I32_MAX:
+            raise HssError(f"max_pos must be in 1..{_I32_MAX} (got {mp}): the rows of the cos / sin tables")
+        table_bytes = 4 * mp * (hd // 2)
+        qp = ta._qkv_arg(qkv, s, self._n * ta._qkv_bytes)
+        cp = ta._cos_arg(cos, s, table_bytes)
+        sp = ta._sin_arg(sin, s, table_bytes)
+        if self._pools:   # the pools are written: writable (checked once per step)
+            k_pool, v_pool, pool_bytes = self._pools
+            ta._kw_arg(k_pool, s, pool_bytes)
+            ta._vw_arg(v_pool, s, pool_bytes)
+            self._pools = ()
+        return qkv, cos, sin, mp, qp, cp, sp
+
+    def _checked(self, table: Any, counts: Any, output: Any) -> tuple[int, int, int]:
+        """A tile's device arrays and output checked: (table, counts, output or 0) addresses."""
         ta, s = self._ta, self._s
         tp = ta._table_arg(table, s, self._table_bytes)
         cp = ta._counts_arg(counts, s, 4 * self._n)
         out = 0 if output is None else ta._out_arg(output, s, self._row_bytes)
         if out:
             ta._own.check(out, self._row_bytes, "output", "this TiledAttention")
+        return tp, cp, out
+
+    def _queue(self, table: Any, counts: Any, lbvs: int, output: Any, mode: int) -> None:
+        """Check the tile's device arrays and output, refill the prepared launch and queue it (``mode`` 2: token
+        counts, ``lbvs`` their offset)."""
+        ta = self._ta
+        tp, cp, out = self._checked(table, counts, output)
         ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
-        ta._launch(s, self._n, out, mode)
+        ta._launch(self._s, self._n, out, mode)

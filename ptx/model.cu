@@ -31,7 +31,8 @@
 //   Row r is the token at pos = state[1] + r, stored at cache row pos % cache_rows. Each qkv row is q | k | v
 //   (heads in order); q and k heads get rotate-half RoPE (element j pairs with j + head_dim/2, j < head_dim/2):
 //   y_j = x_j c - x_{j+h} s, y_{j+h} = x_{j+h} c + x_j s, c = cos[pos, j], s = sin[pos, j] (f32 tables the host
-//   computes in double); q to q_out, k to k_cache, v copied to v_cache. Rows with pos outside [0, max_pos), or
+//   computes in double; each y one product then one fma: hss_rope_pair, as the tiled attention's rope entry points
+//   round it); q to q_out, k to k_cache, v copied to v_cache. Rows with pos outside [0, max_pos), or
 //   cache_rows < 1: untouched. A thread's first MODEL_ROPE_HELD pairs and v elements are loaded with state (they do
 //   not depend on pos), so only the cos / sin loads wait for it.
 // model_silu_mul(gu bf16 [m, 2 ffn] (gate | up), act bf16 [m, ffn], m, ffn)
@@ -62,6 +63,7 @@
 // (1), block (MODEL_ARGMAX_THREADS); model_prefill_attn: grid (ceil(m / MODEL_ATTN_ROWS), n_head), block
 // (MODEL_ATTN_THREADS). No dynamic shared memory.
 #include "hss_common.cuh"
+#include "hss_rope.cuh"
 
 #define MODEL_THREADS 256          // block of the row kernels
 #define MODEL_ARGMAX_THREADS 1024  // block of model_argmax
@@ -431,8 +433,10 @@ namespace {
 // One rotated pair of a q or k head: elements j and j + half of dst.
 __device__ __forceinline__ void rope_pair(__nv_bfloat16* __restrict__ dst, int j, int half, float x1, float x2,
                                           float c, float s) {
-    dst[j] = hss_f32_to_bf16(x1 * c - x2 * s);
-    dst[j + half] = hss_f32_to_bf16(x2 * c + x1 * s);
+    float r1, r2;
+    hss_rope_pair(x1, x2, c, s, r1, r2);
+    dst[j] = hss_f32_to_bf16(r1);
+    dst[j + half] = hss_f32_to_bf16(r2);
 }
 
 }  // namespace

@@ -59,6 +59,7 @@
 #include "hss_async.cuh"
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
+#include "hss_rope.cuh"
 
 #define ATT_THREADS 256
 #define ATT_WARPS 8
@@ -119,7 +120,8 @@ struct Cfg {
     static constexpr int HEADS = FOLD + ATT_MAX_UNITS * ATT_HG * 2 * 4;  // f32 [16][4]
     static constexpr int WT = HEADS + ATT_HG * 4 * 4;                    // f32 [8][16]
     static constexpr int FLAG = WT + ATT_WARPS * ATT_HG * 4;
-    static constexpr int BYTES = FLAG + 16;
+    static constexpr int ROPE = FLAG + 16;                               // RopeRow (rope entry points)
+    static constexpr int BYTES = ROPE + 64;
     static_assert(ATT_WARPS * ATT_HG * HDP * 4 <= ATT_WARPS * RING, "every warp's unit-end o fits the rings");
     static_assert(ATT_WARPS <= ATT_MAX_UNITS, "the unit-end warp states and the fold share one (m, l) area");
     static_assert(ATT_THREADS * 16 <= ATT_WARPS * RING, "the fold's chunk sums fit the rings");
@@ -169,13 +171,24 @@ struct Args {
     long long blk, tok, row_ml, row_o;
     int hd, bs, hg, n_tok, n_units, unit;
     bool vec, fresh;
+    int newest;   // rope entry points: the tile index of the newest token (else -1); its rows: RopeRow
+};
+
+// Rope entry points, in shared memory (Cfg::ROPE; read only by the step that holds the newest token): that token's
+// un-rotated k row `knew` and v row `vnew` in qkv (this kv head's), its cos / sin rows [head_dim / 2], and where it
+// goes (kw, vw: the pools offset to the kv head; null in CTA rows past group 0, which do not write it).
+struct RopeRow {
+    const unsigned short *knew, *vnew;
+    const float *cs, *sn;
+    unsigned short *kw, *vw;
 };
 
 // Stage the warp step of tokens t0 .. t0 + n - 1 (n <= 8) into ks (K rows) and ks + 8*RS (V rows); rows past n
 // and dims >= head_dim are zero (finite for the mma: a zero V row times p = 0 adds nothing). One cp.async group
 // per lane; the caller commits.
-template <int HDP>
-__device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned short* ks, int lane) {
+template <int HDP, bool ROPE>
+__device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned short* ks, int lane, int r_new,
+                                      const RopeRow* rr) {
     constexpr int RS = Cfg<HDP>::RS;
     constexpr int PPR = HDP / 8;   // 16-byte pieces per row
     unsigned short* vs = ks + ATT_ROWS * RS;
@@ -191,6 +204,11 @@ __device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned sho
             uint4* dv = reinterpret_cast<uint4*>(vs + r * RS + pc * 8);
             if (r < n && pc * 8 < a.hd) {
                 const int t = t0 + r;
+                if (ROPE && r == r_new) {   // rope: the newest token's rows come from qkv (k rotated later)
+                    hss_cp_async16(dk, rr->knew + pc * 8);
+                    hss_cp_async16(dv, rr->vnew + pc * 8);
+                    continue;
+                }
                 const long long off = (one_page ? base0 + (long long)r * a.tok
                                                 : (long long)__ldg(a.blocks + t / a.bs) * a.blk +
                                                       (long long)(t % a.bs) * a.tok) + pc * 8;
@@ -207,9 +225,14 @@ __device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned sho
             unsigned short xk = 0, xv = 0;
             if (r < n && d < a.hd) {
                 const int t = t0 + r;
-                const long long off = (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + d;
-                xk = __ldg(a.k + off);
-                xv = __ldg(a.v + off);
+                if (ROPE && r == r_new) {
+                    xk = rr->knew[d];
+                    xv = rr->vnew[d];
+                } else {
+                    const long long off = (long long)__ldg(a.blocks + t / a.bs) * a.blk + (long long)(t % a.bs) * a.tok + d;
+                    xk = __ldg(a.k + off);
+                    xv = __ldg(a.v + off);
+                }
             }
             ks[r * RS + d] = xk;
             vs[r * RS + d] = xv;
@@ -469,8 +492,76 @@ __device__ __forceinline__ void load_q(QPieces<HDP>& qp, const unsigned short* q
     }
 }
 
+// Rope entry points: the CTA's query heads arrive un-rotated (rows of qkv) and are rotated at the newest token's
+// position while the first unit stages them, after its first loads were issued (q and the cos / sin rows are
+// read then: the K/V loads in flight hide them). With 16-byte loads (head_dim a multiple of 16, q and the tables
+// 16-byte aligned) thread t takes pair piece t (head t / (HDP/16), dims 8 (t % (HDP/16)) .. of the first half and
+// the same dims of the second; HDP pair pieces, one per thread at most) and stores both rotated (hss_rope_pair,
+// rounded to bf16 as model_rope_kv rounds); otherwise every element is rotated 2 bytes at a time.
 template <int HDP>
-__device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsigned char* smem) {
+struct RopeQ {
+    const unsigned short* q;   // the CTA's first query head (un-rotated)
+    const float *cs, *sn;      // the newest token's cos / sin rows
+    bool vec;
+};
+
+// Every query head row of the CTA's shared q, rotated (rows >= hg and dims >= head_dim zero).
+template <int HDP>
+__device__ __forceinline__ void store_rope_q(const RopeQ<HDP>& rq, int hg, int hd, unsigned char* smem) {
+    constexpr int RS = Cfg<HDP>::RS;
+    unsigned short* q_s = reinterpret_cast<unsigned short*>(smem + Cfg<HDP>::Q);
+    const int half = hd >> 1;
+    if (!rq.vec) {
+        for (int i = threadIdx.x; i < ATT_HG * HDP; i += ATT_THREADS) {
+            const int r = i / HDP, d = i % HDP;
+            unsigned short y = 0;
+            if (r < hg && d < hd) {
+                const int j = d < half ? d : d - half;
+                float r1, r2;
+                hss_rope_pair(hss_bf16_lo(__ldg(rq.q + r * hd + j)), hss_bf16_lo(__ldg(rq.q + r * hd + j + half)),
+                              __ldg(rq.cs + j), __ldg(rq.sn + j), r1, r2);
+                y = __bfloat16_as_ushort(hss_f32_to_bf16(d < half ? r1 : r2));
+            }
+            q_s[r * RS + d] = y;
+        }
+        return;
+    }
+    const int t = threadIdx.x, r = t / (HDP / 16), pc = t % (HDP / 16);
+    const bool mine = t < HDP && r < hg && pc * 8 < half;
+    uint4 x1 = make_uint4(0u, 0u, 0u, 0u), x2 = x1;
+    float4 c0 = make_float4(0.f, 0.f, 0.f, 0.f), c1 = c0, s0 = c0, s1 = c0;
+    if (mine) {
+        x1 = __ldg(reinterpret_cast<const uint4*>(rq.q + r * hd + pc * 8));
+        x2 = __ldg(reinterpret_cast<const uint4*>(rq.q + r * hd + half + pc * 8));
+        c0 = __ldg(reinterpret_cast<const float4*>(rq.cs + pc * 8));
+        c1 = __ldg(reinterpret_cast<const float4*>(rq.cs + pc * 8 + 4));
+        s0 = __ldg(reinterpret_cast<const float4*>(rq.sn + pc * 8));
+        s1 = __ldg(reinterpret_cast<const float4*>(rq.sn + pc * 8 + 4));
+    }
+    for (int i = threadIdx.x; i < ATT_HG * RS / 8; i += ATT_THREADS)   // zero rows and padding first
+        reinterpret_cast<uint4*>(q_s)[i] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+    if (mine) {
+        const uint32_t xa[4] = {x1.x, x1.y, x1.z, x1.w}, xb[4] = {x2.x, x2.y, x2.z, x2.w};
+        const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+        uint32_t ya[4], yb[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            float a0, b0, a1, b1;
+            hss_rope_pair(hss_bf16_lo(xa[w]), hss_bf16_lo(xb[w]), c[2 * w], sv[2 * w], a0, b0);
+            hss_rope_pair(hss_bf16_hi(xa[w]), hss_bf16_hi(xb[w]), c[2 * w + 1], sv[2 * w + 1], a1, b1);
+            ya[w] = hss_bf16_pack(hss_f32_to_bf16(a0), hss_f32_to_bf16(a1));
+            yb[w] = hss_bf16_pack(hss_f32_to_bf16(b0), hss_f32_to_bf16(b1));
+        }
+        *reinterpret_cast<uint4*>(q_s + r * RS + pc * 8) = make_uint4(ya[0], ya[1], ya[2], ya[3]);
+        *reinterpret_cast<uint4*>(q_s + r * RS + half + pc * 8) = make_uint4(yb[0], yb[1], yb[2], yb[3]);
+    }
+}
+
+template <int HDP, bool ROPE>
+__device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsigned char* smem,
+                                     const RopeQ<HDP>& rq) {
     using C = Cfg<HDP>;
     constexpr int E = HDP / 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -481,13 +572,22 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     const int ns = groups > warp ? (groups - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
     auto t0_of = [&](int i) { return u0 + (i * ATT_WARPS + warp) * ATT_ROWS; };
     auto buffer = [&](int i) { return ring + (i % C::STAGES) * (C::STEP / 2); };
+    // rope entry points: the warp whose step i_new holds the newest token (row r_new of it): stage() loaded that
+    // row's k and v from qkv (un-rotated); the k row is rotated in place once the step has landed
+    const RopeRow* rr = reinterpret_cast<const RopeRow*>(smem + C::ROPE);
+    int i_new = -1, r_new = 0;
+    if (ROPE && a.newest >= u0 && a.newest < uend && ((a.newest - u0) / ATT_ROWS) % ATT_WARPS == warp) {
+        i_new = (a.newest - u0) / ATT_ROWS / ATT_WARPS;
+        r_new = (a.newest - u0) % ATT_ROWS;
+    }
     auto issue = [&](int i) {
-        if (i < ns) stage<HDP>(a, t0_of(i), min(ATT_ROWS, uend - t0_of(i)), buffer(i), lane);
+        if (i < ns) stage<HDP, ROPE>(a, t0_of(i), min(ATT_ROWS, uend - t0_of(i)), buffer(i), lane, i == i_new ? r_new : -1, rr);
         hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step i has landed"
     };
 #pragma unroll
     for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
-    if (first_unit) {   // the query heads entry() staged
+    if (first_unit) {   // the query heads entry() staged (rope entry points: staged here, rotated)
+        if (ROPE) store_rope_q<HDP>(rq, a.hg, a.hd, smem);
         __syncthreads();
         ATT_MARK(1);
     }
@@ -500,6 +600,30 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
         issue(i + C::STAGES - 1);
         hss_cp_wait<C::STAGES - 1>();
         __syncwarp();
+        if (ROPE && i == i_new) {   // the newest token's k row rotated in place; it and its v row into the pools
+            unsigned short* kr = buffer(i) + r_new * C::RS;
+            const unsigned short* vr = kr + ATT_ROWS * C::RS;
+            const int half = a.hd >> 1;
+            const float *cs = rr->cs, *sn = rr->sn;
+            unsigned short *kw = rr->kw, *vw = rr->vw;
+            const long long at = (long long)__ldg(a.blocks + a.newest / a.bs) * a.blk +
+                                 (long long)(a.newest % a.bs) * a.tok;
+            for (int j = lane; j < half; j += 32) {
+                float r1, r2;
+                hss_rope_pair(hss_bf16_lo(kr[j]), hss_bf16_lo(kr[j + half]), __ldg(cs + j), __ldg(sn + j), r1, r2);
+                const unsigned short y1 = __bfloat16_as_ushort(hss_f32_to_bf16(r1));
+                const unsigned short y2 = __bfloat16_as_ushort(hss_f32_to_bf16(r2));
+                kr[j] = y1;
+                kr[j + half] = y2;
+                if (kw) {
+                    kw[at + j] = y1;
+                    kw[at + j + half] = y2;
+                }
+            }
+            if (vw)
+                for (int d = lane; d < a.hd; d += 32) vw[at + d] = vr[d];
+            __syncwarp();
+        }
         step<HDP>(qs, buffer(i), min(ATT_ROWS, uend - t0_of(i)), sl2, m0, m1, l0, l1, o, lane);
         __syncwarp();   // this stage is refilled next
         if (i == 0) ATT_MARK(2);
@@ -596,8 +720,8 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     __syncthreads();   // the rings, (m, l) areas and flag are reused by the next unit
 }
 
-template <int HDP>
-__device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
+template <int HDP, bool ROPE>
+__device__ __forceinline__ void run(const Args& a, unsigned char* smem, const RopeQ<HDP>& rq) {
     const int z = blockIdx.z;
     if (a.n_units == 0) {   // an empty tile: CTA 0 writes the state as it is (fresh: the initial one)
         if (z == 0) fold<HDP>(a, 0, 1, 0, true, smem);
@@ -605,11 +729,16 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem) {
     }
     if (z >= a.n_units) return;
     ATT_MARK(0);
-    for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP>(a, u, u == z, smem);
+    if constexpr (ROPE) {   // the first unit stages the rotated q: its registers are free after it
+        unit<HDP, ROPE>(a, z, true, smem, rq);
+        for (int u = z + (int)gridDim.z; u < a.n_units; u += gridDim.z) unit<HDP, ROPE>(a, u, false, smem, rq);
+    } else {
+        for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP, ROPE>(a, u, u == z, smem, rq);
+    }
     ATT_MARK(7);
 }
 
-template <int HDP>
+template <int HDP, bool ROPE>
 __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
                         const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks,
                         const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
@@ -617,10 +746,12 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
                         float* __restrict__ o, __nv_bfloat16* __restrict__ out,
                         unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads, int head_dim,
                         int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
-                        long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, unsigned char* smem) {
+                        long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh,
+                        const float* __restrict__ cos_t, const float* __restrict__ sin_t, int max_pos,
+                        unsigned char* smem) {
     const int seq = blockIdx.x;
     if (head_dim <= 0 || head_dim > ATT_MAX_HD || gqa_ratio <= 0 || num_kv_heads <= 0 || max_units <= 0 ||
-        blockDim.x != ATT_THREADS || blockDim.y != 1 || blockDim.z != 1)
+        blockDim.x != ATT_THREADS || blockDim.y != 1 || blockDim.z != 1 || (ROPE && (head_dim & 1)))
         return;
     const int groups = (gqa_ratio + ATT_HG - 1) / ATT_HG;
     const int kh = blockIdx.y / groups, h0 = (blockIdx.y % groups) * ATT_HG;
@@ -632,13 +763,33 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     if (have < (unsigned)Cfg<HDP>::BYTES) return;
     const long long row0 = (long long)seq * num_q_heads + (long long)kh * gqa_ratio + h0;   // first q head's row
     const int hg = min(ATT_HG, gqa_ratio - h0);
+    // rope entry points: q holds qkv rows [num_seqs][num_q_heads + 2 num_kv_heads][head_dim]
+    const long long qkv_row = (long long)seq * (num_q_heads + 2 * num_kv_heads);
+    const unsigned short* qh = reinterpret_cast<const unsigned short*>(q) +
+                               (ROPE ? qkv_row + (long long)kh * gqa_ratio + h0 : row0) * head_dim;
     QPieces<HDP> qp;
-    load_q<HDP>(qp, reinterpret_cast<const unsigned short*>(q) + row0 * head_dim, hg, head_dim);
+    RopeQ<HDP> rq;
+    rq.q = qh;
+    rq.cs = rq.sn = nullptr;
+    rq.vec = false;
+    if (!ROPE) load_q<HDP>(qp, qh, hg, head_dim);
     const int target = Cfg<HDP>::TARGET;
-    const int n_tok = fresh & 2 ? tile_tokens_counted(tile_block_counts, seq, tile_capacity, block_size,
-                                                      last_block_valid_slots)
-                                : tile_tokens(tile_block_counts, seq, tile_capacity, block_size, last_block_valid_slots);
-    store_q<HDP>(qp, reinterpret_cast<const unsigned short*>(q) + row0 * head_dim, hg, head_dim, smem);   // while the count's load is in flight; the first unit's barrier publishes it
+    const int n_tok = ROPE || (fresh & 2) ? tile_tokens_counted(tile_block_counts, seq, tile_capacity, block_size,
+                                                                last_block_valid_slots)
+                                          : tile_tokens(tile_block_counts, seq, tile_capacity, block_size,
+                                                        last_block_valid_slots);
+    long long pos = 0;   // rope: the newest token's position (the tile's token t is at last_block_valid_slots + t)
+    if (ROPE && n_tok > 0) {
+        pos = (long long)last_block_valid_slots + n_tok - 1;
+        if (pos < 0 || pos >= max_pos) return;   // no table row: nothing written (as model_rope_kv)
+        rq.cs = cos_t + pos * (head_dim >> 1);
+        rq.sn = sin_t + pos * (head_dim >> 1);
+        rq.vec = (head_dim & 15) == 0 &&
+                 ((reinterpret_cast<unsigned long long>(qh) | reinterpret_cast<unsigned long long>(rq.cs) |
+                   reinterpret_cast<unsigned long long>(rq.sn)) & 15) == 0;
+    }
+    if (!ROPE)   // while the count's load is in flight; the first unit's barrier publishes it
+        store_q<HDP>(qp, qh, hg, head_dim, smem);
     Args a;
     a.n_tok = n_tok;
     a.unit = 0;
@@ -650,7 +801,7 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
         a.unit = (int)u;
         a.n_units = (int)nu;
     }
-    a.q = reinterpret_cast<const unsigned short*>(q) + row0 * head_dim;
+    a.q = qh;
     a.k = reinterpret_cast<const unsigned short*>(k_pool) + kh * kvh_stride;
     a.v = reinterpret_cast<const unsigned short*>(v_pool) + kh * kvh_stride;
     a.blocks = tile_blocks + (long long)seq * tile_capacity;
@@ -671,8 +822,22 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     a.fresh = (fresh & 1) != 0;
     a.vec = (head_dim & 7) == 0 &&
             ((reinterpret_cast<unsigned long long>(a.k) | reinterpret_cast<unsigned long long>(a.v)) & 15) == 0 &&
-            ((blk_stride | tok_stride) & 7) == 0;
-    run<HDP>(a, smem);
+            ((blk_stride | tok_stride) & 7) == 0 &&
+            (!ROPE || (reinterpret_cast<unsigned long long>(q) & 15) == 0);
+    a.newest = ROPE && n_tok > 0 ? n_tok - 1 : -1;
+    if (ROPE) {   // the newest token's rows, for the step that holds it (published before any unit stages)
+        if (threadIdx.x == 0) {
+            RopeRow* rr = reinterpret_cast<RopeRow*>(smem + Cfg<HDP>::ROPE);
+            rr->knew = reinterpret_cast<const unsigned short*>(q) + (qkv_row + num_q_heads + kh) * head_dim;
+            rr->vnew = reinterpret_cast<const unsigned short*>(q) + (qkv_row + num_q_heads + num_kv_heads + kh) * head_dim;
+            rr->cs = rq.cs;
+            rr->sn = rq.sn;
+            rr->kw = h0 == 0 ? const_cast<unsigned short*>(a.k) : nullptr;   // one CTA row per kv head writes it
+            rr->vw = h0 == 0 ? const_cast<unsigned short*>(a.v) : nullptr;
+        }
+        __syncthreads();
+    }
+    run<HDP, ROPE>(a, smem, rq);
 }
 
 }  // namespace
@@ -688,9 +853,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_t
     int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
     long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<64>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-               num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-               tok_stride, kvh_stride, last_block_valid_slots, fresh, att_smem);
+    entry<64, false>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+                      num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+                      tok_stride, kvh_stride, last_block_valid_slots, fresh, nullptr, nullptr, 0, att_smem);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_128(
@@ -701,9 +866,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_t
     int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
     long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<128>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-               num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-               tok_stride, kvh_stride, last_block_valid_slots, fresh, att_smem);
+    entry<128, false>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+                      num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+                      tok_stride, kvh_stride, last_block_valid_slots, fresh, nullptr, nullptr, 0, att_smem);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_tiled_256(
@@ -714,7 +879,56 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_t
     int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
     long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<256>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-               num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-               tok_stride, kvh_stride, last_block_valid_slots, fresh, att_smem);
+    entry<256, false>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+                      num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+                      tok_stride, kvh_stride, last_block_valid_slots, fresh, nullptr, nullptr, 0, att_smem);
+}
+
+// The rope entry points (one per padded head dim, the HDP's register budget): a token-count tile (any `fresh` & 2
+// is implied) whose newest token, tile index n - 1 (n the tile's tokens; position last_block_valid_slots + n - 1),
+// and the query arrive un-rotated: `q` is qkv bf16 [num_seqs, num_q_heads + 2 num_kv_heads, head_dim] (q | k | v
+// heads), cos_t / sin_t f32 [max_pos, head_dim / 2]. The query heads and the newest token's k heads are rotated as
+// model_rope_kv rotates them (same bits), that token's K/V rows are written into the pools at its page and slot
+// (CTA rows of group 0) and attended from the rotated values; the rest is the tiled step above, the same bits as
+// model_rope_kv followed by the token-count tile. head_dim even; a position outside [0, max_pos): nothing written.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_rope_64(
+    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
+    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
+    float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,
+    __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,
+    int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
+    long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, int max_pos) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    entry<64, true>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+                     num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+                     tok_stride, kvh_stride, last_block_valid_slots, fresh, cos_t, sin_t, max_pos, att_smem);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_rope_128(
+    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
+    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
+    float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,
+    __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,
+    int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
+    long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, int max_pos) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    entry<128, true>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+                     num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+                     tok_stride, kvh_stride, last_block_valid_slots, fresh, cos_t, sin_t, max_pos, att_smem);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_rope_256(
+    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
+    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
+    float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,
+    __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,
+    int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
+    long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, int max_pos) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    entry<256, true>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
+                     num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
+                     tok_stride, kvh_stride, last_block_valid_slots, fresh, cos_t, sin_t, max_pos, att_smem);
 }

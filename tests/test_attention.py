@@ -821,3 +821,89 @@ def test_bench_smoke() -> None:
     assert all({"hss_us", "hss_GBs", "host_us"} <= set(r) for r in rows) and "copy_us" in rows[0]
     text = bench.table(rows)
     assert "| 4/2/64 | 2 × 32 |" in text and "| 4/2/64 | 64 | 2 |" in text
+
+
+@given(shape=st.sampled_from([(8, 2, 64), (9, 3, 64), (32, 8, 128), (24, 2, 256), (34, 2, 40), (4, 1, 72)]),
+       counts=st.lists(st.integers(0, 90), min_size=2, max_size=2), offset=st.integers(0, 12),
+       seed=st.integers(0, 2**32 - 1))
+def test_rope_tile_is_rope_kv_then_the_token_tile(ctx, gpu, stream, shape, counts: list[int], offset: int,
+                                                  seed: int) -> None:
+    """``TileStep.tile_tokens_rope``: each sequence's newest token (its tile's last, at position offset + length
+    - 1) and the query arrive un-rotated in qkv rows; the launch gives the same bits as ``model_rope_kv`` (the q
+    rotated, the newest K/V rows written at their page and slot) followed by ``tile_tokens``: output, state and
+    both pools bitwise equal; the output within the bf16 bound of float64 attention over the rotated rows. Shapes:
+    16-byte and 2-byte q paths (head_dim 40, 72), two CTA rows per kv head (17 q heads a kv head), GQA 3 and 12;
+    a sequence whose position has no table row, or no tokens, is left untouched."""
+    from hss.kernels import model as km
+    from hss.realmodel.forward import rope_cos_sin
+    from hss.reference import model as mref
+    rng = np.random.default_rng(seed)
+    nq, nkv, hd = shape
+    bs, cap, max_pos = 16, 6, 80      # positions past 79 have no table row
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=nq, num_kv_heads=nkv, head_dim=hd, block_size=bs,
+                              tile_capacity=cap)
+    ta = TiledAttention(ctx, dims)
+    k0, v0 = (randn(rng, (9, bs, nkv, hd), 1.0 / math.sqrt(hd)) for _ in range(2))
+    qkv = randn(rng, (2, nq + 2 * nkv, hd), 1.0)
+    cos, sin = rope_cos_sin(np.arange(max_pos), hd, 1e4, np.float32)
+    pages = [rng.permutation(9)[:cap].astype(np.int32) for _ in range(2)]
+    lens = [min(max(c - offset, 0), cap * bs) for c in counts]
+    bufs = [upload(a, stream) for a in (np.stack(pages), np.array(counts, np.int32), qkv, cos, sin)]
+    blocks, cnt, qkv_dev, cos_dev, sin_dev = bufs
+    pools = [[upload(k0, stream), upload(v0, stream)] for _ in range(2)]
+    outs = [poisoned(2 * 2 * nq * hd, stream) for _ in range(2)]
+    q_rot = poisoned(2 * 2 * nq * hd, stream)
+    strides = ta.paged_strides()
+    # fused: one launch
+    ta.begin_tiles(stream, q_rot, pools[0][0], pools[0][1], 2, *strides).tile_tokens_rope(
+        blocks, cnt, qkv_dev, cos_dev, sin_dev, max_pos, offset, outs[0])
+    fused = [download(outs[0], (2, nq, hd), BF16, stream), download(ta.m, 2 * nq, np.float32, stream),
+             download(ta.o, (2 * nq, hd), np.float32, stream)]
+    # unfused: model_rope_kv of each sequence's newest token into pool 1 (cache_rows 1: the row is k_cache), then
+    # the token-count tile
+    live = [n > 0 and offset + n - 1 < max_pos for n in lens]
+    for s, n in enumerate(lens):
+        if not live[s]:
+            continue
+        pos = offset + n - 1
+        page, slot = int(pages[s][(n - 1) // bs]), (n - 1) % bs
+        row = 2 * (page * strides[0] + slot * strides[1])
+        st_buf = upload(np.array([0, pos, pos + 1, 0], np.int32), stream)
+        geom = km.row_geometry(1)
+        gpu.launch(gpu.kernel(km.MODULE, km.MODEL_ROPE_KV.name), geom.grid, geom.block, geom.shared, stream,
+                   km.MODEL_ROPE_KV.pack(qkv=qkv_dev.ptr + s * qkv[0].nbytes, cos_t=cos_dev, sin_t=sin_dev,
+                                         state=st_buf, q_out=q_rot.ptr + s * 2 * nq * hd,
+                                         k_cache=pools[1][0].ptr + row, v_cache=pools[1][1].ptr + row, m=1,
+                                         n_head=nq, n_kv_head=nkv, head_dim=hd, max_pos=max_pos, cache_rows=1,
+                                         row_stride=0, kvh_stride=strides[2]))
+        cm.stream_sync(stream)
+        st_buf.close()
+    step = ta.begin_tiles(stream, q_rot, pools[1][0], pools[1][1], 2, *strides)
+    live_cnt = upload(np.array([c if live[s] else -1 for s, c in enumerate(counts)], np.int32), stream)
+    step.tile_tokens(blocks, live_cnt, offset, outs[1])   # (a dead sequence: no tokens, its state fresh)
+    plain = [download(outs[1], (2, nq, hd), BF16, stream), download(ta.m, 2 * nq, np.float32, stream),
+             download(ta.o, (2 * nq, hd), np.float32, stream)]
+    kv = [[download(b, k0.shape, BF16, stream) for b in pair] for pair in pools]
+    for s in range(2):
+        rows = slice(s * nq, (s + 1) * nq)
+        if live[s]:
+            for a, b, what in zip(fused, plain, ("output", "m", "o")):
+                part = a[s] if what == "output" else a[rows]
+                want = b[s] if what == "output" else b[rows]
+                assert np.array_equal(part.view(np.uint8), want.view(np.uint8)), f"sequence {s}: {what} bits"
+            n = lens[s]
+            toks = np.arange(n)
+            pg, sl = pages[s][toks // bs], toks % bs
+            q_ref = download(q_rot, (2, nq, hd), BF16, stream)[s]
+            want = ref.attention(q_ref, kv[1][0][pg, sl], kv[1][1][pg, sl])
+            assert_close(fused[0][s].astype(np.float64), want, "bf16", (1,), f"rope tile of {n} tokens")
+            pos = offset + n - 1
+            rq, rk, rv = mref.rope_kv(qkv[s].reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1], 0, nq, nkv, hd)
+            assert_close(kv[0][0][pg[-1], sl[-1]], rk[0], "bf16", (1,), "the newest k row, rotated")
+        elif lens[s] == 0 or not live[s]:   # nothing written for it: the output keeps its poison
+            if lens[s] and not live[s]:
+                assert (fused[0][s].view(np.uint16) == 0xFFFF).all(), f"sequence {s} (no table row) was written"
+    for p in range(2):   # the pools: identical (the newest rows written alike, nothing else touched)
+        assert np.array_equal(kv[0][p].view(np.uint16), kv[1][p].view(np.uint16)), "pools differ"
+    for x in (*bufs, *pools[0], *pools[1], *outs, q_rot, live_cnt, ta):
+        x.close()

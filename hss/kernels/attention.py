@@ -8,6 +8,7 @@ the end of the allocation" and the emulation bounds-checks every page it reads i
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -15,6 +16,8 @@ import numpy as np
 from hss.errors import MemoryFault
 from hss.kernels._decl import KernelDecl, Launch, declare, f32
 from hss.reference import attention as ref
+from hss.reference.model import rope_kv
+from hss.reference.numerics import to_bf16
 
 STEP_THREADS = 256       # block of paged_decode_attn_tiled_* (ptx/paged_decode_attn_tiled.cu)
 FINALIZE_THREADS = 128   # block of attention_finalize
@@ -53,12 +56,12 @@ def target_ctas(hdp: int) -> int:
 def step_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the step kernel (its Cfg<HDP>::BYTES): Q bf16 [16][HDP+8], per warp a ring of
     ``stages`` (K, V) bf16 [8][HDP+8] steps, the fold's (m, l) f32 [MAX_UNITS][16][2], per head f32 [16][4], the
-    warps' weights f32 [8][16], a flag."""
+    warps' weights f32 [8][16], a flag, the newest token's row pointers (the rope entry points)."""
     hdp = padded_head_dim(head_dim)
     rs = hdp + 8
     ring = stages(hdp) * 2 * STEP_ROWS * rs * 2
     fold = MAX_UNITS * HEAD_GROUP * 2 * 4 + HEAD_GROUP * 4 * 4 + 8 * HEAD_GROUP * 4
-    return HEAD_GROUP * rs * 2 + 8 * ring + fold + 16
+    return HEAD_GROUP * rs * 2 + 8 * ring + fold + 16 + 64   # + the flag, the rope entry points' RopeRow
 
 
 def head_groups(gqa_ratio: int) -> int:
@@ -159,8 +162,47 @@ def _pool_rows(pool: np.ndarray, pages: np.ndarray, slots: np.ndarray, a: Simple
 
 
 def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
+    ns, nq, hd = launch.grid[0], a.num_q_heads, a.head_dim
+    _step_seqs(a, launch, _bf16(a.q)[: ns * nq * hd].reshape(ns, nq, hd), range(ns), a.fresh)
+
+
+def _emulate_rope_step(a: SimpleNamespace, launch: Launch) -> None:
+    """The rope entry points: per sequence with tokens, the newest one's position (the offset + its count - 1); a
+    sequence whose position has no table row is left as it is (nothing written); the others get q and the newest
+    k rotated (bf16, as model_rope_kv rounds them), that token's K/V rows written into the pools, then the
+    token-count tile."""
+    ns, nq, nkv, hd = launch.grid[0], a.num_q_heads, a.num_kv_heads, a.head_dim
+    width, half = (nq + 2 * nkv) * hd, hd // 2
+    qkv = _bf16(a.q)[: ns * width].reshape(ns, width)
+    blocks = a.tile_blocks.view(np.int32).reshape(ns, a.tile_capacity)
+    counts = a.tile_block_counts.view(np.int32)
+    q = np.zeros((ns, nq, hd), ml_dtypes.bfloat16)
+    kpool, vpool = _bf16(a.k_pool), _bf16(a.v_pool)
+    live = []
+    for s in range(ns):
+        pages, slots = _tile_tokens_counted(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
+        if pages.size:
+            pos = a.last_block_valid_slots + pages.size - 1
+            if not 0 <= pos < a.max_pos:
+                continue
+            cos = f32(a.cos_t)[pos * half:(pos + 1) * half][None]
+            sin = f32(a.sin_t)[pos * half:(pos + 1) * half][None]
+            rq, rk, rv = rope_kv(qkv[s:s + 1], cos, sin, 0, nq, nkv, hd)
+            q[s] = to_bf16(rq[0])
+            at = (int(pages[-1]) * a.blk_stride + int(slots[-1]) * a.tok_stride
+                  + np.arange(nkv)[:, None] * a.kvh_stride + np.arange(hd)[None, :])
+            if at.min() < 0 or at.max() >= kpool.size or at.max() >= vpool.size:
+                raise MemoryFault(f"paged_decode_attn_rope parameter k_pool / v_pool: the newest token's page "
+                                  f"{int(pages[-1])} (sequence {s}, slot {int(slots[-1])}) is outside the pool")
+            kpool[at] = to_bf16(rk[0])
+            vpool[at] = to_bf16(rv[0])
+        live.append(s)
+    _step_seqs(a, launch, q, live, a.fresh | 2)
+
+
+def _step_seqs(a: SimpleNamespace, launch: Launch, q: np.ndarray, seqs: Any, fresh: int) -> None:
+    """The step over the sequences ``seqs`` of the launch (queries ``q [num_seqs, num_q_heads, head_dim]``)."""
     ns, nq, hd, mu = launch.grid[0], a.num_q_heads, a.head_dim, a.max_units
-    q = _bf16(a.q).reshape(ns, nq, hd)
     kpool, vpool = _bf16(a.k_pool), _bf16(a.v_pool)
     blocks = a.tile_blocks.view(np.int32).reshape(ns, a.tile_capacity)
     counts = a.tile_block_counts.view(np.int32)
@@ -170,10 +212,10 @@ def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
     m = f32(a.m).reshape(ns, nq)
     l = f32(a.l).reshape(ns, nq)
     o = f32(a.o).reshape(ns, nq, hd)
-    for s in range(ns):
-        if a.fresh & 1:   # the state begin_step asked for, not what the buffers hold
+    for s in seqs:
+        if fresh & 1:   # the state begin_step asked for, not what the buffers hold
             m[s], l[s], o[s] = -np.inf, 0.0, 0.0
-        if a.fresh & 2:   # token mode: the device counts tokens, last_block_valid_slots is their offset
+        if fresh & 2:   # token mode: the device counts tokens, last_block_valid_slots is their offset
             pages, slots = _tile_tokens_counted(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
         else:
             pages, slots = _tile_tokens(blocks[s], counts[s], a.block_size, a.last_block_valid_slots)
@@ -188,9 +230,9 @@ def _emulate_step(a: SimpleNamespace, launch: Launch) -> None:
             part_o[s, :, :c, hd:] = 0.0
             m[s], l[s], o[s] = ref.merge_partials(m[s], l[s], o[s], pm, pl, po)
     if a.out is not None:
-        rows = ns * nq
-        out = ref.finalize(l.reshape(rows), o.reshape(rows, hd))
-        _bf16(a.out)[: rows * hd] = out.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(-1)
+        out = _bf16(a.out)[: ns * nq * hd].reshape(ns, nq, hd)
+        for s in seqs:
+            out[s] = ref.finalize(l[s], o[s]).astype(np.float32).astype(ml_dtypes.bfloat16)
 
 
 def _check_finalize(a: SimpleNamespace, launch: Launch) -> str | None:
@@ -219,14 +261,43 @@ def _counts(a: SimpleNamespace) -> int:
     return 4 * counters(a.grid[0], max(a.num_kv_heads, 0), max(a.gqa_ratio, 1))
 
 
+_STEP_PARAMS = ("ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, "
+                "ptr m, ptr l, ptr o, ptr out, ptr merge_count, i32 num_q_heads, i32 num_kv_heads, i32 head_dim, "
+                "i32 block_size, i32 tile_capacity, i32 gqa_ratio, i32 max_units, i64 blk_stride, i64 tok_stride, "
+                "i64 kvh_stride, i32 last_block_valid_slots, i32 fresh")
+
+
+def _check_rope(a: SimpleNamespace, launch: Launch, hdp: int) -> str | None:
+    if a.head_dim % 2:
+        return f"head_dim {a.head_dim} is odd: rotate-half RoPE pairs element j with j + head_dim / 2"
+    return _check_step(a, launch, hdp)
+
+
+def _declare_rope(hdp: int) -> KernelDecl:
+    """The rope entry point: q is qkv [num_seqs, num_q_heads + 2 num_kv_heads, head_dim]; cos_t / sin_t f32
+    [max_pos, head_dim / 2]; the newest token's K/V rows are written into the pools (page ids decide)."""
+    def table(a: SimpleNamespace) -> int:
+        return 4 * max(a.max_pos, 0) * max(a.head_dim // 2, 0)
+    return declare(
+        "paged_decode_attn_tiled", f"paged_decode_attn_rope_{hdp}",
+        _STEP_PARAMS + ", ptr cos_t, ptr sin_t, i32 max_pos",
+        reads={"q": lambda a: 2 * a.grid[0] * (a.num_q_heads + 2 * a.num_kv_heads) * a.head_dim,
+               "k_pool": lambda a: None, "v_pool": lambda a: None,
+               "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
+               "tile_block_counts": lambda a: 4 * a.grid[0],
+               "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state, "merge_count": _counts,
+               "cos_t": table, "sin_t": table},
+        writes={"k_pool": lambda a: None, "v_pool": lambda a: None,
+                "part_ml": lambda a: _parts(a, 2), "part_o": lambda a: _parts(a, padded_head_dim(max(a.head_dim, 1))),
+                "m": lambda a: 4 * _rows(a), "l": lambda a: 4 * _rows(a), "o": _state,
+                "out": lambda a: _state(a) // 2 if a.out else 0, "merge_count": _counts},
+        emulate=_emulate_rope_step, check=lambda a, launch: _check_rope(a, launch, hdp))
+
+
 def _declare_step(hdp: int) -> KernelDecl:
     name = f"paged_decode_attn_tiled_{hdp}"
     return declare(
-        "paged_decode_attn_tiled", name,
-        "ptr q, ptr k_pool, ptr v_pool, ptr tile_blocks, ptr tile_block_counts, ptr part_ml, ptr part_o, ptr m, "
-        "ptr l, ptr o, ptr out, ptr merge_count, i32 num_q_heads, i32 num_kv_heads, i32 head_dim, i32 block_size, "
-        "i32 tile_capacity, i32 gqa_ratio, i32 max_units, i64 blk_stride, i64 tok_stride, i64 kvh_stride, "
-        "i32 last_block_valid_slots, i32 fresh",
+        "paged_decode_attn_tiled", name, _STEP_PARAMS,
         reads={"q": lambda a: 2 * _rows(a) * a.head_dim,
                "k_pool": lambda a: None, "v_pool": lambda a: None,           # page ids decide: checked per page
                "tile_blocks": lambda a: 4 * a.grid[0] * max(a.tile_capacity, 0),
@@ -243,9 +314,17 @@ def _declare_step(hdp: int) -> KernelDecl:
 PAGED_DECODE_ATTN_TILED = {hdp: _declare_step(hdp) for hdp in PADDED_HEAD_DIMS}
 
 
+PAGED_DECODE_ATTN_ROPE = {hdp: _declare_rope(hdp) for hdp in PADDED_HEAD_DIMS}
+
+
 def step_declaration(head_dim: int) -> KernelDecl:
     """The step kernel's declaration for ``head_dim``."""
     return PAGED_DECODE_ATTN_TILED[padded_head_dim(head_dim)]
+
+
+def rope_declaration(head_dim: int) -> KernelDecl:
+    """The rope entry point's declaration for ``head_dim`` (the step with the newest token rotated in)."""
+    return PAGED_DECODE_ATTN_ROPE[padded_head_dim(head_dim)]
 
 
 ATTENTION_FINALIZE = declare(

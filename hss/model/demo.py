@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 128; at most a quarter of the prompt)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs (default: on a GPU)")
+    p.add_argument("--fuse-rope", action=argparse.BooleanOptionalAction, default=True,
+                   help="hbm: the decode step's RoPE and cache write inside the attention launch (default; "
+                        "--no-fuse-rope: the separate model_rope_kv launch, the same tokens)")
     p.add_argument("--profile-steps", type=int, default=1, help="eager decode steps timed per stage (default 1)")
     p.add_argument("--print-ids", action="store_true", help="print the generated token ids at the end")
     p.add_argument("--check", action="store_true", help="check the tokens against the numpy forward of "
@@ -157,7 +160,7 @@ def _h2d_bandwidth(ctx: cm.CudaCtx, nbytes: int) -> float:
 
 # -- the run ------------------------------------------------------------------------------------------------
 def _options(args: argparse.Namespace, kv: str) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
+    opts: dict[str, Any] = {"fuse_rope": args.fuse_rope}
     if kv != "hbm":
         opts.update(resident=args.resident, tile=args.tile, ring=args.ring, rank=args.rank)
     return opts

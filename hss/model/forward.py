@@ -111,11 +111,16 @@ class Forward:
             strides["row_stride"] = row_stride
         if kvh_stride is not None:
             strides["kvh_stride"] = kvh_stride
-        return [self._gemm("gemm qkv", self._gemms[layer][0], self.h, m),
+        return [self.qkv_op(layer, m),
                 self._op("rope+kv", km.MODEL_ROPE_KV, km.row_geometry(m), qkv=self.qkv, cos_t=self.w.rope_cos,
                          sin_t=self.w.rope_sin, state=self.state, q_out=self.q, k_cache=k_cache, v_cache=v_cache,
                          m=m, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
                          max_pos=c.context_length, cache_rows=cache_rows, **strides)]
+
+    def qkv_op(self, layer: int, m: int) -> Op:
+        """Layer ``layer``'s QKV projection of ``h`` into ``qkv`` (un-rotated rows: a KV mode that fuses the RoPE
+        into its attention takes them from there)."""
+        return self._gemm("gemm qkv", self._gemms[layer][0], self.h, m)
 
     def prefill_attn_op(self, m: int, k_cache: int, v_cache: int, q_start: int) -> Op:
         """Causal attention of ``m`` query rows at positions ``q_start ...`` over cache rows ``0 .. q_start + m -

@@ -98,6 +98,23 @@ class HbmKV:
             tiles.tile_tokens(table, counts, 0, output=out)
         return "attention", run
 
+    #: the decode step's RoPE runs inside the attention launch (``decode_attention_rope``): no ``model_rope_kv``
+    fuses_rope = True
+
+    def decode_attention_rope(self, layer: int, qkv: int, cos: int, sin: int, max_pos: int, out: int,
+                              counts: int) -> Op:
+        """:meth:`decode_attention` fused with the step's ``model_rope_kv``: the launch rotates q and the newest
+        token's k from the QKV rows ``qkv`` (position counts[0] - 1), writes that token's K/V rows into the cache
+        and attends tokens 0 .. counts[0] - 1 (the same bits as the two launches)."""
+        k, v, _ = self.cache(layer)
+        attn, table = self.attn, self.table.ptr
+        tiles = attn.begin_tiles(self._stream, qkv, k, v, 1, *attn.paged_strides())
+
+        def run(s: int) -> None:
+            attn.begin_step(s, 1)
+            tiles.tile_tokens_rope(table, counts, qkv, cos, sin, max_pos, 0, output=out)
+        return "attention", run
+
     def after_step(self, stream: int, pos: int) -> None:
         pass
 

@@ -112,14 +112,17 @@ class Session:
     layers; exact swap: the first ``resident // n_layer`` pages of every layer), ``tile`` (sparse: pages per streamed
     tile), ``ring`` (exact swap: staging slots, layers whose copies run ahead), ``rank`` (predictor rank),
     ``budget``, ``keep_first``, ``keep_recent`` (sparse pages), ``projection``, ``head_temperature`` (the swap
-    predictor's).
+    predictor's). ``fuse_rope``: where the KV mode can (``hbm``), the decode step's RoPE and cache write run inside
+    its attention launch (:meth:`~hss.attention.TileStep.tile_tokens_rope`: the same bits, one launch fewer per
+    layer); False keeps the separate ``model_rope_kv``.
     Everything is checked before device work; a bad argument raises ``TypeError`` / :class:`HssError`.
     """
 
     def __init__(self, model: DeviceModel, kv: str = "hbm", *, max_tokens: int, graph: bool = False,
                  prefill_chunk: int = 2048, resident: int = 512, tile: int = 64, ring: int = RING, rank: int = 32,
                  budget: int | None = None, keep_first: int = 1, keep_recent: int = 1,
-                 projection: np.ndarray | None = None, head_temperature: float | None = None) -> None:
+                 projection: np.ndarray | None = None, head_temperature: float | None = None,
+                 fuse_rope: bool = True) -> None:
         if not isinstance(model, DeviceModel):
             raise TypeError(f"model must be a DeviceModel, got {type(model).__name__}")
         if kv not in KV_MODES:
@@ -130,6 +133,8 @@ class Session:
             raise HssError(f"max_tokens ({max_tokens}) exceeds the model's context length ({c.context_length})")
         if not isinstance(graph, bool):
             raise TypeError(f"graph must be a bool, got {type(graph).__name__}")
+        if not isinstance(fuse_rope, bool):
+            raise TypeError(f"fuse_rope must be a bool, got {type(fuse_rope).__name__}")
         chunk = min(_positive("prefill_chunk", prefill_chunk), self.max_tokens, 65535)
         if kv == "sparse":
             if budget is None:
@@ -142,7 +147,7 @@ class Session:
             _positive("tile", tile)
             _positive("ring", ring)
             _positive("rank", rank)
-        self.model, self.mode, self.graph = model, kv, graph
+        self.model, self.mode, self.graph, self.fuse_rope = model, kv, graph, fuse_rope
         self.config = c
         s = self.stream = model.ctx.stream
         self._stacks: dict[str, contextlib.ExitStack] = {}   # "current" / "next": the graphs of a capture
@@ -240,8 +245,13 @@ class Session:
         items: list[tuple[str, Any]] = []
         ops: list[Op] = kv.step_begin_ops() + fwd.embed_ops(fwd.state, 1)
         for layer in range(c.n_layer):
-            ops += fwd.pre_ops(layer, 1, *kv.decode_cache(layer))
-            attend = kv.decode_attention(layer, fwd.q, fwd.attn, fwd.state + 8)   # state.visible: the count
+            if getattr(kv, "fuses_rope", False) and self.fuse_rope:   # the RoPE inside the attention launch
+                ops.append(fwd.qkv_op(layer, 1))
+                attend = kv.decode_attention_rope(layer, fwd.qkv, fwd.w.rope_cos, fwd.w.rope_sin, c.context_length,
+                                                  fwd.attn, fwd.state + 8)
+            else:
+                ops += fwd.pre_ops(layer, 1, *kv.decode_cache(layer))
+                attend = kv.decode_attention(layer, fwd.q, fwd.attn, fwd.state + 8)   # state.visible: the count
             if kv.capturable:
                 ops.append(attend)
             else:
