@@ -499,7 +499,8 @@ class TileStep:
         heads (rotate-half RoPE, the rounding of ``model_rope_kv``), writes that token's K and V rows into the
         pools at its page and slot, and attends it: the same bits as ``model_rope_kv`` followed by
         :meth:`tile_tokens` (the q given to ``begin_tiles`` is not read). A sequence whose position is outside
-        ``0 .. max_pos - 1`` is left untouched (state, output and pools). ``head_dim`` must be even."""
+        ``0 .. max_pos - 1`` is left untouched (state, output and pools). ``head_dim`` must be even; each
+        sequence's newest token must be on a page of its own (two sequences writing one row race)."""
         ta = self._ta
         if ta._closed:
             ta._live()

@@ -843,10 +843,11 @@ def test_rope_tile_is_rope_kv_then_the_token_tile(ctx, gpu, stream, shape, count
     dims = TiledAttentionDims(max_seqs=2, num_q_heads=nq, num_kv_heads=nkv, head_dim=hd, block_size=bs,
                               tile_capacity=cap)
     ta = TiledAttention(ctx, dims)
-    k0, v0 = (randn(rng, (9, bs, nkv, hd), 1.0 / math.sqrt(hd)) for _ in range(2))
+    k0, v0 = (randn(rng, (2 * cap, bs, nkv, hd), 1.0 / math.sqrt(hd)) for _ in range(2))
     qkv = randn(rng, (2, nq + 2 * nkv, hd), 1.0)
     cos, sin = rope_cos_sin(np.arange(max_pos), hd, 1e4, np.float32)
-    pages = [rng.permutation(9)[:cap].astype(np.int32) for _ in range(2)]
+    perm = rng.permutation(2 * cap).astype(np.int32)   # each sequence owns its pages (its newest row is its own)
+    pages = [perm[:cap], perm[cap:]]
     lens = [min(max(c - offset, 0), cap * bs) for c in counts]
     bufs = [upload(a, stream) for a in (np.stack(pages), np.array(counts, np.int32), qkv, cos, sin)]
     blocks, cnt, qkv_dev, cos_dev, sin_dev = bufs

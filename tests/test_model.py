@@ -398,15 +398,16 @@ def test_graph_replay_equals_eager(tiny):
     assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
 
 
-def test_fused_rope_equals_the_rope_kernel(tiny):
-    """hbm's decode step with the RoPE inside its attention launch (the default) gives the bits of the separate
-    model_rope_kv launch: the same tokens and logits, eager and replayed."""
+@pytest.mark.parametrize("kv", ["hbm", "swap"])
+def test_fused_rope_equals_the_rope_kernel(tiny, kv):
+    """A decode step with the RoPE inside its attention launch (the default: hbm, exact swap) gives the bits of
+    the separate model_rope_kv launch: the same tokens and logits, eager and replayed, across page boundaries."""
     _, _, model = tiny
     ids, tokens, logits = prompt_of(37, 7), {}, {}
     for fuse in (True, False):
-        with model.session("hbm", max_tokens=64, graph=True, fuse_rope=fuse) as sess:
+        with model.session(kv, max_tokens=64, graph=True, fuse_rope=fuse, resident=2) as sess:
             sess.prefill(ids)
-            tokens[fuse] = sess.generate(9, eager_steps=2)
+            tokens[fuse] = sess.generate(20, eager_steps=2)
             logits[fuse] = sess.logits()
     assert tokens[True] == tokens[False]
     assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))

@@ -218,10 +218,10 @@ def test_bad_options_fail_before_device_work(model, bs):
 
 
 def test_one_attention_tile_per_layer(model, bs, monkeypatch):
-    """An exact decode step queues one token-count tile per layer (complete pages and the tail page together), none
-    of the page-count kind; across a page boundary too."""
+    """An exact decode step queues one token-count tile per layer (complete pages and the tail page together, the
+    RoPE inside it), none of the page-count kind; across a page boundary too."""
     import hss.attention as attention
-    calls = {"tile": 0, "tile_tokens": 0}
+    calls = {"tile": 0, "tile_tokens": 0, "tile_tokens_rope": 0}
     for name in calls:
         real = getattr(attention.TileStep, name)
 
@@ -234,4 +234,4 @@ def test_one_attention_tile_per_layer(model, bs, monkeypatch):
         sess.prefill(ids)
         sess.generate(n)
         steps = sess.steps
-    assert calls == {"tile": 0, "tile_tokens": steps * model.config.n_layer}
+    assert calls == {"tile": 0, "tile_tokens": 0, "tile_tokens_rope": steps * model.config.n_layer}

@@ -336,6 +336,17 @@ class SwapKV:
         """Ops queued at the end of every decode step (exact mode: the join of the copy stream)."""
         return [] if self.staged is None else [self.staged.end_op()]
 
+    @property
+    def fuses_rope(self) -> bool:
+        """Exact mode: the decode step's RoPE and tail write run inside the attention launch."""
+        return self.staged is not None
+
+    def decode_attention_rope(self, layer: int, qkv: int, cos: int, sin: int, max_pos: int, out: int,
+                              counts: int) -> Op:
+        """Exact mode: :meth:`decode_attention` with the step's ``model_rope_kv`` inside the launch (the tail page's
+        newest row is the tile's last token)."""
+        return self.staged.attention_op(layer, qkv, out, counts, self._stream, rope=(qkv, cos, sin, max_pos))
+
     def decode_attention(self, layer: int, q: int, out: int, counts: int) -> Op:
         """Exact mode: a capturable op (:meth:`StagedPages.attention_op <hss.model.staged.StagedPages.attention_op>`,
         ``counts`` the device visible-token count). Sparse mode: a host op (``attend_layer`` waits for the predictor

@@ -219,10 +219,11 @@ class StagedPages:
             cm.stream_wait_event(s, self._joined)
         return "attention", run
 
-    def attention_op(self, layer: int, q: int, out: int, counts: int, stream: int) -> Op:
+    def attention_op(self, layer: int, q: int, out: int, counts: int, stream: int, rope: tuple | None = None) -> Op:
         """Layer ``layer``'s attention of query ``q`` (bf16 ``[num_q_heads, head_dim]``) into ``out``: one tile over
         its complete pages (resident and staged) and its tail page, up to the device count ``counts`` (i32, the
-        visible tokens)."""
+        visible tokens). ``rope`` (qkv, cos, sin, max_pos): the step's RoPE and tail write inside the launch
+        (:meth:`~hss.attention.TileStep.tile_tokens_rope`; ``q`` is then the QKV rows)."""
         attn = self.attn
         tiles = attn.begin_tiles(stream, q, self._k, self._v, 1, *attn.scratch_pool_strides(
             self._store.layout.group_stride)[:3])
@@ -237,7 +238,10 @@ class StagedPages:
             if staged and (layer >= S or layer == self._late or not self.prefetched):   # else copied a step ago
                 cm.stream_wait_event(s, self._copied[layer])
             attn.begin_step(s, 1)
-            tiles.tile_tokens(table, counts, 0, output=out)
+            if rope is None:
+                tiles.tile_tokens(table, counts, 0, output=out)
+            else:
+                tiles.tile_tokens_rope(table, counts, *rope, 0, output=out)
             if staged and nxt is not None:
                 self._read[layer].record(s)
                 cm.stream_wait_event(self.copy_stream, self._read[layer])
