@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default="swap", help="where the KV history lives "
                    "(default swap)")
-    p.add_argument("--resident", type=int, default=512, help="swap: resident pages in HBM, all layers (default "
-                   "512; exact swap: the first resident // layers pages of every layer, never streamed)")
+    p.add_argument("--resident", type=int, default=None, help="swap / sparse: resident pages in HBM, all layers "
+                   "(exact swap: the first resident // layers pages of every layer, never streamed; default 0 for "
+                   "swap, the whole history streamed every token, 512 for sparse)")
     p.add_argument("--tile", type=int, default=64, help="sparse: pages per streamed tile (default 64)")
     p.add_argument("--ring", type=int, default=RING, help=f"swap: staging slots in HBM, layers whose copies run "
                    f"ahead of the attention (default {RING})")
@@ -162,7 +163,8 @@ def _h2d_bandwidth(ctx: cm.CudaCtx, nbytes: int) -> float:
 def _options(args: argparse.Namespace, kv: str) -> dict[str, Any]:
     opts: dict[str, Any] = {"fuse_rope": args.fuse_rope}
     if kv != "hbm":
-        opts.update(resident=args.resident, tile=args.tile, ring=args.ring, rank=args.rank)
+        resident = args.resident if args.resident is not None else (0 if kv == "swap" else 512)
+        opts.update(resident=resident, tile=args.tile, ring=args.ring, rank=args.rank)
     return opts
 
 
