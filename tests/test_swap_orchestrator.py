@@ -902,8 +902,9 @@ def test_sparse_edge_cases(ctx, tmp_path, rng) -> None:
 
 def test_select_pages_is_spec_17_6() -> None:
     """select_pages against the plain-Python rule on scores with ties, -inf and NaN, every K / F / R up to past the
-    sequence; the covering budget is every page."""
+    sequence; the covering budget is every page. select_mask (the step's) is the same pages as a mask."""
     from hss.swap import SparseBudget, select_pages
+    from hss.swap.sparse import select_mask
     rng = np.random.default_rng(3)
     for _ in range(60):
         n = int(rng.integers(0, 12))
@@ -911,6 +912,8 @@ def test_select_pages_is_spec_17_6() -> None:
         for k in range(n + 2):
             for f, r in ((0, 0), (1, 0), (0, 1), (1, 4), (3, 2), (n, 1), (2, n + 3)):
                 got = select_pages(scores, SparseBudget(k, f, r))
+                mask = select_mask(scores, SparseBudget(k, f, r))
+                assert mask.dtype == bool and mask.nonzero()[0].tolist() == got.tolist(), (scores, k, f, r)
                 assert got.dtype == np.int64
                 assert got.tolist() == model_attended(list(range(n)), scores.tolist(), k, f, r), (scores, k, f, r)
                 assert SparseBudget(k, f, r).covers(n) == (got.size == n)
@@ -972,7 +975,7 @@ def test_a_sparse_step_failing_after_its_score_wait_leaves_the_next_exact(ctx, t
         raise HssError("injected")
 
     s.h.time_sparse_stalls = True     # (its stall timer is where the tiles fail)
-    for obj, name in ((orchestrator, "select_pages"), (s.h._timer, "begin")):
+    for obj, name in ((orchestrator, "select_mask"), (s.h._timer, "begin")):
         monkeypatch.setattr(obj, name, broken)
         with pytest.raises(HssError, match="injected"):
             s.step(0, ids, q_dev, budget_pages=4, keep_first=1, keep_recent=1)
@@ -1115,6 +1118,80 @@ def test_a_missing_wait_for_the_resident_tile_changes_results(ctx, tmp_path, rng
     s.close()
 
 
+def test_tile_1_is_read_first_where_only_tile_0_waits_for_the_resident_tile(ctx, tmp_path, rng, monkeypatch) -> None:
+    """A sparse step's first two tiles are read before its tables and resident tile, except those with a promotion
+    into the slot of a page the resident tile attends: they are read after it (the first of them waiting for its
+    event). So where tile 0 alone does, tile 1's reads are queued first. Every step is exact, the pool holds its
+    pages' bytes, and both orders occur."""
+    from hss.swap import stores
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
+    ids = [int(b) for b in rng.permutation(36)]
+    s.offload(0, ids)
+    real_issue, real_tile = stores.PreparedReads.issue, s.h.attn.step_tile
+    kinds = set()
+    for n in range(60):
+        q, q_dev = s.query()
+        order: list = []
+        monkeypatch.setattr(stores.PreparedReads, "issue",
+                            lambda self, i, st: (order.append(i), real_issue(self, i, st))[1])
+        monkeypatch.setattr(s.h.attn, "step_tile", lambda *a, **kw: (order.append("first"), real_tile(*a, **kw))[1])
+        rec, got = s.step(0, ids, q_dev, q_pos=35 * 16 + 4, budget_pages=7, keep_first=1, keep_recent=1)
+        monkeypatch.undo()
+        check_sparse(s, 0, ids, q, q_dev, rec, got, 5, (7, 1, 1), f"step {n}")
+        resident_bytes_match(s)
+        streamed = [t for t in rec.tiles if t.streamed]
+        hit_slots = set() if rec.tiles[0].streamed else set(rec.tiles[0].slots)
+        late = [i for i, t in enumerate(streamed[:2]) if hit_slots & set(t.slots)]
+        before = [i for i in range(min(2, len(streamed))) if i not in late]
+        want = before + ["first"] + late + list(range(2, len(streamed)))
+        assert order == want, (n, order, want)
+        kinds.add(tuple(late))
+        q_dev.close()
+    assert {(), (0,), (1,)} <= kinds, kinds
+    s.close()
+
+
+def test_steps_on_two_streams_wait_for_each_other(ctx, tmp_path, rng) -> None:
+    """Consecutive steps on two streams, exact and sparse: a step on another stream than the last one waits for that
+    one's end (the same stream needs no wait: it runs in order). The later step is synced first (the emulator runs a
+    stream's work only when something waits for it): both outputs exact. A sparse step makes one host wait only,
+    for its scores (the reads of earlier steps are known run by then)."""
+    s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
+              dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
+    ids = [int(b) for b in rng.permutation(36)]
+    s.offload(0, ids)
+    d = s.model
+    sparse = dict(budget_pages=7, keep_first=1, keep_recent=1)
+    with cm.CudaStream(ctx) as other:
+        out2 = cm.DeviceBuffer(s.out.bytes)
+        for n, (kw1, kw2) in enumerate([({}, {}), (sparse, sparse), ({}, sparse), (sparse, {}), (sparse, sparse)]):
+            (q1, q1_dev), (q2, q2_dev) = s.query(), s.query()
+            r1 = s.h.attend_layer_on_stream(s.stream, 0, ids, q1_dev, s.out, **kw1)
+            r2 = s.h.attend_layer_on_stream(other, 0, ids, q2_dev, out2, **kw2)
+            g2 = download(out2, (d.num_q_heads, d.head_dim), BF16, other)
+            g1 = download(s.out, (d.num_q_heads, d.head_dim), BF16, s.stream)
+            for q, q_dev, rec, got, kw in ((q1, q1_dev, r1, g1, kw1), (q2, q2_dev, r2, g2, kw2)):
+                if kw:
+                    check_sparse(s, 0, ids, q, q_dev, rec, got, 16, (7, 1, 1), f"step {n}")
+                else:
+                    check_step(s, 0, ids, q, q_dev, rec, got, 16, f"step {n}")
+                q_dev.close()
+        out2.close()
+    waits = []
+    real = _driver.api.cuEventSynchronize
+    for n in range(4):
+        q, q_dev = s.query()
+        _driver.api.cuEventSynchronize = lambda *a: (waits.append(n), real(*a))[1]
+        try:
+            s.step(0, ids, q_dev, **sparse)
+        finally:
+            _driver.api.cuEventSynchronize = real
+        q_dev.close()
+    assert waits[-3:] == [1, 2, 3], waits        # one a step: the score wait
+    s.close()
+
+
 def test_sparse_host_profile_counts_its_parts(ctx, tmp_path, rng) -> None:
     """host_profile() sums the host time of each part of a step; a sparse step adds to the sparse parts."""
     s = Setup(ctx, tmp_path, rng, "host", resident_blocks=6, tile=2, max_blocks=10,
@@ -1140,7 +1217,8 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
     """A sparse step's pool bookkeeping is done at once after its reads are queued: when the reads of a later tile
     fail (its batched copy, or its page_gather launch), the promotions of the tiles before it are in the pool (their
     pages' bytes in their slots), the failing tile's promoted slots are free (their old pages may be overwritten), no
-    other page moved; the next steps are exact."""
+    other page moved; the next steps are exact. Where tile 1 was read first (tile 0 alone waits for the resident
+    tile) and tile 0's reads fail, both tiles' promoted slots are free and no promotion is placed."""
     s = Setup(ctx, tmp_path, rng, "host", resident_blocks=10, tile=3, max_blocks=40,
               dims=dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16))     # 4 resident + 2 x 3
     ids = [int(b) for b in rng.permutation(36)]
@@ -1148,8 +1226,8 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
     s.h.store.gather_min_runs = s.h.sparse_gather_min_runs = 1 << 30 if path == "dma" else 0   # every tile one way
     gather = s.h.store._gather
     real_batch, real_launch, real_put = _driver.api.cuMemcpyBatchAsync, gather.launch, s.h._put_promotions
-    seen = 0
-    for n in range(40):
+    seen = swapped = 0
+    for n in range(120):
         q, q_dev = s.query()
         before = s.h.pool.residents()
         diag0 = s.h.diagnostic_summary()
@@ -1177,13 +1255,16 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
             failed = True
         monkeypatch.undo()
         if failed and puts:
-            _, promo, miss_ids, tiles, began = puts[0]
-            assert tiles == 1 and began
-            k, k1 = promo.at[1], promo.at[2]
-            if k and k1 > k:
+            _, promo, miss_ids, tiles, lost = puts[0]
+            # two tiles' reads begun, the second failing: tile 0 then 1, or (tile 0 alone waiting for the resident
+            # tile) 1 then 0: then neither tile's promotions are placed and both tiles' slots are freed
+            assert (tiles, lost) in ((1, (1,)), (0, (1, 0))), (tiles, lost)
+            swapped += not tiles
+            k = promo.at[tiles]
+            if k and promo.at[2] > promo.at[1]:
                 seen += 1
             placed = {(0, int(miss_ids[j])): int(slot) for j, slot in zip(promo.take[:k], promo.into[:k])}
-            freed = set(promo.into[k:k1].tolist())
+            freed = {int(slot) for i in lost for slot in promo.into[promo.at[i]:promo.at[i + 1]]}
             want = {key: slot for key, slot in before.items() if slot not in set(placed.values()) | freed}
             assert s.h.pool.residents() == {**want, **placed}, f"step {n}"
             assert set(s.h.pool.free_slots()) >= freed
@@ -1199,9 +1280,10 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
                 check_sparse(s, 0, ids, q, q_dev, rec, got, 5, sparse, f"sparse after step {n}")
             resident_bytes_match(s)
         q_dev.close()
-        if seen >= 3:
+        if seen >= 3 and swapped:
             break
     assert seen, "no failing step had promotions in both its first and its failing tile"
+    assert swapped, "no failing step had read tile 1 first"
     s.close()
 
 
@@ -1259,7 +1341,8 @@ def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
     """``_plan_promotions`` (its vectorized paths: free slots, a full resident set by sorted values, NaN by the
     ranking) against the rule applied one miss at a time, over scores with many ties (-0.0 and 0.0, infinities,
     NaN sometimes) and without ties, full and partly free resident sets, one or several tiles; ``wait_tile`` against
-    its definition."""
+    its definition. Half the trials leave the hits' touch pending (as a sparse step does until its reads are queued):
+    the answer is the rule's after that touch, and touching them afterwards leaves the recency of touching first."""
     from types import SimpleNamespace
 
     from hss.swap import EvictionPolicy, GroupLayout, ScratchPool
@@ -1284,12 +1367,25 @@ def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
                 miss = (rng.standard_normal(m) + 0.5).astype(np.float32) if distinct else rng.choice(values, m)
                 ns = -(-m // T)
                 hits = rng.permutation(held_slots)[:int(rng.integers(0, n_held + 1))].astype(np.int64)
+                pending = trial % 2 == 1 and hits.size > 0
                 fake = SimpleNamespace(resident_capacity=R, pool=pool, eviction=ev, tile_blocks=T,
-                                       _tile_bounds=np.arange(0, (ns + 2) * T, T, dtype=np.int64))
-                for name in ("_promote_into_free", "_promote_ranked", "_promote_by_value"):
+                                       _tile_bounds=np.arange(0, (ns + 2) * T, T, dtype=np.int64),
+                                       _pending_touch=hits if pending else None)
+                for name in ("_promote_into_free", "_promote_ranked", "_promote_by_value", "_pick_promotions",
+                             "_promotions", "_touch_hits"):
                     setattr(fake, name, getattr(HighSpeedSwap, name).__get__(fake))
                 scores = np.concatenate([miss, rng.choice(values, 3)])     # the misses at positions 0..m-1
+                if pending:         # the rule's answer is after the touch
+                    touched = EvictionPolicy(R)
+                    touched.last_score[:], touched.last_access[:], touched.epoch = ev.last_score, ev.last_access, 9
+                    ev.epoch = 9
+                    touched.touch_many(hits)
                 got = HighSpeedSwap._plan_promotions(fake, scores, np.arange(m), ns, hits)
+                if pending:
+                    fake._touch_hits()
+                    assert np.array_equal(ev.last_access, touched.last_access) and ev.epoch == touched.epoch
+                    assert fake._pending_touch is None
+                    paths.add("pending")
                 held = pool._layer_of >= 0
                 take, into, rank = scalar_promotions(ev, held, pool.free_slots()[:m], miss)
                 nan = bool(np.isnan(ev.last_score).any() or np.isnan(miss).any())
@@ -1309,4 +1405,5 @@ def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
                 assert got.wait_tile == (over[0] // T if over else ns), what
         finally:
             pool.close()
-    assert {(False, False, True), (False, False, False), (True, False, True), (False, True, True)} <= paths, paths
+    want = {(False, False, True), (False, False, False), (True, False, True), (False, True, True), "pending"}
+    assert want <= paths, paths

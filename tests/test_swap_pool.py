@@ -159,6 +159,24 @@ def test_planned_touches_are_touch_many_across_every_epoch() -> None:
         assert a.last_access.tolist() == b.last_access.tolist() and a.epoch == b.epoch, epoch
 
 
+def test_scoring_every_slot_at_once_is_record_scores() -> None:
+    """``_score_all_planned`` (one gather into the scores, a sparse step whose pages fill every slot) records what
+    ``record_scores`` of each slot's page would, NaN and infinities included; recency is untouched."""
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        n = int(rng.integers(1, 9))
+        scores = rng.choice(np.array([-np.inf, -1.0, 0.0, 2.5, np.inf, np.nan], np.float32), 3 * n)
+        where = rng.permutation(3 * n)[:n].astype(np.int64)      # slot i's page is at position where[i]
+        a, b = EvictionPolicy(n), EvictionPolicy(n)
+        a.touch_many(rng.permutation(n).tolist())
+        b.last_access[:], b.epoch = a.last_access, a.epoch
+        a.record_scores(np.arange(n), scores[where])
+        b._score_all_planned(scores, where)
+        assert np.array_equal(a.last_score, b.last_score, equal_nan=True)
+        assert a.last_score.dtype == b.last_score.dtype == np.float32
+        assert a.last_access.tolist() == b.last_access.tolist()
+
+
 # -- ScratchPool -------------------------------------------------------------------------------
 @pytest.fixture
 def pool(ctx):

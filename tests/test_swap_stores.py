@@ -603,3 +603,45 @@ def test_read_ahead_serves_only_current_bytes_where_they_belong(ctx, stream, rng
         assert all(np.array_equal(got[p], truth[p]) for p in range(8))
         dev.close()
     assert store._outstanding == [] and store._ahead is None
+
+
+def test_host_store_waits_only_for_fences_not_known_run(ctx, stream, rng, monkeypatch) -> None:
+    """A HostStore takes a fence again FENCES groups after recording it: the host waits for that record, unless the
+    caller said the reads up to a mark (``_read_mark``) have run (``_reads_ran``: it waited for work ordered after
+    them). Such a mark covers neither later reads nor another stream's; a write waits only for reads not known run."""
+    from hss.swap.gather import FENCES
+    img = images(rng, 1)[0]
+    with HostStore(LAYOUT, LAYERS, ctx=ctx) as store, cm.CudaStream(ctx) as other:
+        store.write_page(0, 1, img)
+        dev = cm.DeviceBuffer(LAYOUT.block_bytes)
+        syncs: list = []
+        real = _driver.api.cuEventSynchronize
+        monkeypatch.setattr(_driver.api, "cuEventSynchronize", lambda *a: (syncs.append(1), real(*a))[1])
+
+        def reads(n: int, on=stream) -> int:
+            before = len(syncs)
+            for _ in range(n):
+                store.read_pages(on, 0, [1], [dev.ptr])
+            return len(syncs) - before
+        assert reads(FENCES) == 0            # every fence free
+        assert reads(1) == 1                 # fence 0 again: its record was not known run
+        mark = store._read_mark()
+        cm.stream_sync(stream)
+        store._reads_ran(mark)
+        assert reads(FENCES) == 0            # every record up to the mark ran
+        assert reads(1) == 1                 # the first after the mark: not covered
+        cm.stream_sync(stream)
+        store._reads_ran((other.handle, 1 << 40))      # another stream's reads: says nothing of these
+        assert reads(1) == 1
+        mark = store._read_mark()
+        cm.stream_sync(stream)
+        store._reads_ran(mark)
+        before = len(syncs)
+        store.write_page(0, 1, img)          # every queued read known run: no wait
+        assert len(syncs) == before
+        reads(1, other)
+        store.write_page(0, 1, img)          # one on the other stream: waited for
+        assert len(syncs) == before + 1
+        monkeypatch.undo()
+        assert np.array_equal(download(dev, LAYOUT.block_bytes, np.uint8, stream), img)
+        dev.close()

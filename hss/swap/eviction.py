@@ -96,6 +96,11 @@ class EvictionPolicy:
         caller; ``scores``: f32, one each)."""
         self.last_score[slots] = scores
 
+    def _score_all_planned(self, scores: np.ndarray, index: np.ndarray) -> None:
+        """:meth:`_score_planned` of every slot at once: slot i scores ``scores[index[i]]`` (``index``: int64
+        ``[num_slots]``, in range, computed by the caller; ``scores``: f32)."""
+        scores.take(index, out=self.last_score, mode="clip")     # (in range: "clip" writes straight into out)
+
     def _touch_planned(self, slots: np.ndarray) -> None:
         """:meth:`touch_many` without the argument checks (``slots``: int64, in 0..num_slots-1, computed by the
         caller)."""

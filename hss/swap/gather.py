@@ -6,7 +6,8 @@ A group of reads is either one batched DMA call (``cuMemcpyBatchAsync``: each ru
 ~1-2 µs of driver time per copy) or one kernel launch whatever its runs; the HostStore picks per group with
 :data:`GATHER_MIN_RUNS` (a sparse swap step's misses: :data:`SPARSE_GATHER_MIN_RUNS`). The kernel reads its (page,
 slot) index pairs from mapped pinned memory too, so a launch needs no upload: index slot k is guarded by fence k, both
-taken round robin, and rewritten only once the launch that read it has run.
+taken round robin, and rewritten only once the launch that read it has run (the host waits for it, unless the
+caller said it had: :meth:`ReadFences.reached`).
 """
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ def gather_fits(block_bytes: int, num_blocks: int) -> bool:
 
 class ReadFences:
     """``count`` events of one context, each recorded after one group of reads: :meth:`take` gives the index of the
-    next (the host first waits for the reads it was last recorded after), :meth:`record` records it after a group
-    just queued on a stream, :meth:`wait_all` waits for every group recorded so far.
+    next (the host first waits for the reads it was last recorded after, unless those are known to have run),
+    :meth:`record` records it after a group just queued on a stream, :meth:`wait_all` waits for every group recorded
+    so far. :meth:`last` and :meth:`reached` let a caller that waited for later work say which records have completed,
+    so that their fences are taken with no host wait.
 
     A record that fails waits (host) for its stream instead, before its error propagates: a group's reads are never
     left unfenced while queued (unless that wait fails too: the context is then broken)."""
@@ -63,13 +66,20 @@ class ReadFences:
             raise
         self._held = [False] * count       # whether event k holds a record the host has not waited for
         self._turn = 0
+        self._records = 0                   # records made so far; event k's last record is number _serial[k]
+        self._serial = [0] * count
+        self._stream = [0] * count          # the stream of event k's last record
+        self._last: tuple[int, int] = (0, 0)    # (stream, n) of the last record: n - 1 is its number
+        self._ran: tuple[int, int] = (0, 0)     # (stream, n): that stream's records numbered below n have completed
 
     def take(self) -> int:
-        """The index of the next fence, once the reads it guarded have run (a host wait; they ran long ago in a
-        decode loop: ``count`` groups were queued since)."""
+        """The index of the next fence, once the reads it guarded have run (a host wait unless :meth:`reached` says
+        they have; they ran long ago in a decode loop: ``count`` groups were queued since)."""
         k = self._turn
         if self._held[k]:
-            self.events[k].synchronize()
+            stream, ran = self._ran
+            if self._serial[k] >= ran or self._stream[k] != stream:
+                self.events[k].synchronize()
             self._held[k] = False
         return k
 
@@ -87,13 +97,30 @@ class ReadFences:
                 pass
             raise
         self._held[k] = True
+        self._serial[k], self._stream[k] = self._records, stream
+        self._records += 1
+        self._last = (stream, self._records)
         return ev
+
+    def last(self) -> tuple[int, int]:
+        """(stream, n) of the last record made: n - 1 is its number (n = 0: none yet). Pass it to :meth:`reached`
+        once that record has completed."""
+        return self._last
+
+    def reached(self, mark: tuple[int, int]) -> None:
+        """The record :meth:`last` gave ``mark`` for has completed (the caller waited for work ordered after it): so
+        have the earlier ones on its stream, which :meth:`take` and :meth:`wait_all` then do not wait for."""
+        stream, ran = self._ran
+        if mark[1] > ran or mark[0] != stream:
+            self._ran = mark
 
     def wait_all(self) -> None:
         """Wait (host) until every group recorded so far has run."""
+        stream, ran = self._ran
         for k, held in enumerate(self._held):
             if held:
-                self.events[k].synchronize()
+                if self._serial[k] >= ran or self._stream[k] != stream:
+                    self.events[k].synchronize()
                 self._held[k] = False
 
     def close(self) -> None:
@@ -141,15 +168,23 @@ class PageGather:
         if old is not None:
             old.close()
 
-    def launch(self, stream: int, slot: int, dst: int, src: int, pairs: np.ndarray, page_vecs: int) -> None:
+    def launch(self, stream: int, slot: int, dst: int, src: int, pairs: np.ndarray | tuple, page_vecs: int) -> None:
         """Queue on ``stream`` the copies of page ``pairs[r, 0]`` of ``src`` into page ``pairs[r, 1]`` of ``dst``
         (``page_vecs`` 16-byte vectors each), its pairs written into index slot ``slot`` first. Values the caller
-        checked: 16-byte aligned device addresses (``src`` mapped host memory), int32 pairs in range, at most
+        checked: 16-byte aligned device addresses (``src`` mapped host memory), int32 pairs in range (an int
+        ``[n, 2]`` array, or a tuple of the two ``[n]`` columns, written into the slot as they are), at most
         :attr:`capacity` of them (>= 1), distinct destinations, ``gather_fits`` pages, a raw stream handle."""
-        n = pairs.shape[0]
         if self._ring is None:
             raise HssError("this PageGather is closed")
-        self._table[slot, :n] = pairs
+        if type(pairs) is tuple:
+            pages, slots = pairs
+            n = pages.shape[0]
+            row = self._table[slot, :n]
+            row[:, 0] = pages
+            row[:, 1] = slots
+        else:
+            n = pairs.shape[0]
+            self._table[slot, :n] = pairs
         self._dst.value, self._src.value, self._n.value, self._vecs.value = dst, src, n, page_vecs
         self._pairs.value = self._ring_dev + 8 * slot * self.capacity
         self._run(stream, n, -(-page_vecs // CHUNK))

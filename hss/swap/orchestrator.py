@@ -12,10 +12,11 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
 
 1. Everything is checked and every read of the step is planned at once (:meth:`BackingStore.prepare_reads
    <hss.swap.stores.BackingStore.prepare_reads>`): the tiles follow from hits and misses alone (hits = pages
-   resident for this layer; misses stream in tiles of T, sequence order, tile i through buffer i % 2). ``s`` and
-   ``c`` wait for the previous step (``step_done``; write-after-read: the stream buffers may still be read by it;
-   before any step, or after one whose ``step_done`` could not be recorded, ``c`` waits for ``s`` instead, through
-   ``go``) and the reads of the first two tiles are queued on ``c``.
+   resident for this layer; misses stream in tiles of T, sequence order, tile i through buffer i % 2). ``c`` waits
+   for the previous step (``step_done``; write-after-read: the stream buffers may still be read by it; before any
+   step, or after one whose ``step_done`` could not be recorded, ``c`` waits for ``s`` instead, through ``go``), and
+   so does ``s`` where the previous step ran on another stream; the reads of the first two tiles are queued on
+   ``c``.
 2. On ``s``, all that does not need the scores: q_proj = project_q(q), scores of the layer's pages, their D2H into
    pinned memory, the block tables (one copy from pinned memory), the ``scores`` event (it covers the tables too:
    the next step refills their pinned copy); ``begin_step``; the resident tile (hits, attended in place); tile 0
@@ -37,17 +38,19 @@ A step (``attend_layer_on_stream``), in queue order on the caller's stream ``s``
 The **sparse mode** (SPEC §17.6; ``budget_pages=K, keep_first=F, keep_recent=R``, opt in: exact stays the default)
 attends only the first F and last R pages plus the K others that score best. Its step checks that every page is
 readable, then on ``s`` (after ``step_done``, as above) queues the scores and the host waits for them at
-once; it picks the pages (:func:`~hss.swap.sparse.select_pages`), records this query's scores for the resident
-pages it skips (so they are the first victims when they score low), and runs 1-5 above over the pages picked
+once; it picks the pages (:func:`~hss.swap.sparse.select_mask`), records this query's scores for every resident
+page (so those it skips are the first victims when they score low), and runs 1-5 above over the pages picked
 (hits = those resident; only the picked misses are read, each tile's in one prepared group: one batched copy, or one
 ``page_gather`` launch where a HostStore finds the tile's pages scattered, in more than ``sparse_gather_min_runs``
 runs; an exact step's tiles stay batched copies unless the store's ``gather_min_runs`` says otherwise). Its scores
 being known before any read, its promotions (the same rule, best score first) are planned first and those misses are
-read straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool
-bookkeeping of the step is one vectorized update once its reads are queued (of the tiles whose reads were queued,
-if one failed). A tile whose reads overwrite the slot of
-a page attended in the resident tile waits (``c`` on an event of ``s``) for that tile. Its scores were waited for
-before its table upload, so no second ``scores`` event follows the upload: the step's end covers it. It times no read
+read straight into their resident slots, where their tile attends them: no device-to-device copy, and the pool and
+eviction bookkeeping of the step (its hits' touch included) is one vectorized update once its reads are queued (of
+the tiles whose reads were all queued, if one failed). A tile whose reads overwrite the slot of a page attended in the
+resident tile waits (``c`` on an event of ``s``) for that tile; of the first two tiles, those that do not are read
+before the tables and the resident tile are queued (so where tile 0 alone waits, tile 1's reads go first). From the
+score wait to the first read the host does only what that read needs. Its scores were waited for before its table
+upload, so no second ``scores`` event follows the upload: the step's end covers it. It times no read
 stall (no timing events around its tiles' waits; ``read_stall_ms`` counts exact steps') unless
 :attr:`HighSpeedSwap.time_sparse_stalls` is set. A budget covering every other page is the exact step: the same code
 path, the same bits (and its stalls are timed).
@@ -62,8 +65,9 @@ Nothing else synchronizes the host, except as documented: FileStore reads (pread
 only after its copy ran), HostStore writes (wait for queued reads of the bytes they replace), a step after one
 that failed before its score wait (waits for that step's table upload) and an exact step after a sparse one (waits
 for that step's end), the first HostStore reads of a tile wider than any before (waits for queued reads: its index
-ring grows), and ``diagnostic_summary`` (waits for
-the stall timers of issued steps). One instance is used from one thread.
+ring grows), a HostStore's group of reads ``FENCES`` groups after one that no score wait has covered since (waits for
+it: its index slot is reused; a step's score wait covers the reads of the steps before it), and
+``diagnostic_summary`` (waits for the stall timers of issued steps). One instance is used from one thread.
 """
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ from hss.swap.eviction import EvictionPolicy
 from hss.swap.gather import SPARSE_GATHER_MIN_RUNS
 from hss.swap.layout import GroupLayout
 from hss.swap.pool import ScratchPool
-from hss.swap.sparse import SparseBudget, select_pages, sparse_budget
+from hss.swap.sparse import SparseBudget, select_mask, sparse_budget
 from hss.swap.stores import BackingStore, FileStore, HostStore, PreparedReads, StoreError
 
 __all__ = ["HighSpeedSwap", "StepRecord", "TileRecord"]
@@ -182,10 +186,25 @@ class _Promotions(NamedTuple):
     wait_tile: int
 
 
+class _Picked(NamedTuple):
+    """The promotions a step decided on, in decision order (the best score first), before :class:`_Promotions` puts
+    them in sequence order (a sparse step reads first): ``take`` (indices into the misses), ``into`` (resident slots),
+    ``victims`` (how many of them held a page: the last ones), ``miss_scores`` (the predictor score of each miss),
+    ``wait_tile`` as there, ``late`` (those of tiles 0 and 1 with one whose slot holds a page attended in the
+    resident tile: read after it)."""
+    take: np.ndarray
+    into: np.ndarray
+    victims: int
+    miss_scores: np.ndarray
+    wait_tile: int
+    late: tuple[int, ...]
+
+
 class _Plan(NamedTuple):
     """A step's hits and misses over the pages it attends, its streamed tile count and its reads. A sparse step
-    knows its promotions before its reads (``promotions``): those misses are read straight into their resident
-    slots (``miss_slots``: the slot each miss is read into and attended from; None: the stream buffers)."""
+    knows its promotions before its reads (``promotions``, the rest made once its reads are queued): those misses are
+    read straight into their resident slots (``miss_slots``: the slot each miss is read into and attended from; None:
+    the stream buffers)."""
     slots: np.ndarray         # each page's resident slot, -1 where not resident
     hit_pos: np.ndarray
     miss_pos: np.ndarray
@@ -193,7 +212,7 @@ class _Plan(NamedTuple):
     streamed_tiles: int
     reads: PreparedReads
     last_is_hit: bool
-    promotions: _Promotions | None = None
+    promotions: _Picked | None = None
     miss_slots: np.ndarray | None = None
 
 
@@ -300,7 +319,7 @@ def _record_fields(ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss
     """A step's (tiles, hits, misses, promoted, evicted, skipped) for its :class:`StepRecord`. Tiles: the resident
     tile (hits in sequence order), then the misses in tiles of T (read into the stream buffers ``buffer_slots``, or
     into ``miss_slots``). ``moves``: an exact step's (promoted, evicted) lists of (decision rank, ...), or a sparse
-    step's :class:`_Promotions` (None: none)."""
+    step's :class:`_Promotions` (None: none). ``kept``: a sparse step's mask of the blocks attended."""
     tiles = []
     hits = tuple(ids[hit_pos].tolist())
     if hit_pos.size:
@@ -323,7 +342,7 @@ def _record_fields(ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss
         layers, pages = moves.old_layer[order], moves.old_page[order]
         held = layers >= 0
         evicted = tuple(zip(zip(layers[held].tolist(), pages[held].tolist()), into[held].tolist()))
-    skipped = () if kept is None else tuple(np.delete(block_ids, kept).tolist())
+    skipped = () if kept is None else tuple(block_ids[~kept].tolist())
     return tuple(tiles), hits, misses, promoted, evicted, skipped
 
 
@@ -437,6 +456,7 @@ class HighSpeedSwap:
         self._slot_dsts = self.pool.ptr + self.layout.block_bytes * np.arange(self.pool.num_slots, dtype=np.int64)
         self._stream_dsts = self._slot_dsts[self._stream_slots]
         self._tile_bounds = np.arange(0, (self._max_tiles + 1) * T, T, dtype=np.int64)
+        self._edges: dict[int, tuple[np.ndarray, list[int]]] = {}     # misses: their tiles' bounds (_plan_reads)
         self._buffer_slots = (tuple(range(R, R + T)), tuple(range(R + T, R + 2 * T)))
         self._stream_table = np.zeros((self._max_tiles, cap), dtype=np.int32)
         self._stream_table[:, :T] = R + np.arange(self._max_tiles)[:, None] % 2 * T + np.arange(T)
@@ -451,10 +471,15 @@ class HighSpeedSwap:
         self._out_arg = _args.pointer_arg("out_dev", rowbytes, 2, "bf16", True,
                                           "a bf16 [num_q_heads, head_dim] output", device=dev)
         self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
+        self._copy = self.copy_stream.handle
         self._stepped = False
         self._ended = False      # the last step's end was recorded (step_done follows all its work on its stream)
+        self._done_on = -1       # the stream step_done was last recorded on
+        self._pending_touch: np.ndarray | None = None    # a sparse step's hits, touched once its reads are queued
+        self._read_mark: Any = None     # the store's fences known run once the next step's scores are (_wait_scores)
         self._last_sparse: SparseBudget | None = None
-        self._last_ids = (np.zeros(0, dtype=np.int64), -1)     # the last seq_block_ids checked (_seq_ids)
+        self._last_ids = (np.zeros(0, dtype=np.int64), -1, False)    # the last seq_block_ids checked (_seq_ids):
+        #                                                                   (ids, largest, whether 0..n-1 in order)
         self._last_bytes = b""
         self._readable: dict[int, tuple[np.ndarray, int]] = {}  # layer: (ids, store epoch) with every page readable
         self.last_step: StepRecord | None = None
@@ -489,7 +514,7 @@ class HighSpeedSwap:
         """``seq_block_ids`` checked, as our own int64 copy (the step record keeps it), and its largest id (-1 when
         empty)."""
         arr = np.asarray(seq_block_ids)
-        last, last_top = self._last_ids
+        last, last_top, _ = self._last_ids
         if arr.shape == last.shape and arr.dtype == last.dtype and last.size and arr.tobytes() == self._last_bytes:
             return last, last_top     # a decode loop passes the same pages step after step: our (read-only) copy
         if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind not in "f"):   # [] is float64
@@ -511,7 +536,8 @@ class HighSpeedSwap:
                 raise HssError(f"seq_block_ids repeats block ids {np.flatnonzero(counts > 1)[:8].tolist()}: each "
                                "page may appear once per attend_layer call")
         arr.setflags(write=False)      # the step records keep it, and the next step may reuse it
-        self._last_ids, self._last_bytes = (arr, top), arr.tobytes()
+        # (increasing from 0 to size - 1: the pages 0..n-1 in order, whose scores are a prefix of the layer's)
+        self._last_ids, self._last_bytes = (arr, top, increasing and top == arr.size - 1), arr.tobytes()
         return arr, top
 
     def _sparse_args(self, budget_pages: Any, keep_first: Any, keep_recent: Any) -> SparseBudget | None:
@@ -658,7 +684,8 @@ class HighSpeedSwap:
             q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
             self._mine.check(q, rowbytes, "q_dev", "this HighSpeedSwap")
             self._mine.check(out, rowbytes, "out_dev", "this HighSpeedSwap")
-            _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
+            if out < q + rowbytes and q < out + rowbytes:      # (the error is _args.disjoint's)
+                _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
         self._prof["checks"] += time.perf_counter() - t0
         if sparse is not None and not sparse.covers(ids.size):
             rec = self._sparse_step(s, layer, ids, top, q, out, lbvs, sparse)
@@ -674,8 +701,9 @@ class HighSpeedSwap:
         """The sparse step (SPEC §17.6): the scores first (the host waits), then :meth:`_step` over the pages
         chosen. Every page must be readable, checked before any device work like the exact step's reads. With the
         scores known before any read, the promotions are planned first and those misses are read straight into
-        their resident slots (no device-to-device copy); every tile's reads are one prepared batch."""
-        prof = self._prof
+        their resident slots (no device-to-device copy); every tile's reads are one prepared batch. Here the scores
+        are queued and what needs no score is done; :meth:`_step` sets its tiles up, then waits
+        (:meth:`_choose`): from the score wait to the first read only what that read needs is done."""
         t0 = time.perf_counter()
         self._check_readable(layer, ids)
         self._begin(s)
@@ -683,65 +711,98 @@ class HighSpeedSwap:
             self._queue_scores(s, layer, q, top + 1)
             self._record_scores_event(s)
             resident = self.pool._lookup_planned(layer, ids)     # host work while the device scores
-            t1 = time.perf_counter()
-            scores = self._wait_scores(ids)
-            t2 = time.perf_counter()
-            keep = select_pages(scores, sparse)
-            held = (resident >= 0).nonzero()[0]   # every resident page ranks by this query's score (the skipped
-            self.eviction._score_planned(resident[held], scores[held])    # are never touched; hits are, in _plan)
-            t3 = time.perf_counter()
-            kept_ids, kept_scores = ids[keep], scores[keep]
-            plan = self._plan(layer, kept_ids, kept_scores, resident[keep])
+            held = resident >= 0
+            held_pos = held.nonzero()[0]
+            held_slots = resident[held_pos]
+            by_slot = None
+            if held_slots.size == self.resident_capacity:      # every slot holds one of these pages: slot i's
+                by_slot = np.empty_like(held_pos)               # is at position by_slot[i]
+                by_slot[held_slots] = held_pos
+            choose = functools.partial(self._choose, layer, ids, sparse, resident, held, held_pos, held_slots,
+                                       by_slot)
         except BaseException:
             self._end(s)
             raise
-        prof["sparse_queue"] += t1 - t0
-        prof["sparse_wait"] += t2 - t1
-        prof["sparse_select"] += t3 - t2
-        prof["sparse_plan"] += time.perf_counter() - t3
-        last = bool(keep.size) and int(keep[-1]) == ids.size - 1
-        self._n["sparse_steps"] += 1
-        self._n["skipped"] += ids.size - keep.size
-        return self._step(s, layer, kept_ids, q, out, lbvs if last else self.model.block_size, plan, kept_scores,
-                          whole=(ids, scores, keep, sparse))
+        self._prof["sparse_queue"] += time.perf_counter() - t0
+        return self._step(s, layer, ids, q, out, lbvs, choose, None, budget=sparse)
 
-    def _plan(self, layer: int, ids: np.ndarray, known: np.ndarray | None = None,
-              slots: np.ndarray | None = None) -> _Plan:
-        """Hits, misses, streamed tiles and every read of a step over ``ids``, checked (StoreError naming pages
-        never offloaded) and planned: the step's loop only issues them. ``known`` (a sparse step: the scores of
-        ``ids``, already waited for): the hits are recorded and touched and the promotions planned here, before
-        the reads (``slots``: the pages' resident slots, if looked up already; their scores recorded already)."""
-        if slots is None:
-            slots = self.pool._lookup_planned(layer, ids)
+    def _choose(self, layer: int, ids: np.ndarray, sparse: SparseBudget, resident: np.ndarray, held: np.ndarray,
+                held_pos: np.ndarray, held_slots: np.ndarray, by_slot: np.ndarray | None) -> tuple:
+        """A sparse step's wait for its scores, page choice and plan (:meth:`_plan_sparse`): (plan, the scores of
+        ``ids``, the mask of those attended, the host seconds of (wait, choice, plan)). ``resident``: the slot of
+        each page (-1: none); ``held``, ``held_pos``, ``held_slots``: where there is one, and which; ``by_slot``
+        (every slot holding one of them): the position of each slot's page."""
+        t1 = time.perf_counter()
+        scores = self._wait_scores(ids)
+        t2 = time.perf_counter()
+        keep = select_mask(scores, sparse)
+        # every resident page ranks by this query's score (the skipped are never touched; hits are, see _plan_sparse)
+        if by_slot is None:
+            self.eviction._score_planned(held_slots, scores[held_pos])
+        else:
+            self.eviction._score_all_planned(scores, by_slot)
+        t3 = time.perf_counter()
+        plan = self._plan_sparse(layer, ids, scores, resident, keep, held, held_pos, held_slots)
+        return plan, scores, keep, (t2 - t1, t3 - t2, time.perf_counter() - t3)
+
+    def _plan(self, layer: int, ids: np.ndarray) -> _Plan:
+        """Hits, misses, streamed tiles and every read of an exact step over ``ids``, checked (StoreError naming
+        pages never offloaded) and planned: the step's loop only issues them."""
+        slots = self.pool._lookup_planned(layer, ids)
         hit = slots >= 0
         hit_pos, miss_pos = hit.nonzero()[0], (~hit).nonzero()[0]
-        m, T = int(miss_pos.size), self.tile_blocks
-        ns = -(-m // T)                                      # streamed tiles: the misses in sequence order
+        m = int(miss_pos.size)
         miss_ids = ids[miss_pos]
-        promo = miss_slots = None
-        dsts, dst_slots = self._stream_dsts[:m], self._stream_slots[:m]
-        if known is not None:      # (the hits' scores are recorded already, with every resident page's)
-            hit_slots = slots[hit_pos]
-            if hit_pos.size:
-                self.eviction._touch_planned(hit_slots)
-            promo = self._plan_promotions(known, miss_pos, ns, hit_slots)
-            if promo is not None:
-                miss_slots = self._stream_slots[:m].copy()
-                miss_slots[promo.take] = promo.into
-                dsts, dst_slots = self._slot_dsts[miss_slots], miss_slots
-        t0 = time.perf_counter()
-        bounds = self._tile_bounds[:ns + 1].copy()
-        bounds[-1] = m
-        edges = bounds.tolist()
-        if known is None and not self._known_readable(layer, ids):   # (a sparse step checked every page first)
+        if not self._known_readable(layer, ids):
             missing = self.store._missing_planned(layer, miss_ids)
             if missing.size:
                 raise _never_offloaded(layer, missing)
-        reads = self.store._plan_reads(layer, miss_ids, dsts, bounds, edges, (self.pool._slot_ptrs, dst_slots),
-                                       None if known is None else self.sparse_gather_min_runs)
+        ns, reads = self._plan_reads(layer, miss_ids, self._stream_dsts[:m], self._stream_slots[:m], None)
+        return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]))
+
+    def _plan_sparse(self, layer: int, ids: np.ndarray, scores: np.ndarray, resident: np.ndarray, keep: np.ndarray,
+                     held: np.ndarray, held_pos: np.ndarray, held_slots: np.ndarray) -> _Plan:
+        """:meth:`_plan` of a sparse step over the pages ``ids`` (checked readable already) it attends where ``keep``
+        (a mask), ``scores`` their scores (waited for), ``resident`` their resident slots (-1: none; ``held``: where
+        there is one, positions ``held_pos``, slots ``held_slots``). Its hit_pos and miss_pos index ``ids``. The
+        promotions are decided here, before the reads, and those misses read into their resident slots; the hits'
+        touch waits until the reads are queued (:meth:`_touch_hits`) unless the decision needs recency first."""
+        hit = keep[held_pos]
+        hit_pos, hit_slots = held_pos[hit], held_slots[hit]
+        miss_pos = (keep > held).nonzero()[0]
+        m = int(miss_pos.size)
+        last = self._last_ids
+        miss_ids = miss_pos if ids is last[0] and last[2] else ids[miss_pos]     # (pages 0..n-1: position = page)
+        if hit_pos.size:
+            self._pending_touch = hit_slots
+        ns = -(-m // self.tile_blocks)
+        picked = self._pick_promotions(scores, miss_pos, ns, hit_slots)
+        if picked is None:
+            miss_slots, dsts, dst_slots = None, self._stream_dsts[:m], self._stream_slots[:m]
+        else:
+            miss_slots = self._stream_slots[:m].copy()
+            miss_slots[picked.take] = picked.into
+            dsts, dst_slots = self._slot_dsts[miss_slots], miss_slots
+        ns, reads = self._plan_reads(layer, miss_ids, dsts, dst_slots, self.sparse_gather_min_runs)
+        last_is_hit = bool(hit_pos.size) and (not m or int(hit_pos[-1]) > int(miss_pos[-1]))
+        return _Plan(resident, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit, picked, miss_slots)
+
+    def _plan_reads(self, layer: int, miss_ids: np.ndarray, dsts: np.ndarray, dst_slots: np.ndarray,
+                    gather_min_runs: int | None) -> tuple[int, PreparedReads]:
+        """(streamed tiles, the reads of ``miss_ids`` into pool slots ``dst_slots`` at ``dsts``: tile i's misses
+        ``i * T:(i + 1) * T``, one group each)."""
+        t0 = time.perf_counter()
+        m = miss_ids.size
+        ns = -(-m // self.tile_blocks)                      # streamed tiles: the misses in sequence order
+        edges = self._edges.get(m)
+        if edges is None:         # (a few miss counts recur: made once each, never changed)
+            bounds = self._tile_bounds[:ns + 1].copy()
+            bounds[-1] = m
+            edges = self._edges[m] = (bounds, bounds.tolist())
+        reads = self.store._plan_reads(layer, miss_ids, dsts, *edges, (self.pool._slot_ptrs, dst_slots),
+                                       gather_min_runs)
         self._host_read += time.perf_counter() - t0
-        return _Plan(slots, hit_pos, miss_pos, miss_ids, ns, reads, bool(ids.size) and bool(hit[-1]), promo,
-                     miss_slots)
+        return ns, reads
 
     def _known_readable(self, layer: int, ids: np.ndarray) -> bool:
         """Whether every page ``ids`` (our read-only copy) of ``layer`` was found readable since the store last
@@ -761,9 +822,10 @@ class HighSpeedSwap:
 
     def _begin(self, s: int) -> None:
         """Order the step after the previous one on ``s`` and on the copy stream (the stream buffers and the promoted
-        pages' slots may still be read by the previous step); before any step, the copy stream after ``s``."""
-        c = self.copy_stream.handle
-        if self._stepped:
+        pages' slots may still be read by the previous step); before any step, the copy stream after ``s``. (``s``
+        itself waits only where the previous step's end was recorded on another stream: a stream runs in order.)"""
+        c = self._copy
+        if self._stepped and s != self._done_on:
             cm.stream_wait_event(s, self._ev_step_done)
         if self._ended:
             cm.stream_wait_event(c, self._ev_step_done)
@@ -775,34 +837,27 @@ class HighSpeedSwap:
         self._ended = False
         self._ev_step_done.record(s)
         self._stepped = self._ended = True
+        self._done_on = s
 
-    def _step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int, plan: _Plan,
-              known: np.ndarray | None, whole: tuple | None = None, budget: SparseBudget | None = None) -> StepRecord:
-        """Attend the pages ``ids`` (sequence order) as ``plan`` says. ``known`` None: the exact step (the module
-        doc: reads and the score work queued before the host waits for the scores); else the sparse step's tiles,
-        begun by the caller, with ``known`` the scores of ``ids`` and its promotions in ``plan`` (read straight
-        into their resident slots; a tile whose reads overwrite a hit's slot waits for the resident tile; the pool
-        and eviction bookkeeping of the tiles whose reads were queued is done at once at the end, see
-        :meth:`_put_promotions`). ``whole``: the sparse step's (every block id, their scores, the positions
-        attended, its budget), for the record; ``budget``: an exact step's sparse arguments (a covering budget)."""
-        slots, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit, promo, miss_slots = plan
-        bs, m = self.model.block_size, int(miss_pos.size)
-        c = self.copy_stream.handle
+    def _step(self, s: int, layer: int, ids: np.ndarray, q: int, out: int, lbvs: int, plan: Any,
+              known: np.ndarray | None, budget: SparseBudget | None = None) -> StepRecord:
+        """Attend the pages ``ids`` (sequence order) as ``plan`` says (its hits and misses: those of ``ids`` it
+        attends). ``plan`` a :class:`_Plan`: the exact step (the module doc: reads and the score work queued before the
+        host waits for the scores; ``budget``: its sparse arguments, a covering budget). Else the sparse step's tiles,
+        begun by the caller: ``plan`` is its :meth:`_choose` (the score wait and the plan, called once the tiles are
+        set up), which gives the scores of ``ids`` (``known``) and the promotions, read straight into their resident
+        slots (a tile whose reads overwrite a hit's slot waits for the resident tile; the pool and eviction
+        bookkeeping of the tiles whose reads were queued, the hits' touch included, is done at once at the end, see
+        :meth:`_put_promotions`); ``budget`` its sparse arguments."""
+        c, n = self._copy, self._n
+        choose = None if type(plan) is _Plan else plan
         t_start = time.perf_counter()
-        if known is None:
+        if choose is None:
             self._begin(s)
-        first = 1 if hit_pos.size else 0                    # the resident tile, if any, is row 0
-        ta, cap = self.attn, self.attn.dims.tile_capacity
-        kp, vp, blk, tok, kvh = self._operands
-        tables, counts = self._tables_dev, self._counts_dev
-        loaded, done, timer, n = self._ev_loaded, self._ev_done, self._timer, self._n
-        timed = known is None or self.time_sparse_stalls      # (a sparse step's stalls: opt in)
-        promoted: list[tuple[int, int, int]] = []                 # exact: (decision rank, block id, slot)
-        evicted: list[tuple[int, tuple[int, int], int]] = []      # exact: (decision rank, (layer, page), slot)
-        wait_tile = promo.wait_tile if known is not None and promo is not None else ns
-        issued = [0, 0]          # streamed tiles whose reads were begun, and queued (tiles are read in order)
+        loaded, done = self._ev_loaded, self._ev_done
+        begun: list[int] = []    # the streamed tiles whose reads were begun, in issue order (tile order, but where
+        queued = [0]             # tile 0 alone waits for the resident tile: 1, 0, 2, ...); how many were queued
         ready: list[Any] = [None, None]     # the event after the reads of the last tile read into each buffer
-        pool = self.pool
 
         def read(i: int) -> None:
             if i >= 2:
@@ -810,9 +865,9 @@ class HighSpeedSwap:
             if i == wait_tile:        # its reads overwrite a slot the resident tile reads
                 cm.stream_wait_event(c, self._ev_resident)
             t = time.perf_counter()
-            issued[0] = i + 1
+            begun.append(i)
             n["bytes_read"] += reads.issue(i, c)
-            issued[1] = i + 1
+            queued[0] += 1
             self._host_read += time.perf_counter() - t
             fence = reads.fence      # (the store keeps this record for FENCES - 1 more groups: s waits for it
             #                          before read(i + 2))
@@ -821,27 +876,47 @@ class HighSpeedSwap:
                 fence.record(c)
             ready[i % 2] = fence
 
-        def attend(row: int, tile_lbvs: int) -> None:
-            output = out if row == first + ns - 1 else 0   # the step's last tile also writes the output
-            if row == 0:   # checks q, the pool and the strides once per step
-                ta.step_tile(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs, output or None)
-            else:
-                ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs, output)
-
-        def attend_streamed(i: int) -> None:
-            if timed:
-                timer.begin(s)
-                cm.stream_wait_event(s, ready[i % 2])
-                timer.end(s)
-            else:
-                cm.stream_wait_event(s, ready[i % 2])
-            attend(first + i, lbvs if i == ns - 1 and not last_is_hit else bs)
-
+        promoted: list[tuple[int, int, int]] = []                 # exact: (decision rank, block id, slot)
+        evicted: list[tuple[int, tuple[int, int], int]] = []      # exact: (decision rank, (layer, page), slot)
+        promo: _Promotions | None = None
         try:
+            if choose is not None:      # the sparse step: its scores (the host waits) and its plan
+                plan, known, kept, waited = choose()
+                t_start = time.perf_counter()
+                if not kept[-1]:        # (the last page is skipped: no tile gets the caller's valid slots)
+                    lbvs = self.model.block_size
+            slots, hit_pos, miss_pos, miss_ids, ns, reads, last_is_hit, picked, miss_slots = plan
+            wait_tile, late = (ns, ()) if picked is None else (picked.wait_tile, picked.late)
             early = min(2, ns)          # the first reads run while the host queues (and waits for) the scores
-            for i in range(min(early, wait_tile)):
-                read(i)
-            if ids.size:
+            for i in range(early):
+                if i not in late:
+                    read(i)
+            bs, m = self.model.block_size, int(miss_pos.size)
+            first = 1 if hit_pos.size else 0                    # the resident tile, if any, is row 0
+            ta, cap = self.attn, self.attn.dims.tile_capacity
+            kp, vp, blk, tok, kvh = self._operands
+            tables, counts = self._tables_dev, self._counts_dev
+            timer = self._timer
+            timed = known is None or self.time_sparse_stalls      # (a sparse step's stalls: opt in)
+            pool = self.pool
+
+            def attend(row: int, tile_lbvs: int) -> None:
+                output = out if row == first + ns - 1 else 0   # the step's last tile also writes the output
+                if row == 0:   # checks q, the pool and the strides once per step
+                    ta.step_tile(s, q, kp, vp, tables, counts, 1, blk, tok, kvh, tile_lbvs, output or None)
+                else:
+                    ta._next_tile(s, tables + 4 * row * cap, counts + 4 * row, tile_lbvs, output)
+
+            def attend_streamed(i: int) -> None:
+                if timed:
+                    timer.begin(s)
+                    cm.stream_wait_event(s, ready[i % 2])
+                    timer.end(s)
+                else:
+                    cm.stream_wait_event(s, ready[i % 2])
+                attend(first + i, lbvs if i == ns - 1 and not last_is_hit else bs)
+
+            if first + ns:
                 if known is None:
                     self._queue_scores(s, layer, q, int(ids.max()) + 1)
                 self._upload_tables(s, slots[hit_pos], first, ns, m, miss_slots)
@@ -855,7 +930,7 @@ class HighSpeedSwap:
                 attend(0, lbvs if last_is_hit else bs)
                 if wait_tile < ns:
                     self._ev_resident.record(s)
-            for i in range(wait_tile, early):
+            for i in late:
                 read(i)
             if ns:
                 attend_streamed(0)
@@ -891,36 +966,66 @@ class HighSpeedSwap:
                 ta.finalize(s, out, 1)
         finally:
             try:       # the bookkeeping of what was queued, even when the step's end cannot be recorded
-                if known is None:
+                if choose is None:
                     n["promotions"] += len(promoted)
                     n["evictions"] += len(evicted)
-                elif promo is not None:
-                    self._put_promotions(layer, promo, miss_ids, issued[1], issued[0] > issued[1])
+                elif known is None:     # a sparse step that failed before its plan was made
+                    self._touch_hits()
+                else:
+                    promo = self._settle(layer, ids, plan, waited, begun, queued[0])
             finally:
                 self._end(s)
+        if ns:      # s waited for every tile's reads before the end: once a later step's scores are in, so were they
+            self._read_mark = self.store._read_mark()
         t_issued = time.perf_counter()
         self._timer.collect(wait=False)     # host work here overlaps the step's last tiles on the device
         n["steps"] += 1
         n["tiles"] += first + ns
         n["hits"] += int(hit_pos.size)
         n["misses"] += m
-        block_ids, block_scores, kept, sparse = (ids, scores, None, budget) if whole is None else whole
-        block_ids.setflags(write=False)
+        # (scores may be a view of the pinned scores, _wait_scores: the next step refills it)
+        block_scores = scores if scores.flags.owndata else scores.copy()
+        ids.setflags(write=False)
         block_scores.setflags(write=False)
-        moves = (promoted, evicted) if known is None else promo
+        moves, kept = ((promoted, evicted), None) if choose is None else (promo, kept)
         build = functools.partial(_record_fields, ids, slots, hit_pos, miss_ids, miss_slots, lbvs, last_is_hit, bs,
-                                  self.tile_blocks, self._buffer_slots, moves, block_ids, kept)
-        rec = StepRecord._of_step(layer, block_ids, block_scores, sparse, build)
+                                  self.tile_blocks, self._buffer_slots, moves, ids, kept)
+        rec = StepRecord._of_step(layer, ids, block_scores, budget, build)
         prof = self._prof
         prof["tiles_queue"] += t_queued - t_start
         prof["tiles_rest"] += t_issued - t_queued
         prof["record"] += time.perf_counter() - t_issued
         return rec
 
-    def _put_promotions(self, layer: int, promo: _Promotions, miss_ids: np.ndarray, tiles: int, failed: bool) -> None:
+    def _settle(self, layer: int, ids: np.ndarray, plan: _Plan, waited: tuple, begun: list[int],
+                queued: int) -> _Promotions | None:
+        """A sparse step's bookkeeping once its reads are queued (or one failed; ``begun``: the streamed tiles whose
+        reads were begun, in issue order, the first ``queued`` of them queued): its hits touched, then the promotions of
+        the tiles read (with every tile before them) put and the slots of the later tiles begun lost
+        (:meth:`_put_promotions`), its counts and host seconds (``waited``: :meth:`_choose`'s). Returns its
+        promotions."""
+        self._touch_hits()
+        promo = None
+        if plan.promotions is not None:
+            read = 0
+            while read in begun[:queued]:
+                read += 1
+            promo = self._promotions(plan.promotions, plan.streamed_tiles)
+            self._put_promotions(layer, promo, plan.miss_ids, read, tuple(i for i in begun if i >= read))
+        prof = self._prof
+        prof["sparse_wait"] += waited[0]
+        prof["sparse_select"] += waited[1]
+        prof["sparse_plan"] += waited[2]
+        self._n["sparse_steps"] += 1
+        self._n["skipped"] += ids.size - plan.hit_pos.size - plan.miss_pos.size
+        return promo
+
+    def _put_promotions(self, layer: int, promo: _Promotions, miss_ids: np.ndarray, tiles: int,
+                        lost: tuple[int, ...]) -> None:
         """A sparse step's pool and eviction bookkeeping, at once, of the promotions in its first ``tiles`` streamed
         tiles (their reads queued): pages placed, scores recorded, slots touched in sequence order (as tile by
-        tile). ``failed``: the next tile's reads were begun and may be partly queued: its slots' pages are gone."""
+        tile). ``lost`` (a step that failed): later tiles whose reads were begun and may be partly queued (or queued
+        ahead of an earlier tile's): their slots' pages are gone."""
         k = promo.at[tiles]
         if k:
             into, old_layer = promo.into[:k], promo.old_layer[:k]
@@ -928,8 +1033,8 @@ class HighSpeedSwap:
             self.eviction._record_planned(into, promo.scores[:k])
             self._n["promotions"] += k
             self._n["evictions"] += evicted
-        if failed:
-            self.pool.invalidate_slots(promo.into[k:promo.at[tiles + 1]])
+        for i in lost:
+            self.pool.invalidate_slots(promo.into[promo.at[i]:promo.at[i + 1]])
 
     def _queue_scores(self, s: int, layer: int, q: int, n: int) -> None:
         """Queue the predictor scores of pages 0..n-1 and their copy into pinned host memory on ``s``."""
@@ -943,7 +1048,9 @@ class HighSpeedSwap:
         self._timer.mark()
 
     def _wait_scores(self, ids: np.ndarray) -> np.ndarray:
-        """Predictor scores of ``ids`` (host float32) once ``_ev_scores`` has completed; waits on the host."""
+        """Predictor scores of ``ids`` (host float32) once ``_ev_scores`` has completed; waits on the host. Where
+        ``ids`` are pages 0..n-1 in order (the usual decode step), a view of the pinned scores: read it before the
+        next step queues its scores (the step's record keeps a copy)."""
         if ids.size == 0:
             return np.zeros(0, dtype=np.float32)
         t0 = time.perf_counter()
@@ -951,48 +1058,83 @@ class HighSpeedSwap:
         self._score_wait += time.perf_counter() - t0
         self._tables_pending = False
         self._timer.reached()     # the stall timers of earlier steps are complete: summed with no query
-        return self._scores_f32[ids]
+        self.store._reads_ran(self._read_mark)    # and so are the reads of earlier steps
+        last = self._last_ids
+        if ids is last[0] and last[2]:
+            return self._scores_f32[:ids.size]
+        return self._scores_f32.take(ids)
 
     def _plan_promotions(self, scores: np.ndarray, miss_pos: np.ndarray, ns: int,
                          hit_slots: np.ndarray | None = None) -> _Promotions | None:
         """The misses to promote (see the module doc), or None. ``hit_slots`` (a sparse step, whose promoted misses
         are read into their slots): the slots the resident tile reads, for ``wait_tile``."""
+        picked = self._pick_promotions(scores, miss_pos, ns, hit_slots)
+        return None if picked is None else self._promotions(picked, ns)
+
+    def _pick_promotions(self, scores: np.ndarray, miss_pos: np.ndarray, ns: int,
+                         hit_slots: np.ndarray | None = None) -> _Picked | None:
+        """The decision of :meth:`_plan_promotions`: what a sparse step's reads need (the rest: :meth:`_promotions`,
+        from the pool as it is until the promotions are put)."""
         m = miss_pos.size
         if self.resident_capacity == 0 or m == 0:
             return None
         pool, eviction = self.pool, self.eviction
         miss_scores = scores[miss_pos]
-        if pool.free_count:
+        if pool._free:               # (free_count)
+            self._touch_hits()       # (the ranking reads recency)
             picked = self._promote_into_free(miss_scores)
         else:       # every slot holds a page (a slot is free exactly when it holds none): the steady state
             # the usual case: every miss scores below the first victim, the lowest score (a NaN on either side: not
             # known here; then the rule below decides, as it would have here)
-            low, top = eviction.last_score.min(), miss_scores.max()
+            if hit_slots is None:       # an exact step's many misses: sorted only if one may be promoted
+                ranked, low, top = None, eviction.last_score.min(), miss_scores.max()
+            else:       # a sparse step's few, mostly promoted: both sides sorted now (NaN last, so first reversed)
+                victims, order = eviction.last_score.argsort(), miss_scores.argsort()[::-1]
+                lows, best = eviction.last_score[victims], miss_scores[order]
+                ranked = victims, lows, order, best
+                low = lows[0] if lows[-1] == lows[-1] else lows[-1]     # (NaN where any, as min gives)
+                top = best[0]
             if top < low:
                 return None
-            picked = (self._promote_by_value(miss_scores) if low == low and top == top else
-                      self._promote_ranked(miss_scores, [], eviction._rank_all(low)))
+            if low == low and top == top:
+                picked = self._promote_by_value(miss_scores, ranked)
+            else:
+                self._touch_hits()
+                picked = self._promote_ranked(miss_scores, [], eviction._rank_all(low))
         if picked is None:
             return None
-        take, into, rank, k = picked
-        old_layer, old_page = pool._keys_planned(into)
-        at = [0, take.size] if ns == 1 else np.searchsorted(take, self._tile_bounds[:ns + 1]).tolist()
-        wait_tile = ns
-        if hit_slots is not None and hit_slots.size and k:
+        take, into, k = picked
+        wait_tile, late = ns, ()
+        if k and hit_slots is not None and hit_slots.size:      # (only a victim's slot can be a hit's)
             hit = np.zeros(self.resident_capacity, dtype=bool)
             hit[hit_slots] = True
-            over = hit[into]
-            if ns == 1:
-                wait_tile = 0 if over.any() else 1
-            else:
-                over = over.nonzero()[0]
-                if over.size:
-                    wait_tile = int(take[over[0]]) // self.tile_blocks
-        return _Promotions(take, into, rank, old_layer, old_page, miss_scores[take], at, wait_tile)
+            over = hit[into[-k:]]
+            if np.count_nonzero(over):
+                over = take[-k:][over].tolist()      # the misses read into a hit's slot (a few)
+                T = self.tile_blocks
+                wait_tile = min(over) // T
+                if wait_tile < 2:
+                    late = (0, 1) if wait_tile == 0 and any(T <= j < 2 * T for j in over) else (wait_tile,)
+        return _Picked(take, into, k, miss_scores, wait_tile, late)
+
+    def _promotions(self, picked: _Picked, ns: int) -> _Promotions:
+        """The :class:`_Promotions` of a decision, in sequence order (the slots' keys read from the pool now)."""
+        rank = picked.take.argsort()    # decision rank of each, in sequence order (distinct: any sort is stable)
+        take, into = picked.take[rank], picked.into[rank]
+        old_layer, old_page = self.pool._keys_planned(into)
+        at = [0, take.size] if ns == 1 else take.searchsorted(self._tile_bounds[:ns + 1]).tolist()
+        return _Promotions(take, into, rank, old_layer, old_page, picked.miss_scores[take], at, picked.wait_tile)
+
+    def _touch_hits(self) -> None:
+        """Touch the hits a sparse step's plan left pending (in sequence order): once its reads are queued, or before
+        anything reads recency first."""
+        pending, self._pending_touch = self._pending_touch, None
+        if pending is not None:
+            self.eviction._touch_planned(pending)
 
     def _promote_into_free(self, miss_scores: np.ndarray) -> tuple | None:
-        """:meth:`_plan_promotions`' (take, into, rank, victims taken) with free slots: the free ones first, then the
-        first-ranked of the others."""
+        """:meth:`_plan_promotions`' (take, into, victims taken: decision order) with free slots: the free ones first,
+        then the first-ranked of the others."""
         m, pool = miss_scores.size, self.pool
         free = pool.free_slots()[:m]
         victims = None
@@ -1003,7 +1145,7 @@ class HighSpeedSwap:
 
     def _promote_ranked(self, miss_scores: np.ndarray, free: list, victims: np.ndarray | None) -> tuple | None:
         """The rule itself: the best misses (NaN last) into the ``free`` slots, then into the ranked ``victims`` while
-        each ranks before its miss. (take, into, rank: in sequence order; victims taken), or None."""
+        each ranks before its miss. (take, into: in decision order; victims taken), or None."""
         m, nf = miss_scores.size, len(free)
         order = np.argsort(-miss_scores, kind="stable")          # miss indices, best first, NaN last
         k = 0
@@ -1023,31 +1165,33 @@ class HighSpeedSwap:
             into = np.concatenate([np.asarray(free, dtype=np.int64), victims[:k]])
         else:
             into = victims[:k]
-        rank = np.argsort(take)         # decision rank of each, in sequence order (distinct: any sort is stable)
-        return take[rank], into[rank], rank, k
+        return take, into, k
 
-    def _promote_by_value(self, miss_scores: np.ndarray) -> tuple | None:
+    def _promote_by_value(self, miss_scores: np.ndarray, ranked: tuple | None = None) -> tuple | None:
         """:meth:`_promote_ranked` into a full resident set with no NaN score on either side, the same answer with
         cheaper sorts: how many victims yield follows from the sorted scores alone (the i-th lowest resident against
         the i-th best miss), and where no two scores on a side are equal (-0.0 equals 0.0) any sort of them is the
-        stable one (the usual case: a plain argsort, not the lexsort by recency and the stable sort)."""
+        stable one (the usual case: a plain argsort, not the lexsort by recency and the stable sort). ``ranked``: the
+        caller's (victims, their scores, order, the misses' scores in that order) of the sorts below."""
         eviction = self.eviction
-        score, neg = eviction.last_score, -miss_scores
+        score = eviction.last_score
         n = min(miss_scores.size, self.resident_capacity)
-        victims, order = score.argsort(), neg.argsort()
-        low, best = score[victims], miss_scores[order]     # sorted: the victims' scores, the misses' best first
+        if ranked is None:
+            victims, order = score.argsort(), miss_scores.argsort()[::-1]     # (no NaN: reversed is best first)
+            low, best = score[victims], miss_scores[order]     # sorted: the victims' scores, the misses' best first
+        else:
+            victims, low, order, best = ranked
         bad = low[:n] > best[:n]
         j = int(bad.argmax())
         k = j if bad[j] else n
         if not k:
             return None
         if np.count_nonzero(low[1:] == low[:-1]):     # a tie: recency, then the slot, decides
+            self._touch_hits()
             victims = np.lexsort((eviction.last_access, score))
         if np.count_nonzero(best[1:] == best[:-1]):   # a tie: the earlier miss first
-            order = neg.argsort(kind="stable")
-        take, victims = order[:k], victims[:k]
-        rank = np.argsort(take)         # decision rank of each, in sequence order (distinct: any sort is stable)
-        return take[rank], victims[rank], rank, k
+            order = (-miss_scores).argsort(kind="stable")
+        return order[:k], victims[:k], k
 
     def _upload_tables(self, s: int, hit_slots: np.ndarray, first: int, ns: int, misses: int,
                        miss_slots: np.ndarray | None = None) -> None:

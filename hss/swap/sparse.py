@@ -1,4 +1,5 @@
-"""Which pages a sparse swap step attends (SPEC §17.6): :func:`select_pages`. Pure host code.
+"""Which pages a sparse swap step attends (SPEC §17.6): :func:`select_pages` (:func:`select_mask`, the same as a
+mask). Pure host code.
 
 A step over the pages ``seq_block_ids`` (n of them, in sequence order) in the sparse mode attends the first
 ``keep_first`` and the last ``keep_recent`` pages of the sequence, plus the ``budget_pages`` others with the highest
@@ -15,7 +16,7 @@ import numpy as np
 from hss import _args
 from hss.errors import HssError
 
-__all__ = ["SparseBudget", "sparse_budget", "select_pages"]
+__all__ = ["SparseBudget", "sparse_budget", "select_pages", "select_mask"]
 
 
 class SparseBudget(NamedTuple):
@@ -51,27 +52,45 @@ def select_pages(scores: np.ndarray, budget: SparseBudget) -> np.ndarray:
     """Sequence positions (int64, ascending) of the pages attended, given the predictor score of each page
     (``scores``: float, ``[n]``, in sequence order). O(n): a partition finds the K-th best score, then every page
     above it and the earliest pages equal to it are kept (no sort)."""
-    scores = np.asarray(scores).reshape(-1)
+    if type(scores) is not np.ndarray or scores.ndim != 1:
+        scores = np.asarray(scores).reshape(-1)
+    if budget.covers(scores.size):
+        return np.arange(scores.size, dtype=np.int64)
+    return select_mask(scores, budget).nonzero()[0]
+
+
+def select_mask(scores: np.ndarray, budget: SparseBudget) -> np.ndarray:
+    """:func:`select_pages` as a mask: whether each page is attended (bool ``[n]``)."""
+    if type(scores) is not np.ndarray or scores.ndim != 1:
+        scores = np.asarray(scores).reshape(-1)
     n = scores.size
-    if budget.covers(n):
-        return np.arange(n, dtype=np.int64)
     first, recent, k = budget.keep_first, budget.keep_recent, budget.budget_pages
+    keep = np.empty(n, dtype=bool)
+    if budget.covers(n):
+        keep[:] = True
+        return keep
     hi = n - recent                   # not covered: first + recent < n, so the others are first..hi-1
-    keep = np.zeros(n, dtype=bool)
     keep[:first] = True
     keep[hi:] = True
-    if k:
-        others = scores[first:hi]
-        neg = -(others if others.dtype.kind == "f" else others.astype(np.float64))   # ascending = best first
-        kth = np.partition(neg, k - 1)[k - 1]     # the K-th best (NaN sorts last: fewer than K numbers)
-        if kth != kth:     # NaN: every number, then the earliest NaN
-            take = ~np.isnan(neg)
-            take[(~take).nonzero()[0][:k - int(np.count_nonzero(take))]] = True
-        else:
-            take = neg <= kth
-            if np.count_nonzero(take) != k:     # (the usual case: none past the K-th ties with it)
-                take = neg < kth
-                tied = (neg == kth).nonzero()[0]
-                take[tied[:k - int(np.count_nonzero(take))]] = True     # ties to the earlier page
-        keep[first:hi] = take
-    return keep.nonzero()[0]
+    take = keep[first:hi]
+    if not k:
+        take[:] = False
+        return keep
+    others = scores[first:hi]
+    if others.dtype.kind != "f":
+        others = others.astype(np.float64)
+    neg = -others                     # ascending = best first; NaN sorts last (below every number)
+    neg.partition(k - 1)
+    kth = neg[k - 1]                  # the K-th best (NaN: fewer than K numbers)
+    if kth != kth:     # NaN: every number, then the earliest NaN
+        nan = np.isnan(others)
+        np.logical_not(nan, out=take)
+        take[nan.nonzero()[0][:k - int(np.count_nonzero(take))]] = True
+        return keep
+    bar = -kth         # -(-x) == x exactly: others >= bar is neg <= kth (NaN neither)
+    np.greater_equal(others, bar, out=take)
+    if np.count_nonzero(take) != k:     # (the usual case: none past the K-th ties with it)
+        np.greater(others, bar, out=take)
+        tied = (others == bar).nonzero()[0]
+        take[tied[:k - int(np.count_nonzero(take))]] = True     # ties to the earlier page
+    return keep

@@ -48,20 +48,29 @@ def layer_path(directory: str | os.PathLike, layer: int) -> Path:
     return Path(directory) / f"layer_{layer:05}.kv"
 
 
-def _plan_runs(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int,
-               bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of requests whose pages and destinations are both consecutive, <= ``cap`` pages each, none crossing
-    a group boundary ``bounds`` (sorted, in 0..n): the first request of each run, its page count, and the
-    first run of each bound (group i's runs are ``at[i]:at[i + 1]``). One vectorized pass, no loop over runs."""
+def _run_starts(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int, bounds: np.ndarray) -> np.ndarray:
+    """Where the runs start (bool ``[n + 1]``, ``[n]`` the end): runs of requests whose pages and destinations are
+    both consecutive, <= ``cap`` pages each, none crossing a group boundary ``bounds`` (sorted, in 0..n). One
+    vectorized pass, no loop over runs; :func:`_runs` lists them."""
     n = pages.size
-    start = np.ones(n + 1, dtype=bool)       # start[n]: the end
-    start[1:n] = (pages[1:] != pages[:-1] + 1) | (dsts[1:] != dsts[:-1] + block_bytes)
+    start = np.empty(n + 1, dtype=bool)
+    start[0] = start[n] = True
+    inner = start[1:n]
+    np.not_equal(pages[1:], pages[:-1] + 1, out=inner)
+    inner |= dsts[1:] != dsts[:-1] + block_bytes
     start[bounds] = True
-    edges = start.nonzero()[0]
     if cap < n:     # split runs longer than cap: every cap-th request of a run starts a new one
+        edges = start.nonzero()[0]
         pos = np.arange(n + 1) - edges[np.cumsum(start) - 1]
-        edges = (start | (pos % cap == 0)).nonzero()[0]
-    return edges[:-1], edges[1:] - edges[:-1], np.searchsorted(edges, bounds)
+        start |= pos % cap == 0
+    return start
+
+
+def _runs(start: np.ndarray, bounds: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The runs :func:`_run_starts` marked: the first request of each, its page count, and the first run of each
+    bound (group i's runs are ``at[i]:at[i + 1]``)."""
+    edges = start.nonzero()[0]
+    return edges[:-1], edges[1:] - edges[:-1], edges.searchsorted(bounds).tolist()
 
 
 class PreparedReads:
@@ -70,7 +79,8 @@ class PreparedReads:
 
     ``pages``, ``dsts``: the requests (int64); ``bounds``: the group edges (a list); ``run_starts``,
     ``run_counts``: the transfers in order (first request, pages), group i's being ``run_bounds[i]`` up to
-    ``run_bounds[i + 1]``. Groups may be issued in any order, each any number of times.
+    ``run_bounds[i + 1]`` (planned when first read: a group read by ``page_gather`` needs only whether there are more
+    than a few). Groups may be issued in any order, each any number of times.
 
     ``fence``: after an ``issue``, an event recorded on its stream right after the group's reads (a HostStore's),
     which keeps that record until the store has issued ``hss.swap.gather.FENCES - 1`` more groups: wait for it
@@ -78,13 +88,15 @@ class PreparedReads:
     that orders other work after the reads records its own event.
     """
 
-    __slots__ = ("store", "layer", "pages", "dsts", "bounds", "run_starts", "run_counts", "run_bounds", "copies",
-                 "gather", "fence", "_block_bytes", "_epoch")
+    __slots__ = ("store", "layer", "pages", "dsts", "bounds", "copies", "gather", "fence", "_block_bytes", "_epoch",
+                 "_edges", "_cap", "_start", "_runs")
 
     def __init__(self, store: BackingStore, layer: int, pages: np.ndarray, dsts: np.ndarray, bounds: list[int],
-                 run_starts: np.ndarray, run_counts: np.ndarray, run_bounds: list[int]) -> None:
+                 edges: np.ndarray) -> None:
         self.store, self.layer, self.pages, self.dsts, self.bounds = store, layer, pages, dsts, bounds
-        self.run_starts, self.run_counts, self.run_bounds = run_starts, run_counts, run_bounds
+        self._edges, self._cap = edges, store.run_cap_pages     # the bounds as an int64 array; the longest run
+        self._start: np.ndarray | None = None      # where runs start (_run_starts), once marked
+        self._runs: tuple | None = None            # the runs, once listed
         self.copies: Any = None     # HostStore: the transfers as one HostToDeviceBatch (see _prepared; None where
         #                             every group goes through page_gather)
         self.gather: _Gathered | None = None     # HostStore: the groups read by page_gather, if any
@@ -93,6 +105,39 @@ class PreparedReads:
 
     def __len__(self) -> int:
         return max(len(self.bounds) - 1, 0)
+
+    def _marked(self) -> np.ndarray:
+        if self._start is None:
+            self._start = _run_starts(self.pages, self.dsts, self._block_bytes, self._cap, self._edges)
+        return self._start
+
+    def _listed(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        if self._runs is None:
+            self._runs = _runs(self._marked(), self.bounds)
+        return self._runs
+
+    @property
+    def run_starts(self) -> np.ndarray:
+        return self._listed()[0]
+
+    @property
+    def run_counts(self) -> np.ndarray:
+        return self._listed()[1]
+
+    @property
+    def run_bounds(self) -> list[int]:
+        return self._listed()[2]
+
+    def _more_runs(self, i: int, n: int) -> bool:
+        """Whether group i's reads are more than ``n`` transfers (``run_bounds[i + 1] - run_bounds[i] > n``)."""
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        if hi - lo <= n:
+            return False
+        if n == 1:      # the usual scattered group: its first two requests are two runs already
+            p, d = self.pages, self.dsts
+            if p[lo + 1] != p[lo] + 1 or d[lo + 1] != d[lo] + self._block_bytes:
+                return True
+        return int(np.count_nonzero(self._marked()[lo:hi])) > n
 
     def _group(self, i: Any) -> int:
         if type(i) is not int:
@@ -281,11 +326,10 @@ class BackingStore:
         of ``layer``; ``dsts`` (int64, our own) into live hss memory with room for a page each; ``bounds`` (int64)
         and ``edges`` (the same as a list) non-decreasing in 0..len(pages). ``slots``: every destination is a slot
         of the swap's scratch pool, ``dsts[i]`` entry ``slots[1][i]`` of its pointer table ``slots[0]`` (then the
-        planned runs need no range check). ``gather_min_runs``: a HostStore reads those groups (into pool slots) of
-        more runs than this or its own :attr:`HostStore.gather_min_runs`, the smaller, with ``page_gather`` (a sparse
-        swap step's scattered misses)."""
-        first, counts, at = _plan_runs(pages, dsts, self.layout.block_bytes, self.run_cap_pages, bounds)
-        reads = PreparedReads(self, layer, pages, dsts, edges, first, counts, at.tolist())
+        planned runs need no range check; ``slots[1]``, our own too, is kept like the pages). ``gather_min_runs``: a
+        HostStore reads those groups (into pool slots) of more runs than this or its own
+        :attr:`HostStore.gather_min_runs`, the smaller, with ``page_gather`` (a sparse swap step's scattered misses)."""
+        reads = PreparedReads(self, layer, pages, dsts, edges, bounds)
         self._prepared(reads, slots, gather_min_runs)
         return reads
 
@@ -320,6 +364,15 @@ class BackingStore:
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         raise NotImplementedError
 
+    def _read_mark(self) -> Any:
+        """A mark of the reads issued so far (None where the store keeps no fences): pass it to :meth:`_reads_ran`
+        once work ordered after the last of them (on their stream) has completed."""
+        return None
+
+    def _reads_ran(self, mark: Any) -> None:
+        """The reads up to ``mark`` (:meth:`_read_mark`; None: nothing known) have run: later reads and writes need
+        not wait for them."""
+
     def _live(self) -> None:
         if self._closed:
             raise HssError(f"this {type(self).__name__} is closed")
@@ -340,11 +393,12 @@ class BackingStore:
 
 class _Gathered(NamedTuple):
     """A HostStore's groups of reads into pool slots that ``page_gather`` copies (``via``): ``kernel[i]`` whether
-    group i goes through the kernel, ``pairs`` int32 [requests, 2] (page in the layer, pool slot), the pool's and the
-    layer's device addresses, the 16-byte vectors of a page."""
+    group i goes through the kernel, each request's page in the layer and pool slot (``pages``, ``slots``: int64, the
+    index pairs a launch writes), the pool's and the layer's device addresses, the 16-byte vectors of a page."""
     via: PageGather
     kernel: list
-    pairs: np.ndarray
+    pages: np.ndarray
+    slots: np.ndarray
     dst: int
     src: int
     page_vecs: int
@@ -401,8 +455,9 @@ class HostStore(BackingStore):
                   gather_min_runs: int | None = None) -> None:
         # one batched driver call per group (the DMA keeps its bandwidth on many mid-size copies): every transfer
         # checked here at once (unless they are pool slots), in one batch that each group queues its part of
-        bb, first = self.layout.block_bytes, reads.run_starts
+        bb = self.layout.block_bytes
         if slots is None:
+            first = reads.run_starts
             base = self.buffer.ptr + reads.layer * self.layout.bytes_per_layer
             reads.copies = cm.HostToDeviceBatch(reads.dsts[first], base + reads.pages[first] * bb,
                                                 reads.run_counts * bb)
@@ -414,6 +469,7 @@ class HostStore(BackingStore):
             min_runs = self.gather_min_runs if gather_min_runs is None else min(gather_min_runs, self.gather_min_runs)
             if self._plan_gather(reads, table.base, index, min_runs):
                 return       # every group through the kernel: no copy list
+        first = reads.run_starts
         if first.size != pages.size:       # (else every run is one page: first is 0, 1, ...)
             index, pages = index[first], pages[first]
         reads.copies = cm.HostToDeviceBatch._planned(reads.run_counts * bb, table, index, self._page_ptrs,
@@ -421,36 +477,45 @@ class HostStore(BackingStore):
 
     def _plan_gather(self, reads: PreparedReads, pool: int, slots: np.ndarray, min_runs: int) -> bool:
         """Mark the groups of more than ``min_runs`` runs for ``page_gather`` (pool slots ``slots`` of the pool at
-        ``pool``) and make their index pairs; the index ring grows to the widest (after waiting for every queued
-        read: rare, the first steps). Returns whether every non-empty group goes through the kernel."""
+        ``pool``, kept with the pages: a launch writes its index pairs from them); the index ring grows to the widest
+        (after waiting for every queued read: rare, the first steps). Returns whether every non-empty group goes
+        through the kernel."""
         gather = self._gather
-        rb = reads.run_bounds
-        if gather is None or min_runs >= rb[-1] - rb[0]:      # (no group has more runs than all of them)
+        b = reads.bounds
+        if gather is None or min_runs >= b[-1] - b[0]:      # (no group has more runs than requests)
             return False
-        kernel = [hi - lo > min_runs for lo, hi in zip(rb, rb[1:])]     # a few groups: plain ints
+        kernel, every = [], True        # a few groups: plain ints
+        for i, (lo, hi) in enumerate(zip(b, b[1:])):
+            k = reads._more_runs(i, min_runs)
+            kernel.append(k)
+            every = every and (k or lo == hi)
         if not any(kernel):
             return False
-        b = reads.bounds
-        widest = max(hi - lo for lo, hi, k in zip(b, b[1:], kernel) if k)
-        if widest > gather.capacity:
-            self._fences.wait_all()              # no launch may still read the old index slots
-            gather.reserve(widest)
-        pairs = np.empty((reads.pages.size, 2), dtype=np.int32)
-        pairs[:, 0] = reads.pages
-        pairs[:, 1] = slots
+        if b[-1] - b[0] > gather.capacity:       # (no group is wider than all of them)
+            widest = max(hi - lo for lo, hi, k in zip(b, b[1:], kernel) if k)
+            if widest > gather.capacity:
+                self._fences.wait_all()              # no launch may still read the old index slots
+                gather.reserve(widest)
         src = self._mapped + reads.layer * self.layout.bytes_per_layer
-        reads.gather = _Gathered(gather, kernel, pairs, pool, src, self.layout.block_bytes // 16)
-        return all(k or lo == hi for lo, hi, k in zip(rb, rb[1:], kernel))
+        reads.gather = _Gathered(gather, kernel, reads.pages, slots, pool, src, self.layout.block_bytes // 16)
+        return every
 
     def _issue(self, reads: PreparedReads, group: int, stream: int) -> None:
         k = self._fences.take()     # fence k guards index slot k: free once the group it fenced has run
         g = reads.gather
         if g is not None and g.kernel[group]:
             lo, hi = reads.bounds[group], reads.bounds[group + 1]
-            g.via.launch(stream, k, g.dst, g.src, g.pairs[lo:hi], g.page_vecs)
+            g.via.launch(stream, k, g.dst, g.src, (g.pages[lo:hi], g.slots[lo:hi]), g.page_vecs)
         else:
             reads.copies.queue(stream, reads.run_bounds[group], reads.run_bounds[group + 1])
         reads.fence = self._fences.record(k, stream)
+
+    def _read_mark(self) -> Any:
+        return self._fences.last()
+
+    def _reads_ran(self, mark: Any) -> None:
+        if mark is not None:
+            self._fences.reached(mark)
 
     def close(self) -> None:
         """Wait for queued reads, then free the pinned buffer; later calls do nothing."""
