@@ -56,6 +56,8 @@
 //   (fresh: gets the initial state); CTA z = 0 writes it (and out).
 // head_dim <= 256 (any value; rows are padded to 64, 128 or 256 in shared memory). Loads are 16-byte cp.async
 // when the pools, strides and head_dim allow it, else 2-byte loads; both stage the same values.
+// paged_decode_attn_rope_64/128/256: the same parameters plus cos_t, sin_t f32 [max_pos, head_dim / 2] and max_pos;
+// a token-count tile whose query and newest token arrive un-rotated as qkv rows (see the entry points at the end).
 #include "hss_async.cuh"
 #include "hss_common.cuh"
 #include "hss_mma.cuh"

@@ -1,5 +1,6 @@
 """Declarations of ``ptx/paged_decode_attn_tiled.cu`` (split, per-unit partials and a two-level fold, one launch; an
-entry point per padded head dim) and
+entry point per padded head dim, and a rope entry point per padded head dim: the token-count tile with the decode
+step's RoPE and KV write inside) and
 ``ptx/attention_finalize.cu``, their geometry, and their emulation through :mod:`hss.reference.attention`.
 
 The pools are addressed through page ids that live in device memory, so their extents are declared "to
