@@ -480,15 +480,19 @@ class TileStep:
         ``tile_blocks`` holding its tokens j * block_size ..). ``token_counts``: a device int32 array [num_seqs];
         ``token_offset``: a host int >= 0. Otherwise :meth:`tile` (the same bits as a ``tile`` with the page count
         and last_block_valid_slots those tokens make)."""
+        off = self._offset(token_offset)
+        self._queue(tile_blocks, token_counts, off, output, 2)
+
+    def _offset(self, off: Any) -> int:
+        """A token-count tile's ``token_offset`` checked (after the step's TiledAttention is found live)."""
         ta = self._ta
         if ta._closed:
             ta._live()
-        off = token_offset
         if type(off) is not int or not 0 <= off <= _I32_MAX:
             off = _args.as_int("token_offset", off)
             if not 0 <= off <= _I32_MAX:
                 raise HssError(f"token_offset must be in 0..{_I32_MAX} (got {off})")
-        self._queue(tile_blocks, token_counts, off, output, 2)
+        return off
 
     def tile_tokens_rope(self, tile_blocks: Any, token_counts: Any, qkv: Any, cos: Any, sin: Any, max_pos: int,
                          token_offset: int = 0, output: Any = None) -> None:
@@ -502,13 +506,7 @@ class TileStep:
         ``0 .. max_pos - 1`` is left untouched (state, output and pools). ``head_dim`` must be even; each
         sequence's newest token must be on a page of its own (two sequences writing one row race)."""
         ta = self._ta
-        if ta._closed:
-            ta._live()
-        off = token_offset
-        if type(off) is not int or not 0 <= off <= _I32_MAX:
-            off = _args.as_int("token_offset", off)
-            if not 0 <= off <= _I32_MAX:
-                raise HssError(f"token_offset must be in 0..{_I32_MAX} (got {off})")
+        off = self._offset(token_offset)
         last = self._rope
         if last is None or last[0] is not qkv or last[1] is not cos or last[2] is not sin or last[3] != max_pos:
             last = self._rope = self._rope_args(qkv, cos, sin, max_pos)
