@@ -14,7 +14,8 @@
 //   o' = o*a + sum_t p_t*V_t   (p as bf16 hi + lo, >= 16 bits (SPEC §0); bf16 mma m16n8k8, f32 accumulate).
 // At a unit's end the 8 warp states are combined (warp order: M = max_w m_w, w_w = 2^(m_w - M), 0 for a warp with
 // no step; l_u = sum_w l_w w_w and o_u = sum_w o_w w_w as fma chains from 0) into the unit's partial (m_u = M, l_u,
-// o_u), written to the workspace. The last CTA to finish (atomic counters that reset themselves) folds the units
+// o_u), written to the workspace (a tile of one unit: folded into the state at once, by the same ops, without the
+// workspace's round trip). The last CTA to finish (atomic counters that reset themselves) folds the units
 // straight into the running state (m, l, o) when the tile has at most ATT_GROUP = 8 units or units x query heads of
 // the CTA x HDP <= ATT_FOLD_DIRECT (16384); else in two levels: the units of each group of 8 (unit order) into the
 // group's first slot, then the groups (group order) into the state. The fold (fold() gives the exact order) is
@@ -75,6 +76,9 @@
 #ifndef ATT_FOLD_LD
 #define ATT_FOLD_LD 8           // partial slots a folding thread has in flight
 #endif
+#ifndef ATT_FOLD_FP
+#define ATT_FOLD_FP 1           // pieces a folding thread loads together at HDP 256 (2 or 3: slower, H200)
+#endif
 #ifndef ATT_FOLD_DIRECT
 #define ATT_FOLD_DIRECT 16384   // units x query heads x HDP at most for a one-level fold
 #endif
@@ -108,7 +112,7 @@ namespace {
 // Shared memory of one CTA (bytes): Q bf16 [16][RS]; per warp a ring of STAGES steps (K bf16 [8][RS], then V);
 // the fold's staged (m, l) f32 [ATT_MAX_UNITS][16][2] (at a unit's end: the warps' (m, l)); per query head the
 // fold's (m', l', 2^(m - M), 1 / l') f32 [16][4]; the warps' weights f32 [8][16]; the fold flag. At a unit's end
-// the rings hold every warp's o, f32 [8 warps][16][HDP]; in a fold, the chunk sums f32 [<= 256][4]. RS = HDP + 8 makes every ldmatrix conflict-free.
+// the rings hold every warp's o, f32 [8 warps][16][OWS = HDP + 8]; in a fold, the chunk sums f32 [<= 256][4]. RS = HDP + 8 makes every ldmatrix conflict-free.
 template <int HDP>
 struct Cfg {
     static constexpr int STAGES = HDP == 64 ? 4 : 2;
@@ -124,8 +128,9 @@ struct Cfg {
     static constexpr int FLAG = WT + ATT_WARPS * ATT_HG * 4;
     static constexpr int ROPE = FLAG + 16;                               // RopeRow (rope entry points)
     static constexpr int BYTES = ROPE + 64;
-    static_assert(ATT_WARPS * ATT_HG * HDP * 4 <= ATT_WARPS * RING, "every warp's unit-end o fits the rings");
-    static_assert(ATT_WARPS <= ATT_MAX_UNITS, "the unit-end warp states and the fold share one (m, l) area");
+    static constexpr int OWS = HDP + 8;   // row stride (floats) of the warps' unit-end o: conflict-free float2 stores
+    static_assert(ATT_WARPS * ATT_HG * OWS * 4 <= ATT_WARPS * RING, "every warp's unit-end o fits the rings");
+    static_assert(ATT_WARPS + 1 <= ATT_MAX_UNITS, "the unit-end warp states (and a lone unit's) share the fold's area");
     static_assert(ATT_THREADS * 16 <= ATT_WARPS * RING, "the fold's chunk sums fit the rings");
     static_assert(BYTES <= 227 * 1024, "shared memory per CTA");
 };
@@ -316,6 +321,49 @@ __device__ __forceinline__ void step(const unsigned short* qs, const unsigned sh
 // o' = fma(o, 2^(m - M), sum), l' = fma(l, 2^(m - M), L) (the state's m = -inf: 2^(m - M) = 0). Every piece of a
 // head computes the head's (M, L) the same way; a piece's loads (the chunk's (m_j, l_j) and o_j, the state) are
 // all issued before any of it is used.
+// One partial slot (4 dims x of o_j, ml = (m_j, l_j)) into a chunk's running (acc, M_c, lw): the chunk rule below.
+__device__ __forceinline__ void fold_slot(const float4& x, float2 ml, float4& acc, float& Mc, float& lw) {
+    const float Mn = fmaxf(Mc, ml.x);   // m_j finite: a unit always has a token
+    const float al = exp2f(Mc - Mn), w = exp2f(ml.x - Mn);
+    acc.x = fmaf(x.x, w, acc.x * al);
+    acc.y = fmaf(x.y, w, acc.y * al);
+    acc.z = fmaf(x.z, w, acc.z * al);
+    acc.w = fmaf(x.w, w, acc.w * al);
+    lw = fmaf(ml.y, w, lw * al);
+    Mc = Mn;
+}
+
+// The state (m, l) = st of query head r and o = oo of its dims d .. d + 3, folded with the chunks' M, sum, L (cnt
+// slots; 0: the state as it is): o (and out) written for the dims < head_dim; returns (m', l').
+__device__ __forceinline__ float2 fold_state(const Args& a, int r, int d, float2 st, const float (&oo)[4], float M,
+                                             const float4& sum, float L, int cnt) {
+    float m2 = st.x, l2 = st.y, s_old = 1.f;   // nothing attended: the state as it is (fresh: the initial one)
+    if (cnt > 0) {
+        s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
+        m2 = M;
+        l2 = fmaf(st.y, s_old, L);
+    }
+    if (d < a.hd) {
+        const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
+        const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (d + i >= a.hd) break;
+            const float o2 = cnt > 0 ? fmaf(oo[i], s_old, sv[i]) : oo[i];
+            a.o[r * a.hd + d + i] = o2;
+            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
+        }
+    }
+    return make_float2(m2, l2);
+}
+
+// The state of query head r and its o at dims d .. d + 3 (keep: read; else the initial state).
+__device__ __forceinline__ float2 load_state(const Args& a, bool keep, int r, int d, float (&oo)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) oo[i] = keep && d + i < a.hd ? a.o[r * a.hd + d + i] : 0.f;
+    return keep ? make_float2(a.m[r], a.l[r]) : make_float2(hss_neg_inf(), 0.f);
+}
+
 template <int HDP>
 __device__ __forceinline__ void fold(const Args& a, int first, int stride, int cnt, bool to_state,
                                      unsigned char* smem) {
@@ -333,14 +381,11 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
     const int per = chunks > 1 ? (cnt + chunks - 1) / chunks : cnt;
     if (chunks > 1) chunks = (cnt + per - 1) / per;
     __syncthreads();   // the rings and the (m, l) areas are free
-    // chunk ch of piece e: (M_c, lw_c) and acc_c
-    auto chunk = [&](int e, int ch, float& Mc, float& lw) {
-        const int r = e / Q4, d = 4 * (e % Q4), j0 = ch * per, j1 = min(cnt, j0 + per);
+    // slots j0 .. j1 - 1 of piece e folded into (acc, M_c, lw) in order, LD loads in flight
+    auto fold_slots = [&](int e, int j0, int j1, float4& acc, float& Mc, float& lw) {
+        const int r = e / Q4, d = 4 * (e % Q4);
         const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
         const float* srm = a.part_ml + r * a.row_ml + 2LL * first;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        Mc = ninf;
-        lw = 0.f;
         for (int jb = j0; jb < j1; jb += LD) {
             float4 x[LD];
             float2 ml[LD];
@@ -354,16 +399,16 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
 #pragma unroll
             for (int i = 0; i < LD; ++i) {
                 if (jb + i >= j1) break;
-                const float Mn = fmaxf(Mc, ml[i].x);   // m_j finite: a unit always has a token
-                const float al = exp2f(Mc - Mn), w = exp2f(ml[i].x - Mn);
-                acc.x = fmaf(x[i].x, w, acc.x * al);
-                acc.y = fmaf(x[i].y, w, acc.y * al);
-                acc.z = fmaf(x[i].z, w, acc.z * al);
-                acc.w = fmaf(x[i].w, w, acc.w * al);
-                lw = fmaf(ml[i].y, w, lw * al);
-                Mc = Mn;
+                fold_slot(x[i], ml[i], acc, Mc, lw);
             }
         }
+    };
+    // chunk ch of piece e: (M_c, lw_c) and acc_c
+    auto chunk = [&](int e, int ch, float& Mc, float& lw) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        Mc = ninf;
+        lw = 0.f;
+        fold_slots(e, ch * per, min(cnt, ch * per + per), acc, Mc, lw);
         return acc;
     };
     // piece e's result from its chunks (acc_c, M_c, lw_c for c < chunks, read by `get`) and the state
@@ -387,43 +432,53 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
             if (d == 0) hd4[r] = make_float4(M, L, 0.f, 0.f);
             return;
         }
-        float m2 = st.x, l2 = st.y, s_old = 1.f;   // nothing attended: the state as it is (fresh: the initial one)
-        if (cnt > 0) {
-            s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
-            m2 = M;
-            l2 = fmaf(st.y, s_old, L);
-        }
-        if (d == 0) hd4[r] = make_float4(m2, l2, 0.f, 0.f);
-        if (d >= a.hd) return;
-        const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
-        const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (d + i >= a.hd) break;
-            const float o2 = cnt > 0 ? fmaf(oo[i], s_old, sv[i]) : oo[i];
-            a.o[r * a.hd + d + i] = o2;
-            if (a.out) a.out[r * a.hd + d + i] = __bfloat16_as_ushort(hss_f32_to_bf16(o2 * inv));
-        }
+        const float2 h = fold_state(a, r, d, st, oo, M, sum, L, cnt);
+        if (d == 0) hd4[r] = make_float4(h.x, h.y, 0.f, 0.f);
     };
     struct Part {
         float4 x;
         float2 y;
     };
     // the state of piece e's head and its o (what the writer needs), loaded before the chunk's loads are used
-    auto state_of = [&](int e, float (&oo)[4]) {
-        const int r = e / Q4, d = 4 * (e % Q4);
+    auto state_of = [&](int e, float (&oo)[4]) { return load_state(a, keep, e / Q4, 4 * (e % Q4), oo); };
+    if (chunks == 1) {   // FP pieces per thread at a time: their states and first LD slots loaded before any is used
+        constexpr int FP = HDP == 256 ? ATT_FOLD_FP : 1;
+        for (int e0 = tid; e0 < pieces; e0 += FP * ATT_THREADS) {
+            float4 x[FP][LD];
+            float2 ml[FP][LD];
+            float oo[FP][4];
+            float2 st[FP];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) oo[i] = keep && d + i < a.hd ? a.o[r * a.hd + d + i] : 0.f;
-        return keep ? make_float2(a.m[r], a.l[r]) : make_float2(ninf, 0.f);
-    };
-    if (chunks == 1) {
-        for (int e = tid; e < pieces; e += ATT_THREADS) {
-            float oo[4];
-            const float2 st = to_state ? state_of(e, oo) : make_float2(ninf, 0.f);
-            float Mc, lw;
-            const float4 acc = chunk(e, 0, Mc, lw);
-            const Part p{acc, make_float2(Mc, lw)};
-            finish(e, st, oo, [&](int) { return p; });
+            for (int k = 0; k < FP; ++k) {
+                const int e = e0 + k * ATT_THREADS, r = e / Q4, d = 4 * (e % Q4);
+                const bool has = e < pieces;
+                oo[k][0] = oo[k][1] = oo[k][2] = oo[k][3] = 0.f;
+                st[k] = has && to_state ? state_of(e, oo[k]) : make_float2(ninf, 0.f);
+                const float* src = a.part_o + r * a.row_o + (long long)first * HDP + d;
+                const float* srm = a.part_ml + r * a.row_ml + 2LL * first;
+#pragma unroll
+                for (int i = 0; i < LD; ++i) {
+                    const bool in = has && i < cnt;
+                    const long long j = (long long)i * stride;
+                    x[k][i] = in ? __ldcg(reinterpret_cast<const float4*>(src + j * HDP)) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    ml[k][i] = in ? __ldcg(reinterpret_cast<const float2*>(srm + 2 * j)) : make_float2(ninf, 0.f);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < FP; ++k) {
+                const int e = e0 + k * ATT_THREADS;
+                if (e >= pieces) break;
+                float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+                float Mc = ninf, lw = 0.f;
+#pragma unroll
+                for (int i = 0; i < LD; ++i) {
+                    if (i >= cnt) break;
+                    fold_slot(x[k][i], ml[k][i], acc, Mc, lw);
+                }
+                fold_slots(e, LD, cnt, acc, Mc, lw);
+                const Part p{acc, make_float2(Mc, lw)};
+                finish(e, st[k], oo[k], [&](int) { return p; });
+            }
         }
     } else {   // pieces * chunks <= ATT_THREADS: one piece-chunk per thread
         const int e = tid % pieces, ch = tid / pieces;
@@ -638,13 +693,15 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 2);
     float2* wst = reinterpret_cast<float2*>(smem + C::FOLD);   // [warp][16] (m, l)
     float* wt = reinterpret_cast<float*>(smem + C::WT);        // [warp][16] the warps' weights
-    float* ow = reinterpret_cast<float*>(smem + C::RINGS);     // [warp][16][HDP]
+    float* ow = reinterpret_cast<float*>(smem + C::RINGS);     // [warp][16][OWS]
+    float2* uml = wst + ATT_WARPS * ATT_HG;                     // [16] the unit's (m, l) when it is the tile's only
+    const bool only = a.n_units == 1;
     __syncthreads();   // every ring has been read: they take the warps' o now
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-        float* row0 = ow + (warp * ATT_HG + g) * HDP + 8 * j + 2 * c;
+        float* row0 = ow + (warp * ATT_HG + g) * C::OWS + 8 * j + 2 * c;
         *reinterpret_cast<float2*>(row0) = make_float2(o[j][0], o[j][1]);
-        *reinterpret_cast<float2*>(row0 + 8 * HDP) = make_float2(o[j][2], o[j][3]);
+        *reinterpret_cast<float2*>(row0 + 8 * C::OWS) = make_float2(o[j][2], o[j][3]);
     }
     if (c == 0) {
         wst[warp * ATT_HG + g] = make_float2(ns > 0 ? m0 : hss_neg_inf(), l0);
@@ -664,22 +721,55 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
             wt[w * ATT_HG + tid] = x;
             if (ml.x != hss_neg_inf()) lacc = fmaf(ml.y, x, lacc);
         }
-        *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * u) = make_float2(M, lacc);
+        if (only)
+            uml[tid] = make_float2(M, lacc);
+        else
+            *reinterpret_cast<float2*>(a.part_ml + tid * a.row_ml + 2LL * u) = make_float2(M, lacc);
     }
     __syncthreads();
-    for (int e = tid; e < a.hg * (HDP / 4); e += ATT_THREADS) {
-        const int r = e / (HDP / 4), d = 4 * (e % (HDP / 4));
+    auto combined = [&](int r, int d) {   // the unit's o at dims d .. d + 3 of query head r (>= head_dim: 0)
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
             const float x = wt[w * ATT_HG + r];
-            const float4 v = *reinterpret_cast<const float4*>(ow + (w * ATT_HG + r) * HDP + d);
+            const float4 v = *reinterpret_cast<const float4*>(ow + (w * ATT_HG + r) * C::OWS + d);
             acc.x = fmaf(v.x, x, acc.x);
             acc.y = fmaf(v.y, x, acc.y);
             acc.z = fmaf(v.z, x, acc.z);
             acc.w = fmaf(v.w, x, acc.w);
         }
-        *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)u * HDP + d) = acc;   // dims >= head_dim: 0
+        return acc;
+    };
+    if (only) {   // the tile's only unit: folded into the state here (fold()'s ops on one slot, the same bits)
+        float4* hd4 = reinterpret_cast<float4*>(smem + C::HEADS);
+        for (int e = tid; e < a.hg * (HDP / 4); e += ATT_THREADS) {
+            const int r = e / (HDP / 4), d = 4 * (e % (HDP / 4));
+            float oo[4];
+            const float2 st = load_state(a, !a.fresh, r, d, oo);
+            float4 cacc = make_float4(0.f, 0.f, 0.f, 0.f);
+            float Mc = hss_neg_inf(), lw = 0.f;
+            fold_slot(combined(r, d), uml[r], cacc, Mc, lw);
+            const float M = fmaxf(st.x, Mc), sc = exp2f(Mc - M);
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+            sum.x = fmaf(cacc.x, sc, sum.x);
+            sum.y = fmaf(cacc.y, sc, sum.y);
+            sum.z = fmaf(cacc.z, sc, sum.z);
+            sum.w = fmaf(cacc.w, sc, sum.w);
+            const float2 h = fold_state(a, r, d, st, oo, M, sum, fmaf(lw, sc, 0.f), 1);
+            if (d == 0) hd4[r] = make_float4(h.x, h.y, 0.f, 0.f);
+        }
+        __syncthreads();   // every piece has read the state's (m, l)
+        if (tid < a.hg) {
+            a.m[tid] = hd4[tid].x;
+            a.l[tid] = hd4[tid].y;
+        }
+        ATT_MARK(6);
+        __syncthreads();
+        return;
+    }
+    for (int e = tid; e < a.hg * (HDP / 4); e += ATT_THREADS) {
+        const int r = e / (HDP / 4), d = 4 * (e % (HDP / 4));
+        *reinterpret_cast<float4*>(a.part_o + r * a.row_o + (long long)u * HDP + d) = combined(r, d);
     }
     __threadfence();   // the partial is visible device-wide before this CTA counts it
     __syncthreads();
