@@ -98,8 +98,11 @@ class Blas:
             plans = _LtPlan.candidates(self._lt, m, n, k)
         except CudaError:   # no heuristic for this shape: GemmEx it is
             plans = []
-        events = [cm.CudaEvent(timing=True), cm.CudaEvent(timing=True)]
+        events: list[Any] = []
         try:
+            events.append(cm.CudaEvent(timing=True))
+            events.append(cm.CudaEvent(timing=True))
+
             def timed(run: Any) -> float:
                 # in a graph: back-to-back calls queued from the host would time the host, not the GPU
                 run()   # (first use: whatever the algorithm sets up, outside the capture)
@@ -126,10 +129,16 @@ class Blas:
             for plan in plans:
                 try:
                     t = timed(lambda: plan.run(self._lt, scal, act, weight, out, ws, stream))
-                except CudaError:   # an algorithm the heuristic offered but this device refuses: not a candidate
-                    continue
+                except CudaError as exc:
+                    if exc.call in _TIMING_CALLS:   # the timing's own driver calls failed, not the algorithm
+                        raise
+                    continue   # an algorithm the heuristic offered but this device refuses: not a candidate
                 if t < best_t:
                     best, best_t = plan, t
+        except BaseException:
+            for plan in plans:
+                plan.close()
+            raise
         finally:
             for ev in events:
                 ev.close()
@@ -176,6 +185,9 @@ def _cublas() -> Any:
 
 
 _UNSET = object()
+
+
+_TIMING_CALLS = frozenset({"cuEventRecord", "cuEventSynchronize", "cuEventElapsedTime"})   # _choose's own waits
 
 
 class _LtPlan:
