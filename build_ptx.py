@@ -92,7 +92,8 @@ def build(modules: list[str], arch: str | None = None, force: bool = False, dire
     lines = []
     for name in modules or sorted(ptx.MODULES):
         for variant, default_arch in ptx.targets(name):
-            target = variant or arch or default_arch
+            base = default_arch if default_arch != ptx.DEFAULT_ARCH else arch or default_arch   # (a newer base stays)
+            target = variant or base
             state = build_one(name, variant, target, nvcc, version, directory, force)
             lines.append(f"{ptx.ptx_path(name, variant, directory).name}: {state} ({target})")
     return lines
@@ -115,9 +116,9 @@ def verify(base_arch: str = "sm_90", directory: Path | None = None) -> list[str]
     ptxas = find_tool("ptxas")
     lines = []
     for name in sorted(ptx.MODULES):
-        for variant, _ in ptx.targets(name):
+        for variant, arch in ptx.targets(name):
             path = ptx.ptx_path(name, variant, directory)
-            target = variant or base_arch
+            target = variant or (arch if arch != ptx.DEFAULT_ARCH else base_arch)
             with tempfile.TemporaryDirectory() as tmp:
                 run([ptxas, f"-arch={target}", str(path), "-o", str(Path(tmp) / "out.cubin")])
             lines.append(f"{path.name}: assembles for {target}")

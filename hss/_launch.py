@@ -208,13 +208,18 @@ def launch_kernel(func: CudaFunction, grid: Any, block: Any, shared_bytes: int, 
         raise _launch_error(err, func, (gx, gy, gz), (bx, by, bz), shared)
 
 
-def _launch_error(err: Any, func: CudaFunction, grid: tuple, block: tuple, shared: int) -> CudaError:
-    return cuda_error(err, "cuLaunchKernel", f"{func.name}, grid {grid}, block {block}, shared {shared} bytes")
+def _launch_error(err: Any, func: CudaFunction, grid: tuple, block: tuple, shared: int,
+                  call: str = "cuLaunchKernel") -> CudaError:
+    return cuda_error(err, call, f"{func.name}, grid {grid}, block {block}, shared {shared} bytes")
 
 
-def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack) -> Callable[..., None]:
+def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack,
+             programmatic: bool = False) -> Callable[..., None]:
     """A prepared launch of ``func`` with ``pack`` (refilled in place by the caller): ``run(stream, gx, gy=1,
     gz=1)`` queues it on a raw stream handle with no argument conversion (the caller checked everything).
+    ``programmatic``: through cuLaunchKernelEx with programmatic stream serialization, so the launch may start
+    before the stream's previous kernel ends (the kernel must wait for it, griddepcontrol.wait, before it reads
+    what that kernel writes).
 
     The block, shared size and pack are checked here, once."""
     if type(func) is not CudaFunction:
@@ -235,7 +240,27 @@ def launcher(func: CudaFunction, block: Any, shared_bytes: int, pack: ParamPack)
         if err:
             raise _launch_error(err, func, (gx, gy, gz), (bx, by, bz), shared)
 
-    return run
+    if not programmatic:
+        return run
+    attr = api.CUlaunchAttribute()
+    attr.id = api.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = api.CUlaunchConfig()
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ, cfg.sharedMemBytes = bx, by, bz, shared
+    cfg.attrs, cfg.numAttrs = [attr], 1
+
+    def run_ex(stream: int, gx: int, gy: int = 1, gz: int = 1) -> None:
+        if thread_state.pctx is not pctx:
+            module._live_pctx().make_current()
+        if many.many and stream not in own_streams:
+            _check_stream_context(stream, pctx, func.name)
+            own_streams.add(stream)
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.hStream = gx, gy, gz, stream
+        err = api.cuLaunchKernelEx(cfg, handle, address, 0)[0]
+        if err:
+            raise _launch_error(err, func, (gx, gy, gz), (bx, by, bz), shared, "cuLaunchKernelEx")
+
+    return run_ex
 
 
 def _check_stream_context(stream: int, pctx: PrimaryContext, what: str) -> None:

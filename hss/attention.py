@@ -132,13 +132,23 @@ class TiledAttention:
 
     ``begin_step`` / ``begin_step_on_stream`` (and ``step_tile``, ``finalize``) are one method each under the
     original's two names: the stream may be any stream form, a CudaCtx meaning its stream.
+
+    ``overlap_tiles=True`` (opt-in; compute capability 9.0 or newer: module ``paged_decode_attn_pdl``): a
+    :class:`TileStep`'s tiles after its first are launched with programmatic stream serialization, so each may
+    stream its K/V while the tile before it is still folding; it waits for that tile to complete before it
+    touches the workspace, the counters, the state or the output (the same bits as without). The contract that
+    buys: between two tiles of one step the stream runs no kernel of yours that writes what a later tile of the
+    step reads (its pages, table, counts, q); copies and event waits in between are fine.
     """
 
-    def __init__(self, ctx: cm.CudaCtx | None, dims: TiledAttentionDims) -> None:
+    def __init__(self, ctx: cm.CudaCtx | None, dims: TiledAttentionDims, overlap_tiles: bool = False) -> None:
         if not isinstance(dims, TiledAttentionDims):
             raise TypeError(f"dims must be a TiledAttentionDims, not {type(dims).__name__}")
+        if type(overlap_tiles) is not bool:
+            raise TypeError(f"overlap_tiles must be a bool, not {type(overlap_tiles).__name__}")
         dims.validate()
         self.dims = dims
+        self.overlap_tiles = overlap_tiles
         self._closed = True
         self._owned = contextlib.ExitStack()
         self._fresh = 0   # sequences begin_step initialised lazily: the next tile's merge writes their state
@@ -147,7 +157,7 @@ class TiledAttention:
         own = self._owned.enter_context
         try:
             self._step_decl, self._rope_decl = step_declaration(dims.head_dim), rope_declaration(dims.head_dim)
-            module = own(load_module("paged_decode_attn_tiled", ctx))
+            module = own(load_module("paged_decode_attn_pdl" if overlap_tiles else "paged_decode_attn_tiled", ctx))
             self._step_fn = module.function(self._step_decl.name)
             self._rope_fn = module.function(self._rope_decl.name)
             self._fin_fn = own(load_module("attention_finalize", ctx)).function(ATTENTION_FINALIZE.name)
@@ -187,6 +197,9 @@ class TiledAttention:
                                          "blk_stride", "tok_stride", "kvh_stride", "last_block_valid_slots",
                                          "fresh"))
         self._run_step = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack)
+        # overlap_tiles: a TileStep's later tiles (None: every tile plain)
+        self._run_step_after = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack,
+                                        programmatic=True) if self.overlap_tiles else None
         self._rope_pack = rpack = self._rope_decl.pack(
             part_ml=self._part_ml.ptr, part_o=self._part_o.ptr, m=self.m.ptr, l=self.l.ptr, o=self.o.ptr,
             merge_count=self._merge_count.ptr, num_q_heads=d.num_q_heads, num_kv_heads=d.num_kv_heads,
@@ -196,6 +209,8 @@ class TiledAttention:
             "q", "k_pool", "v_pool", "blk_stride", "tok_stride", "kvh_stride", "tile_blocks", "tile_block_counts",
             "last_block_valid_slots", "out", "fresh", "cos_t", "sin_t", "max_pos"))
         self._run_rope = launcher(self._rope_fn, (STEP_THREADS, 1, 1), self._step_shared, rpack)
+        self._run_rope_after = launcher(self._rope_fn, (STEP_THREADS, 1, 1), self._step_shared, rpack,
+                                        programmatic=True) if self.overlap_tiles else None
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
@@ -404,17 +419,21 @@ class TiledAttention:
         self._lbvs_slot.value = last_block_valid_slots
         self._launch(s, 1, output)
 
-    def _launch(self, s: int, n: int, out: int, mode: int = 0, rope: bool = False) -> None:
+    def _launch(self, s: int, n: int, out: int, mode: int = 0, rope: bool = False, after: bool = False) -> bool:
+        """Queue one tile (``after``: it directly follows a tile of the same step on ``s``: with overlap_tiles, a
+        programmatic launch). Returns whether a kernel was queued."""
         if not self._begun:
             raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
                            "begin_tiles) first: it sets the state the tiles fold into")
         if n == 0:
-            return
+            return False
         if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
             cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
             self._counts_zeroed = True
+            after = False   # a memset in between: a plain launch
         if self._fresh and self._fresh != n:
             self._initialise(s)
+            after = False
         fresh = (1 if self._fresh else 0) | mode   # mode 2: token counts (tile_tokens)
         if rope:
             self._rope_slots[9].value, self._rope_slots[10].value = out, fresh
@@ -424,7 +443,11 @@ class TiledAttention:
         z = self._grid_z.get(n)
         if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
             z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
-        (self._run_rope if rope else self._run_step)(s, n, self._grid_y, z)
+        if after and self._run_step_after is not None:
+            (self._run_rope_after if rope else self._run_step_after)(s, n, self._grid_y, z)
+        else:
+            (self._run_rope if rope else self._run_step)(s, n, self._grid_y, z)
+        return True
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream`` (also
@@ -453,7 +476,7 @@ class TileStep:
     arrays), ``last_block_valid_slots`` and the optional output, refills the prepared launch and queues it."""
 
     __slots__ = ("_ta", "_s", "_n", "_q", "_k", "_v", "_blk", "_tok", "_kvh", "_table_bytes", "_row_bytes", "_pools",
-                 "_rope")
+                 "_rope", "_after")
 
     def __init__(self, ta: TiledAttention, s: int, n: int, q: int, k: int, v: int, blk: int, tok: int,
                  kvh: int, pools: tuple = ()) -> None:
@@ -462,6 +485,7 @@ class TileStep:
         self._table_bytes, self._row_bytes = n * ta._table_bytes, n * ta._row_bytes
         self._pools = pools    # (k_pool, v_pool, bytes) as given: checked writable by the first rope tile
         self._rope: tuple | None = None   # the last rope tile's checked (qkv, cos, sin, max_pos) objects and values
+        self._after = False   # a tile of this step was queued: the next one follows it (overlap_tiles)
 
     def tile(self, tile_blocks: Any, tile_block_counts: Any, last_block_valid_slots: int, output: Any = None) -> None:
         """One tile: ``step_tile``'s ``tile_blocks``, ``tile_block_counts``, ``last_block_valid_slots`` and
@@ -516,7 +540,8 @@ class TileStep:
         r[3].value, r[4].value, r[5].value = self._blk, self._tok, self._kvh
         r[6].value, r[7].value, r[8].value = table, counts, off
         r[11].value, r[12].value, r[13].value = last[5], last[6], last[3]
-        ta._launch(self._s, self._n, out, 2, rope=True)
+        if ta._launch(self._s, self._n, out, 2, rope=True, after=self._after):
+            self._after = True
 
     def _rope_args(self, qkv: Any, cos: Any, sin: Any, max_pos: Any) -> tuple:
         """The rope tile's step-invariant arguments checked: (qkv, cos, sin, max_pos, their three addresses)."""
@@ -555,4 +580,5 @@ class TileStep:
         ta = self._ta
         tp, cp, out = self._checked(table, counts, output)
         ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
-        ta._launch(self._s, self._n, out, mode)
+        if ta._launch(self._s, self._n, out, mode, after=self._after):
+            self._after = True

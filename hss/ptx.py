@@ -25,11 +25,13 @@ MIN_DRIVER = {(9, 0): 580, (8, 8): 575, (8, 7): 570, (8, 6): 560, (8, 5): 555, (
 
 @dataclass(frozen=True)
 class ModuleSpec:
-    """How one PTX module is built: fast-math as in the original, extra nvcc flags, extra variants."""
+    """How one PTX module is built: fast-math as in the original, extra nvcc flags, extra variants, and the arch of
+    its base PTX (DEFAULT_ARCH unless the module needs newer instructions: then only such devices load it)."""
     name: str
     fast_math: bool = False
     extra_flags: tuple[str, ...] = ()
     variants: tuple[str, ...] = ()
+    base_arch: str = DEFAULT_ARCH
 
     def flags(self, arch: str) -> list[str]:
         """Every nvcc flag for this module at ``arch`` (all compiler flags live here)."""
@@ -45,6 +47,8 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("predictor_score", fast_math=True),
     # storage: tiled attention kernels (SPEC §3: built with --use_fast_math, as the original)
     ModuleSpec("paged_decode_attn_tiled", fast_math=True),
+    # the same kernels with programmatic dependent launch (griddepcontrol: sm_90), for overlapped tiles
+    ModuleSpec("paged_decode_attn_pdl", fast_math=True, base_arch="sm_90"),
     ModuleSpec("attention_finalize", fast_math=True),
     # qsa: indexer kernels (SPEC §3: no --use_fast_math, as the original)
     ModuleSpec("qsa_indexer"),
@@ -125,7 +129,7 @@ def read_stamp(path: Path) -> dict[str, str] | None:
 
 def targets(name: str) -> list[tuple[str | None, str]]:
     """(variant, arch) pairs to build for module ``name``: the base (variant None) and each variant."""
-    return [(None, DEFAULT_ARCH)] + [(v, v) for v in spec(name).variants]
+    return [(None, spec(name).base_arch)] + [(v, v) for v in spec(name).variants]
 
 
 def freshness(name: str, variant: str | None = None, directory: Path | None = None) -> str:
@@ -134,7 +138,7 @@ def freshness(name: str, variant: str | None = None, directory: Path | None = No
     if not path.is_file():
         return "missing"
     stamp = read_stamp(path)
-    arch = variant or DEFAULT_ARCH
+    arch = variant or spec(name).base_arch
     if stamp is None or stamp.get("hash") != source_hash(name, arch, directory):
         return "stale"
     return "fresh"
@@ -168,6 +172,10 @@ def choose(name: str, cc: tuple[int, int] | None, directory: Path | None = None)
         path = ptx_path(name, variant, directory)
         if cc is not None and variant_supported(variant, cc) and path.is_file():
             return variant, path
+    base = spec(name).base_arch
+    if base != DEFAULT_ARCH and cc is not None and not variant_supported(base, cc):
+        raise HssError(f"PTX module {name!r} is built for {base} only; this device is compute capability "
+                       f"{cc[0]}.{cc[1]}")
     path = ptx_path(name, None, directory)
     if not path.is_file():
         raise HssError(f"PTX module {name!r} is missing ({path}); run `python build_ptx.py` in the hss checkout")

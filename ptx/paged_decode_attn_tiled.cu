@@ -83,6 +83,19 @@
 #define ATT_FOLD_DIRECT 16384   // units x query heads x HDP at most for a one-level fold
 #endif
 
+// Programmatic dependent launch (module paged_decode_attn_pdl: this source built for sm_90 with ATT_PDL): each CTA
+// lets the stream's next launch start at once, and waits for the launch before it to complete (its memory
+// visible) before it touches what consecutive tiles share: the workspace, the counters, the state and out. Only
+// the K/V streaming (q, tables, counts, pools: written by no tile of the step) overlaps the previous tile. Without
+// the launch attribute both are no-ops; in the base build they are absent.
+#ifdef ATT_PDL
+#define ATT_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define ATT_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define ATT_PDL_TRIGGER()
+#define ATT_PDL_WAIT()
+#endif
+
 // Timeline instrumentation for experiments, off in every shipped build: built with -DATT_TRACE, thread 0 of each
 // CTA records %globaltimer into att_trace[linear CTA id][point] at: 0 start, 1 q staged, 2 the first warp step
 // done, 3 the unit's steps done, 4 the unit's partial written, 5 its group folded, 6 the state folded, 7 exit;
@@ -687,6 +700,7 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     }
     hss_cp_wait<0>();
     ATT_MARK(3);
+    ATT_PDL_WAIT();   // the previous launch's folds are done with the workspace, counters and state
     l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 1);
     l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 1);
     l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 2);
@@ -816,7 +830,10 @@ template <int HDP, bool ROPE>
 __device__ __forceinline__ void run(const Args& a, unsigned char* smem, const RopeQ<HDP>& rq) {
     const int z = blockIdx.z;
     if (a.n_units == 0) {   // an empty tile: CTA 0 writes the state as it is (fresh: the initial one)
-        if (z == 0) fold<HDP>(a, 0, 1, 0, true, smem);
+        if (z == 0) {
+            ATT_PDL_WAIT();
+            fold<HDP>(a, 0, 1, 0, true, smem);
+        }
         return;
     }
     if (z >= a.n_units) return;
@@ -841,6 +858,7 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
                         long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh,
                         const float* __restrict__ cos_t, const float* __restrict__ sin_t, int max_pos,
                         unsigned char* smem) {
+    ATT_PDL_TRIGGER();
     const int seq = blockIdx.x;
     if (head_dim <= 0 || head_dim > ATT_MAX_HD || gqa_ratio <= 0 || num_kv_heads <= 0 || max_units <= 0 ||
         blockDim.x != ATT_THREADS || blockDim.y != 1 || blockDim.z != 1 || (ROPE && (head_dim & 1)))

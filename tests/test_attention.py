@@ -492,6 +492,66 @@ def test_tile_step_gives_step_tile_bits(ctx, stream, rng) -> None:
         x.close()
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_overlapped_tiles_give_the_same_bits(ctx, stream, rng, monkeypatch, head_dim: int) -> None:
+    """``overlap_tiles=True`` (the paged_decode_attn_pdl module): a TileStep's first tile is a plain launch, every
+    later one a cuLaunchKernelEx with programmatic stream serialization; the bits (output, m, l, o) equal the plain
+    TiledAttention's, queued directly or replayed from a CUDA graph. (On the emulator the launches run in order; the
+    overlap and its waits are the GPU's to show.)"""
+    from hss import _driver
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=24 if head_dim == 256 else 32,
+                              num_kv_heads=2 if head_dim == 256 else 8, head_dim=head_dim, block_size=16,
+                              tile_capacity=8)
+    plain, q, q_dev, pool = setup(ctx, stream, rng, dims, 40, "small")
+    over = TiledAttention(ctx, dims, overlap_tiles=True)
+    assert over.overlap_tiles and not plain.overlap_tiles
+    pages = [rng.permutation(40)[:n] for n in (30, 17)]
+    tables = [(upload(b, stream), upload(c, stream), lbvs) for b, c, lbvs in schedule(pages, 8, 8, 16, 11)]
+    calls: list = []
+    for name in ("cuLaunchKernel", "cuLaunchKernelEx"):
+        real = getattr(_driver.api, name)
+        monkeypatch.setattr(_driver.api, name, lambda *a, _n=name, _r=real: (calls.append(_n), _r(*a))[1])
+    results = []
+    for ta in (plain, over):
+        outs = poisoned(2 * 2 * dims.num_q_heads * head_dim, stream)
+        calls.clear()
+        step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+        for i, (tb, cn, lbvs) in enumerate(tables):
+            step.tile(tb, cn, lbvs, output=outs if i == len(tables) - 1 else None)
+        want = ["cuLaunchKernel"] + ["cuLaunchKernelEx" if ta.overlap_tiles else "cuLaunchKernel"] * (len(tables) - 1)
+        assert calls == want
+        rows = 2 * dims.num_q_heads
+        results.append(Result(download(outs, (2, dims.num_q_heads, head_dim), BF16, stream),
+                              download(ta.m, rows, np.float32, stream), download(ta.l, rows, np.float32, stream),
+                              download(ta.o, (rows, head_dim), np.float32, stream)))
+        outs.close()
+    same_bits(results[0], results[1], "overlapped tiles")
+    check(results[1], q, pool, consumed(schedule(pages, 8, 8, 16, 11), 2, 16), 2, "overlapped tiles")
+    # a step captured into a graph: its first tile is plain again, the replay gives the same bits
+    outs = poisoned(2 * 2 * dims.num_q_heads * head_dim, stream)
+    calls.clear()
+    cm.begin_capture(stream)
+    try:
+        step = over.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+        for i, (tb, cn, lbvs) in enumerate(tables):
+            step.tile(tb, cn, lbvs, output=outs if i == len(tables) - 1 else None)
+    finally:
+        graph = cm.end_capture(stream)
+    assert calls == want
+    graph.launch(stream)
+    replay = download(outs, (2, dims.num_q_heads, head_dim), BF16, stream)
+    assert np.array_equal(replay.view(np.uint16), results[0].out.view(np.uint16))
+    graph.close()
+    outs.close()
+    for x in (*(t for tb, cn, _ in tables for t in (tb, cn)), plain, over, pool):
+        x.close()
+
+
+def test_overlap_tiles_argument(ctx) -> None:
+    with pytest.raises(TypeError, match="overlap_tiles must be a bool"):
+        TiledAttention(ctx, replace(ORIGINAL, max_seqs=1), overlap_tiles=1)
+
+
 @given(counts=st.lists(st.integers(-5, 120), min_size=2, max_size=2), offset=st.integers(0, 40),
        seed=st.integers(0, 2**32 - 1))
 def test_token_count_tiles(ctx, stream, counts: list[int], offset: int, seed: int) -> None:

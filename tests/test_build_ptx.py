@@ -11,6 +11,7 @@ import pytest
 
 import build_ptx
 from hss import ptx
+from hss.errors import HssError
 from hss.kernels import DECLARATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,3 +130,15 @@ def test_every_ptx_entry_is_declared():
     for module in ptx.MODULES:
         for name in _entries(ptx.ptx_path(module).read_text()):
             assert name in DECLARATIONS, f"{module}.{name} has no declaration in hss.kernels"
+
+
+def test_a_module_with_a_newer_base_arch():
+    """paged_decode_attn_pdl's base PTX is sm_90 (griddepcontrol): built, stamped and served for such devices only."""
+    assert ptx.targets("paged_decode_attn_pdl") == [(None, "sm_90")]
+    assert ptx.read_stamp(ptx.ptx_path("paged_decode_attn_pdl"))["arch"] == "sm_90"
+    assert ptx.freshness("paged_decode_attn_pdl") == "fresh"
+    assert ptx.choose("paged_decode_attn_pdl", (9, 0))[1].name == "paged_decode_attn_pdl.ptx"
+    with pytest.raises(HssError, match="built for sm_90 only; this device is compute capability 8.9"):
+        ptx.choose("paged_decode_attn_pdl", (8, 9))
+    assert "griddepcontrol.wait" in ptx.ptx_path("paged_decode_attn_pdl").read_text()
+    assert "griddepcontrol" not in ptx.ptx_path("paged_decode_attn_tiled").read_text()

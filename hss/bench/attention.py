@@ -16,7 +16,10 @@ every ``BxT`` batch): the pages of every sequence shuffled in one NHD pool; a st
   [B, heads, T, hd] K/V, timed the same way, with the backend PyTorch picks for it (``torch._fused_sdp_choice``);
 * ``host µs``: host time per step (median over batches of steps, no sync inside a batch);
 * ``max |hss - SDPA|`` over the outputs.
-Then the 1-, 8- and 64-tile splits of the 32K batch-1 case of each shape (GPU and host time per step).
+Then the 1-, 8- and 64-tile splits of the 32K batch-1 case of each shape (GPU and host time per step), each split
+also with ``overlap_tiles=True`` (the step's later tiles launched programmatically: each streams while the tile
+before it folds; its output compared bitwise with the plain launches'; ``--no-overlap`` skips it, and devices
+older than compute capability 9.0 do).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="steps per timed batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
+    p.add_argument("--no-overlap", action="store_true", help="skip the overlapped (overlap_tiles) tile splits")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: an import/launch check")
     args = p.parse_args(argv)
     if args.smoke:
@@ -166,6 +170,17 @@ def _case(ctx: Any, stream: int, shape: tuple[int, int, int], batch: int, tokens
         row["hss_GBs"] = c.kv_bytes / row["hss_us"] / 1e3
         row["host_us"] = _host(c.step, lambda: cm.stream_sync(stream), args)
         got = c.output()
+        if not peers and len(c.tables) > 1 and not args.no_overlap and cm.compute_capability(ctx) >= (9, 0):
+            from hss.attention import TiledAttention
+            plain = c.ta
+            c.ta = TiledAttention(ctx, plain.dims, overlap_tiles=True)
+            c.owned.append(c.ta)
+            try:
+                row["overlap_us"] = _gpu(stream, c.step, args, flush)
+                row["overlap_host_us"] = _host(c.step, lambda: cm.stream_sync(stream), args)
+                row["overlap_bitwise"] = bool(np.array_equal(c.output().view(np.uint16), got.view(np.uint16)))
+            finally:
+                c.ta = plain
         if peers:
             dst = cm.DeviceBuffer(c.k.nbytes)
             try:
@@ -237,15 +252,18 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['shape']} | {r['batch']} × {r['tokens']} | {_f(r['hss_us'])} | "
                    f"{_f(r['hss_GBs'] / 1e3, '.2f')} | {_f(r['x_copy'], '.2f')} | {_f(r['copy_us'])} | {sd} | "
                    f"{_f(ratio, '.2f')} | {_f(r['host_us'])} | {_f(r.get('max_diff'), '.1e')} |")
-    out += ["", "| shape | tokens | tiles | GPU µs / step | × 1 tile | host µs / step |",
-            "|---|---:|---:|---:|---:|---:|"]
+    out += ["", "| shape | tokens | tiles | GPU µs / step | × 1 tile | host µs / step | overlapped µs | × 1 tile | "
+            "host µs | bitwise |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     base: dict = {}
     for r in rows:
         if "copy_us" in r or "hss_us" not in r:
             continue
         base.setdefault(r["shape"], r["hss_us"])
+        ov = r.get("overlap_us")
         out.append(f"| {r['shape']} | {r['tokens']} | {r['tiles']} | {_f(r['hss_us'])} | "
-                   f"{_f(r['hss_us'] / base[r['shape']], '.2f')} | {_f(r['host_us'])} |")
+                   f"{_f(r['hss_us'] / base[r['shape']], '.2f')} | {_f(r['host_us'])} | {_f(ov)} | "
+                   f"{_f(ov / base[r['shape']] if ov else None, '.2f')} | {_f(r.get('overlap_host_us'))} | "
+                   f"{r.get('overlap_bitwise', '—')} |")
     return "\n".join(out)
 
 

@@ -139,3 +139,32 @@ class CUmemcpyAttributes:
     def __init__(self) -> None:
         self.srcAccessOrder = CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_INVALID
         self.srcLocHint, self.dstLocHint, self.flags = _Location(), _Location(), 0
+
+
+class CUlaunchAttributeID(enum.IntEnum):
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttributeValue:
+    def __init__(self) -> None:
+        self.programmaticStreamSerializationAllowed = 0
+
+
+class CUlaunchAttribute:
+    """One launch attribute: ``id`` and the ``value`` union (only programmatic serialization is emulated)."""
+
+    def __init__(self) -> None:
+        self.id: int = 0
+        self.value = _LaunchAttributeValue()
+
+
+class CUlaunchConfig:
+    """cuLaunchKernelEx's configuration: geometry, shared bytes, stream and ``numAttrs`` of ``attrs``."""
+
+    def __init__(self) -> None:
+        self.gridDimX = self.gridDimY = self.gridDimZ = 0
+        self.blockDimX = self.blockDimY = self.blockDimZ = 0
+        self.sharedMemBytes = 0
+        self.hStream: int = 0
+        self.attrs: list[CUlaunchAttribute] = []
+        self.numAttrs = 0

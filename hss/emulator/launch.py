@@ -217,3 +217,18 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         else:
             enqueue(st, lambda: None)
     return (R.CUDA_SUCCESS,)
+
+
+def cuLaunchKernelEx(config: Any, f: Any, params: Any, extra: Any) -> tuple:
+    """cuLaunchKernel with a CUlaunchConfig. The only attribute emulated is programmatic stream serialization: the
+    emulator runs a stream's launches in order, one of the schedules it allows (a kernel that reads what the launch
+    before it writes without waiting for it is a race only a GPU shows)."""
+    from .enums import CUlaunchAttributeID
+    n = int(config.numAttrs)
+    if n < 0 or n > len(config.attrs):
+        return (R.CUDA_ERROR_INVALID_VALUE,)
+    for attr in config.attrs[:n]:
+        if attr.id != CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+            return (R.CUDA_ERROR_NOT_SUPPORTED,)
+    return cuLaunchKernel(f, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY,
+                          config.blockDimZ, config.sharedMemBytes, config.hStream, params, extra)
