@@ -881,6 +881,8 @@ def test_bench_smoke() -> None:
     assert all({"hss_us", "hss_GBs", "host_us"} <= set(r) for r in rows) and "copy_us" in rows[0]
     text = bench.table(rows)
     assert "| 4/2/64 | 2 × 32 |" in text and "| 4/2/64 | 64 | 2 |" in text
+    assert all("graph_us" in r for r in rows[2:])
+    assert rows[3]["overlap_bitwise"] is True and "overlap_graph_us" in rows[3]   # the emulator is cc 9.0
 
 
 @given(shape=st.sampled_from([(8, 2, 64), (9, 3, 64), (32, 8, 128), (24, 2, 256), (34, 2, 40), (4, 1, 72)]),
