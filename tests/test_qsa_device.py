@@ -19,7 +19,7 @@ import pytest
 
 from hss import _driver
 from hss import cuda_min as cm
-from hss.errors import HssError
+from hss.errors import CudaError, HssError
 from hss.qsa import QsaDeviceSelection, QsaIndexer, device
 from hss.reference import qsa as ref
 from hss.reference import qsa_device as rd
@@ -442,6 +442,16 @@ def test_first_capture_needs_partials_and_compositions_are_kept(gpu, stream, rng
         for c in combos:
             idx.decode_select_batch(c, x, tables, BS, s, max_pages=mp)
         assert len(idx._dev.compositions) <= 12 and pair in idx._dev.compositions
+        # a failed wait while recycling fails the call (only a destroyed stream's is passed over) and changes nothing
+        new, cached = tuple(states[2:6]), dict(idx._dev.compositions)
+        before_new = [st.ingested for st in new]
+        bad = (_driver.api.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        with monkeypatch.context() as mp_sync:
+            mp_sync.setattr(_driver.api, "cuStreamSynchronize", lambda h: bad)
+            with pytest.raises(CudaError, match="cuStreamSynchronize"):
+                idx.decode_select_batch(new, x, tables, BS, s, max_pages=mp)
+        assert [st.ingested for st in new] == before_new and new not in idx._dev.compositions
+        assert dict(idx._dev.compositions) == cached
         before = [st.ingested for st in pair]
         graph.launch(s)
         assert [st.ingested for st in pair] == [n + 1 for n in before]

@@ -48,6 +48,7 @@ DEFAULT_MAX_SEQS = 64
 MAX_SEQS = 2048            # the qk GEMM writes one qk_scratch row per sequence (INGEST_SLAB rows)
 COMPOSITIONS = 256         # batch compositions cached (pinned slot lists)
 _RESERVE = 32              # entries eager steps leave free, so that a capture always finds one
+_GONE_STREAM = ("CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_INVALID_CONTEXT")   # a destroyed stream's sync
 _I32 = 2**31 - 1
 _SHARED_DEFAULT = 48 * 1024   # dynamic shared memory a launch may use without the opt-in attribute
 
@@ -272,8 +273,10 @@ class DeviceState:
             if comp.stream >= 0:
                 try:
                     cm.stream_sync(comp.stream)   # its last step's copy read the entry; nearly always long done
-                except CudaError:
-                    pass                            # a stream destroyed since: its work ran to the end
+                except CudaError as exc:
+                    if exc.name not in _GONE_STREAM:   # any other failure fails the call
+                        raise
+                    # a stream destroyed since: its work ran to the end
             del self.compositions[key]
             self.free_entries.append(comp.entry)
 
