@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +215,7 @@ class TiledAttention:
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
+        self._filled_by = 0                 # the serial of the TileStep whose q, pools, strides the pack holds
         self._fin_pack = pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
                                                         head_dim=d.head_dim)
         self._fin_out_slot = pack.slot("out")
@@ -395,14 +397,18 @@ class TiledAttention:
 
     step_tile_on_stream = step_tile
 
-    def _fill(self, q: int, k: int, v: int, blk: int, tok: int, kvh: int, table: int, counts: int, lbvs: int) -> None:
-        """The step launch's per-tile slots (checked values)."""
-        self._q_slot.value = q
-        self._k_slot.value = k
-        self._v_slot.value = v
-        self._blk_slot.value = blk
-        self._tok_slot.value = tok
-        self._kvh_slot.value = kvh
+    def _fill(self, q: int, k: int, v: int, blk: int, tok: int, kvh: int, table: int, counts: int, lbvs: int,
+              owner: int = 0) -> None:
+        """The step launch's per-tile slots (checked values). ``owner`` (a TileStep's serial): q, the pools and
+        strides are that step's, so they are written only when another filled the pack since (0: always)."""
+        if not owner or self._filled_by != owner:
+            self._q_slot.value = q
+            self._k_slot.value = k
+            self._v_slot.value = v
+            self._blk_slot.value = blk
+            self._tok_slot.value = tok
+            self._kvh_slot.value = kvh
+            self._filled_by = owner
         self._table_slot.value = table
         self._counts_slot.value = counts
         self._lbvs_slot.value = lbvs
@@ -470,13 +476,16 @@ class TiledAttention:
     finalize_on_stream = finalize
 
 
+_STEP_SERIALS = itertools.count(1)
+
+
 class TileStep:
     """The tiles of one decode step at launch speed (:meth:`TiledAttention.begin_tiles`): the stream, q, the pools,
     their strides and the sequence count were checked once; :meth:`tile` checks the tile's table and counts (device
     arrays), ``last_block_valid_slots`` and the optional output, refills the prepared launch and queues it."""
 
     __slots__ = ("_ta", "_s", "_n", "_q", "_k", "_v", "_blk", "_tok", "_kvh", "_table_bytes", "_row_bytes", "_pools",
-                 "_rope", "_after")
+                 "_rope", "_after", "_serial")
 
     def __init__(self, ta: TiledAttention, s: int, n: int, q: int, k: int, v: int, blk: int, tok: int,
                  kvh: int, pools: tuple = ()) -> None:
@@ -486,6 +495,7 @@ class TileStep:
         self._pools = pools    # (k_pool, v_pool, bytes) as given: checked writable by the first rope tile
         self._rope: tuple | None = None   # the last rope tile's checked (qkv, cos, sin, max_pos) objects and values
         self._after = False   # a tile of this step was queued: the next one follows it (overlap_tiles)
+        self._serial = next(_STEP_SERIALS)   # names this step's q, pools and strides in the prepared pack
 
     def tile(self, tile_blocks: Any, tile_block_counts: Any, last_block_valid_slots: int, output: Any = None) -> None:
         """One tile: ``step_tile``'s ``tile_blocks``, ``tile_block_counts``, ``last_block_valid_slots`` and
@@ -579,6 +589,6 @@ class TileStep:
         counts, ``lbvs`` their offset)."""
         ta = self._ta
         tp, cp, out = self._checked(table, counts, output)
-        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs)
+        ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs, self._serial)
         if ta._launch(self._s, self._n, out, mode, after=self._after):
             self._after = True

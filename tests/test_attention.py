@@ -547,6 +547,31 @@ def test_overlapped_tiles_give_the_same_bits(ctx, stream, rng, monkeypatch, head
         x.close()
 
 
+def test_a_tile_step_refills_what_another_launch_changed(ctx, stream, rng) -> None:
+    """A TileStep writes its q, pools and strides into the shared prepared launch only when another call changed
+    them since: a ``step_tile`` with another query between two of its tiles does not leak into the next tile (the
+    same bits as three ``step_tile`` calls with those arguments)."""
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, tile_capacity=8)
+    ta, q, q_dev, pool = setup(ctx, stream, rng, dims, 24, "small")
+    q2 = upload(randn(rng, q.shape, 1.0), stream)
+    sched = schedule([rng.permutation(24)[:20] for _ in range(2)], 8, 8, 16, 16)
+    tables = [(upload(b, stream), upload(c, stream), lbvs) for b, c, lbvs in sched]
+    outs = [poisoned(2 * 2 * 8 * 64, stream) for _ in range(2)]
+    queries = [q_dev, q2, q_dev]
+    ta.begin_step(stream, 2)
+    for i, ((tb, cn, lbvs), qq) in enumerate(zip(tables, queries)):
+        ta.step_tile(stream, qq, pool.k_ptr, pool.v_ptr, tb, cn, 2, *pool.strides, lbvs,
+                     output=outs[0] if i == 2 else None)
+    step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+    step.tile(*tables[0])
+    ta.step_tile(stream, q2, pool.k_ptr, pool.v_ptr, tables[1][0], tables[1][1], 2, *pool.strides, tables[1][2])
+    step.tile(*tables[2], output=outs[1])
+    a, b = (download(o, (2, 8, 64), BF16, stream) for o in outs)
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    for x in (*outs, q2, *(t for tb, cn, _ in tables for t in (tb, cn)), ta, pool):
+        x.close()
+
+
 def test_overlap_tiles_argument(ctx) -> None:
     with pytest.raises(TypeError, match="overlap_tiles must be a bool"):
         TiledAttention(ctx, replace(ORIGINAL, max_seqs=1), overlap_tiles=1)
