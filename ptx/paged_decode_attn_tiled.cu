@@ -323,17 +323,6 @@ __device__ __forceinline__ void step(const unsigned short* qs, const unsigned sh
     }
 }
 
-// Fold `cnt` partials (slots first, first + stride, ... in that order) of this CTA row: into the running state
-// (to_state: m, l, o read unless fresh; out written when present) or into slot `first`. cnt == 0 (to_state
-// only): the state as it is. All threads; barriers inside.
-// Per 4 dims of a query head (a piece) the slots are cut into C chunks of S consecutive slots (C = min(cnt,
-// 256 / (hg * HDP / 4)) or 1, S = ceil(cnt / C), the last chunk shorter); a chunk runs an online max over its slots
-// in order: M_c' = max(M_c, m_j), a = 2^(M_c - M_c'), w = 2^(m_j - M_c'), acc = fma(o_j, w, acc * a), lw = fma(l_j,
-// w, lw * a) (from M_c = -inf, acc = lw = 0). Then M = max(m, M_0, .., M_{C-1}) (a chain from the state's m), and
-// over the chunks in order s_c = 2^(M_c - M), sum = fma(acc_c, s_c, sum), L = fma(lw_c, s_c, L) (from 0);
-// o' = fma(o, 2^(m - M), sum), l' = fma(l, 2^(m - M), L) (the state's m = -inf: 2^(m - M) = 0). Every piece of a
-// head computes the head's (M, L) the same way; a piece's loads (the chunk's (m_j, l_j) and o_j, the state) are
-// all issued before any of it is used.
 // One partial slot (4 dims x of o_j, ml = (m_j, l_j)) into a chunk's running (acc, M_c, lw): the chunk rule below.
 __device__ __forceinline__ void fold_slot(const float4& x, float2 ml, float4& acc, float& Mc, float& lw) {
     const float Mn = fmaxf(Mc, ml.x);   // m_j finite: a unit always has a token
@@ -377,6 +366,17 @@ __device__ __forceinline__ float2 load_state(const Args& a, bool keep, int r, in
     return keep ? make_float2(a.m[r], a.l[r]) : make_float2(hss_neg_inf(), 0.f);
 }
 
+// Fold `cnt` partials (slots first, first + stride, ... in that order) of this CTA row: into the running state
+// (to_state: m, l, o read unless fresh; out written when present) or into slot `first`. cnt == 0 (to_state
+// only): the state as it is. All threads; barriers inside.
+// Per 4 dims of a query head (a piece) the slots are cut into C chunks of S consecutive slots (C = min(cnt,
+// 256 / (hg * HDP / 4)) or 1, S = ceil(cnt / C), the last chunk shorter); a chunk runs an online max over its slots
+// in order: M_c' = max(M_c, m_j), a = 2^(M_c - M_c'), w = 2^(m_j - M_c'), acc = fma(o_j, w, acc * a), lw = fma(l_j,
+// w, lw * a) (from M_c = -inf, acc = lw = 0). Then M = max(m, M_0, .., M_{C-1}) (a chain from the state's m), and
+// over the chunks in order s_c = 2^(M_c - M), sum = fma(acc_c, s_c, sum), L = fma(lw_c, s_c, L) (from 0);
+// o' = fma(o, 2^(m - M), sum), l' = fma(l, 2^(m - M), L) (the state's m = -inf: 2^(m - M) = 0). Every piece of a
+// head computes the head's (M, L) the same way; a piece's loads (the chunk's (m_j, l_j) and o_j, the state) are
+// all issued before any of it is used.
 template <int HDP>
 __device__ __forceinline__ void fold(const Args& a, int first, int stride, int cnt, bool to_state,
                                      unsigned char* smem) {
