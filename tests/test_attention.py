@@ -572,6 +572,36 @@ def test_a_tile_step_refills_what_another_launch_changed(ctx, stream, rng) -> No
         x.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,tile", [((32, 8, 128), 4), ((32, 8, 128), 32), ((24, 2, 256), 16)])
+def test_overlapped_tiles_stress(ctx, stream, rng, shape, tile: int) -> None:
+    """On a GPU, where the overlap is real: many tiles of one step (one-unit tiles folding in their CTA, and
+    multi-unit tiles folding in levels), each step queued five times back to back; every overlapped step's output
+    and state equal the plain step's bits."""
+    nq, nkv, hd = shape
+    npages = 256
+    dims = TiledAttentionDims(max_seqs=2, num_q_heads=nq, num_kv_heads=nkv, head_dim=hd, block_size=16,
+                              tile_capacity=tile)
+    plain, q, q_dev, pool = setup(ctx, stream, rng, dims, 2 * npages, "small")
+    over = TiledAttention(ctx, dims, overlap_tiles=True)
+    perm = rng.permutation(2 * npages)
+    sched = schedule([perm[:npages], perm[npages:]], tile, tile, 16, 16)
+    tables = [(upload(b, stream), upload(c, stream), lbvs) for b, c, lbvs in sched]
+    rows = 2 * nq
+    outs = {ta: poisoned(2 * rows * hd, stream) for ta in (plain, over)}
+    got = {}
+    for ta in (plain, over):
+        for _ in range(5):
+            step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+            for i, (tb, cn, lbvs) in enumerate(tables):
+                step.tile(tb, cn, lbvs, output=outs[ta] if i == len(tables) - 1 else None)
+        got[ta] = Result(download(outs[ta], (2, nq, hd), BF16, stream), download(ta.m, rows, np.float32, stream),
+                         download(ta.l, rows, np.float32, stream), download(ta.o, (rows, hd), np.float32, stream))
+    same_bits(got[plain], got[over], f"overlapped {len(tables)} tiles of {tile} pages")
+    for x in (*outs.values(), *(t for tb, cn, _ in tables for t in (tb, cn)), plain, over, pool):
+        x.close()
+
+
 def test_overlap_tiles_argument(ctx) -> None:
     with pytest.raises(TypeError, match="overlap_tiles must be a bool"):
         TiledAttention(ctx, replace(ORIGINAL, max_seqs=1), overlap_tiles=1)
