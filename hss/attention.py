@@ -216,6 +216,7 @@ class TiledAttention:
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
         self._filled_by = 0                 # the serial of the TileStep whose q, pools, strides the pack holds
+        self._tile_stream = -1              # the stream of this step's last tile (-1: none since begin_step)
         self._fin_pack = pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
                                                         head_dim=d.head_dim)
         self._fin_out_slot = pack.slot("out")
@@ -323,6 +324,7 @@ class TiledAttention:
         n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
         self._fresh = n
         self._begun = True
+        self._tile_stream = -1   # no tile of this step yet: its first launch is a plain one
 
     begin_step_on_stream = begin_step
 
@@ -425,14 +427,16 @@ class TiledAttention:
         self._lbvs_slot.value = last_block_valid_slots
         self._launch(s, 1, output)
 
-    def _launch(self, s: int, n: int, out: int, mode: int = 0, rope: bool = False, after: bool = False) -> bool:
-        """Queue one tile (``after``: it directly follows a tile of the same step on ``s``: with overlap_tiles, a
-        programmatic launch). Returns whether a kernel was queued."""
+    def _launch(self, s: int, n: int, out: int, mode: int = 0, rope: bool = False) -> None:
+        """Queue one tile: with overlap_tiles, programmatically when the stream's last work is this step's
+        previous tile (a launch of this TiledAttention since the step's begin_step, on ``s``, nothing queued
+        between by this object)."""
         if not self._begun:
             raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
                            "begin_tiles) first: it sets the state the tiles fold into")
         if n == 0:
-            return False
+            return
+        after = self._tile_stream == s
         if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
             cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
             self._counts_zeroed = True
@@ -453,7 +457,7 @@ class TiledAttention:
             (self._run_rope_after if rope else self._run_step_after)(s, n, self._grid_y, z)
         else:
             (self._run_rope if rope else self._run_step)(s, n, self._grid_y, z)
-        return True
+        self._tile_stream = s
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream`` (also
@@ -472,6 +476,7 @@ class TiledAttention:
             return
         self._fin_out_slot.value = out
         self._run_fin(s, n, self.dims.num_q_heads)
+        self._tile_stream = -1   # a tile after it follows the finalize kernel: a plain launch
 
     finalize_on_stream = finalize
 
@@ -485,7 +490,7 @@ class TileStep:
     arrays), ``last_block_valid_slots`` and the optional output, refills the prepared launch and queues it."""
 
     __slots__ = ("_ta", "_s", "_n", "_q", "_k", "_v", "_blk", "_tok", "_kvh", "_table_bytes", "_row_bytes", "_pools",
-                 "_rope", "_after", "_serial")
+                 "_rope", "_serial")
 
     def __init__(self, ta: TiledAttention, s: int, n: int, q: int, k: int, v: int, blk: int, tok: int,
                  kvh: int, pools: tuple = ()) -> None:
@@ -494,7 +499,6 @@ class TileStep:
         self._table_bytes, self._row_bytes = n * ta._table_bytes, n * ta._row_bytes
         self._pools = pools    # (k_pool, v_pool, bytes) as given: checked writable by the first rope tile
         self._rope: tuple | None = None   # the last rope tile's checked (qkv, cos, sin, max_pos) objects and values
-        self._after = False   # a tile of this step was queued: the next one follows it (overlap_tiles)
         self._serial = next(_STEP_SERIALS)   # names this step's q, pools and strides in the prepared pack
 
     def tile(self, tile_blocks: Any, tile_block_counts: Any, last_block_valid_slots: int, output: Any = None) -> None:
@@ -550,8 +554,7 @@ class TileStep:
         r[3].value, r[4].value, r[5].value = self._blk, self._tok, self._kvh
         r[6].value, r[7].value, r[8].value = table, counts, off
         r[11].value, r[12].value, r[13].value = last[5], last[6], last[3]
-        if ta._launch(self._s, self._n, out, 2, rope=True, after=self._after):
-            self._after = True
+        ta._launch(self._s, self._n, out, 2, rope=True)
 
     def _rope_args(self, qkv: Any, cos: Any, sin: Any, max_pos: Any) -> tuple:
         """The rope tile's step-invariant arguments checked: (qkv, cos, sin, max_pos, their three addresses)."""
@@ -590,5 +593,4 @@ class TileStep:
         ta = self._ta
         tp, cp, out = self._checked(table, counts, output)
         ta._fill(self._q, self._k, self._v, self._blk, self._tok, self._kvh, tp, cp, lbvs, self._serial)
-        if ta._launch(self._s, self._n, out, mode, after=self._after):
-            self._after = True
+        ta._launch(self._s, self._n, out, mode)

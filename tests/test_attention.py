@@ -527,6 +527,29 @@ def test_overlapped_tiles_give_the_same_bits(ctx, stream, rng, monkeypatch, head
         outs.close()
     same_bits(results[0], results[1], "overlapped tiles")
     check(results[1], q, pool, consumed(schedule(pages, 8, 8, 16, 11), 2, 16), 2, "overlapped tiles")
+    # a TileStep used again after another begin_step (as the model's layers do): that step's first tile is plain
+    # (the stream's last kernel is not this step's); a tile on another stream is plain too
+    other = cm.CudaStream()
+    for n_tiles in (2, 3):
+        calls.clear()
+        over.begin_step(stream, 2)
+        for tb, cn, lbvs in tables[:n_tiles]:
+            step.tile(tb, cn, lbvs)
+        assert calls == ["cuLaunchKernel"] + ["cuLaunchKernelEx"] * (n_tiles - 1)
+    calls.clear()
+    step2 = over.begin_tiles(other, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
+    step.tile(*tables[0])
+    cm.stream_sync(stream)   # (the two streams share the state: ordered)
+    step2.tile(*tables[1])
+    step2.tile(*tables[2])
+    fin = poisoned(2 * 2 * dims.num_q_heads * head_dim, other)
+    over.finalize(other, fin, 2)
+    step2.tile(*tables[3])
+    # step's tile (plain), step2's first on the other stream (plain), its second (Ex), finalize, a tile after it
+    assert calls == ["cuLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cuLaunchKernel"]
+    cm.stream_sync(other)
+    fin.close()
+    other.close()
     # a step captured into a graph: its first tile is plain again, the replay gives the same bits
     outs = poisoned(2 * 2 * dims.num_q_heads * head_dim, stream)
     calls.clear()
