@@ -134,12 +134,13 @@ class TiledAttention:
     ``begin_step`` / ``begin_step_on_stream`` (and ``step_tile``, ``finalize``) are one method each under the
     original's two names: the stream may be any stream form, a CudaCtx meaning its stream.
 
-    ``overlap_tiles=True`` (opt-in; compute capability 9.0 or newer: module ``paged_decode_attn_pdl``): a
-    :class:`TileStep`'s tiles after its first are launched with programmatic stream serialization, so each may
-    stream its K/V while the tile before it is still folding; it waits for that tile to complete before it
-    touches the workspace, the counters, the state or the output (the same bits as without). The contract that
-    buys: between two tiles of one step the stream runs no kernel of yours that writes what a later tile of the
-    step reads (its pages, table, counts, q); copies and event waits in between are fine.
+    ``overlap_tiles=True`` (opt-in; compute capability 9.0 or newer: module ``paged_decode_attn_pdl``): a step's
+    tiles after its first (since ``begin_step``, on the same stream, with no finalize between) are launched with
+    programmatic stream serialization, so each may stream its K/V while the tile before it is still folding; it
+    waits for that tile to complete before it touches the workspace, the counters, the state or the output (the
+    same bits as without). The contract that buys: between two tiles of one step the stream runs no kernel of
+    yours that writes what a later tile of the step reads (its pages, table, counts, q); copies and event waits in
+    between are fine.
     """
 
     def __init__(self, ctx: cm.CudaCtx | None, dims: TiledAttentionDims, overlap_tiles: bool = False) -> None:
