@@ -36,6 +36,10 @@ def info() -> int:
             state = ptx.freshness(name, variant)
             ok &= state == "fresh"
             print(f"ptx         : {ptx.ptx_path(name, variant).name:34s} {state}")
+        base = ptx.spec(name).base_arch
+        if base != ptx.DEFAULT_ARCH and not ptx.variant_supported(base, (major, minor)):
+            print(f"load        : {name:34s} not for this device (built for {base} only)")
+            continue
         try:
             variant, _ = ptx.choose(name, (major, minor))
             ptx.load_module(name, ctx).close()

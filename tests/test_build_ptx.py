@@ -142,3 +142,14 @@ def test_a_module_with_a_newer_base_arch():
         ptx.choose("paged_decode_attn_pdl", (8, 9))
     assert "griddepcontrol.wait" in ptx.ptx_path("paged_decode_attn_pdl").read_text()
     assert "griddepcontrol" not in ptx.ptx_path("paged_decode_attn_tiled").read_text()
+
+
+def test_info_passes_over_modules_a_device_cannot_load(monkeypatch, capsys):
+    """`python -m hss info` on a device older than a module's base arch says so and still reports ok."""
+    from hss import __main__ as cli
+    from hss import _context
+    monkeypatch.setattr(_context.CudaCtx, "compute_capability", property(lambda self: (8, 0)))
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "paged_decode_attn_pdl" in out and "not for this device (built for sm_90 only)" in out
+    assert "status      : ok" in out
