@@ -74,10 +74,11 @@ class PrimaryContext:
             self.alive = False
             if PrimaryContext._live.get(self.ordinal) is self:
                 del PrimaryContext._live[self.ordinal]
+        ev_err = None
         try:
             if self._join_event:
                 self.make_current()
-                api.cuEventDestroy(self._join_event)
+                ev_err = api.cuEventDestroy(self._join_event)[0]
             err = api.cuDevicePrimaryCtxRelease(self.device)[0]
         except Exception:   # interpreter shutdown: the binding may already be gone
             err = None
@@ -86,6 +87,8 @@ class PrimaryContext:
                 thread_state.pctx = None
         if err and err.name not in _GONE:
             raise cuda_error(err, "cuDevicePrimaryCtxRelease")
+        if ev_err and ev_err.name not in _GONE:   # (the context is released either way)
+            raise cuda_error(ev_err, "cuEventDestroy", "the context's join event")
 
     def make_current(self) -> None:
         if thread_state.pctx is not self:

@@ -298,8 +298,13 @@ def end_capture(stream: Any) -> CudaGraph:
             kept = _replay_fns.pop(capture, (0, []))[1] if capture else []
     try:
         exe = int(check(api.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
-    finally:
-        api.cuGraphDestroy(graph)   # the executable graph does not need its template
+    except BaseException:
+        api.cuGraphDestroy(graph)   # (the instantiation's failure is the one reported)
+        raise
+    err = api.cuGraphDestroy(graph)[0]   # the executable graph does not need its template
+    if err:
+        api.cuGraphExecDestroy(exe)
+        raise cuda_error(err, "cuGraphDestroy", "the captured graph's template")
     return CudaGraph(exe, pctx, kept)
 
 

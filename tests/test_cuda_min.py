@@ -300,6 +300,29 @@ def _fork_join_step(s, c, ev, slot, out, host, n, join=True, wait_copy=True):
         read.record(s)
 
 
+def test_a_failed_template_destroy_fails_the_capture_and_frees_the_graph(ctx, monkeypatch):
+    """end_capture checks the template graph's cuGraphDestroy: a failure raises naming it, after the executable
+    graph it instantiated is destroyed (nothing leaks); the next capture works."""
+    s = ctx.stream
+    destroyed = []
+    real = _driver.api.cuGraphExecDestroy
+    monkeypatch.setattr(_driver.api, "cuGraphExecDestroy", lambda h: (destroyed.append(int(h)), real(h))[1])
+    buf = cm.DeviceBuffer(64)
+    cm.begin_capture(s)
+    cm.memset_d8_async(buf, 1, 64, s)
+    with inject_fault("cuGraphDestroy", "CUDA_ERROR_INVALID_VALUE"):
+        with pytest.raises(CudaError, match="cuGraphDestroy failed.*template"):
+            cm.end_capture(s)
+    assert len(destroyed) == 1
+    cm.begin_capture(s)
+    cm.memset_d8_async(buf, 2, 64, s)
+    graph = cm.end_capture(s)
+    graph.launch(s)
+    assert (download(buf, 64, np.uint8, s) == 2).all()
+    graph.close()
+    buf.close()
+
+
 def test_capture_forks_and_joins_a_second_stream(ctx):
     """A stream that waits for an event recorded in a capture joins it (the fork); the origin's wait for its last
     event joins it back; the graph replays both streams' work in their order, reading pinned memory at replay time.
