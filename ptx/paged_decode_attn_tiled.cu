@@ -260,6 +260,34 @@ __device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned sho
     }
 }
 
+#ifdef ATT_FAST_ISSUE
+// stage() for a full step (8 rows) on one page with 16-byte loads, its addresses by increments from the step's
+// page and slot (no division): the same copies. PPR (16-byte pieces a row) divides 32, so lane l stages pieces
+// (row l / PPR + j * 32 / PPR, column l % PPR) for j = 0 .. 8 * PPR / 32 - 1.
+template <int HDP>
+__device__ __forceinline__ void stage_full(const Args& a, int pg, int slot, unsigned short* ks, int lane) {
+    constexpr int RS = Cfg<HDP>::RS, PPR = HDP / 8, RJ = 32 / PPR, J = ATT_ROWS * PPR / 32;
+    const int rl = lane / PPR, pc = lane % PPR;
+    unsigned short* dk = ks + rl * RS + pc * 8;
+    unsigned short* dv = dk + ATT_ROWS * RS;
+    if (pc * 8 >= a.hd) {   // padding dims: zero, as stage() writes them
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            *reinterpret_cast<uint4*>(dk + j * RJ * RS) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4*>(dv + j * RJ * RS) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        return;
+    }
+    const long long off = (long long)__ldg(a.blocks + pg) * a.blk + (long long)(slot + rl) * a.tok + pc * 8;
+    const long long step = (long long)RJ * a.tok;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        hss_cp_async16(dk + j * RJ * RS, a.k + off + j * step);
+        hss_cp_async16(dv + j * RJ * RS, a.v + off + j * step);
+    }
+}
+#endif
+
 // One warp step over the n (1..8) staged tokens in ks: lane (g = lane/4, c = lane%4) holds the state of query
 // heads g (m0, l0) and g + 8 (m1, l1) and o[j] = the mma C fragment of dims 8j .. 8j + 7 (rows g, g + 8).
 template <int HDP>
@@ -650,10 +678,37 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
         i_new = (a.newest - u0) / ATT_ROWS / ATT_WARPS;
         r_new = (a.newest - u0) % ATT_ROWS;
     }
+#ifdef ATT_FAST_ISSUE
+    // the next issued step's page and slot: steps are issued in order, each ATT_WARPS * ATT_ROWS tokens on
+    int cur_pg = 0, cur_slot = 0;
+    {
+        const int t = t0_of(0);
+        cur_pg = t / a.bs;
+        cur_slot = t - cur_pg * a.bs;
+    }
+    const int adv_pg = ATT_WARPS * ATT_ROWS / a.bs, adv_slot = ATT_WARPS * ATT_ROWS - adv_pg * a.bs;
+    auto issue = [&](int i) {
+        if (i < ns) {
+            const int n = min(ATT_ROWS, uend - t0_of(i));
+            if (n == ATT_ROWS && a.vec && cur_slot + ATT_ROWS <= a.bs && i != i_new)
+                stage_full<HDP>(a, cur_pg, cur_slot, buffer(i), lane);
+            else
+                stage<HDP, ROPE>(a, t0_of(i), n, buffer(i), lane, i == i_new ? r_new : -1, rr);
+        }
+        hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step i has landed"
+        cur_pg += adv_pg;
+        cur_slot += adv_slot;
+        if (cur_slot >= a.bs) {
+            cur_slot -= a.bs;
+            ++cur_pg;
+        }
+    };
+#else
     auto issue = [&](int i) {
         if (i < ns) stage<HDP, ROPE>(a, t0_of(i), min(ATT_ROWS, uend - t0_of(i)), buffer(i), lane, i == i_new ? r_new : -1, rr);
         hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step i has landed"
     };
+#endif
 #pragma unroll
     for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
     if (first_unit) {   // the query heads entry() staged (rope entry points: staged here, rotated)
