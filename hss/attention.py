@@ -199,7 +199,7 @@ class TiledAttention:
                                          "blk_stride", "tok_stride", "kvh_stride", "last_block_valid_slots",
                                          "fresh"))
         self._run_step = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack)
-        # overlap_tiles: a TileStep's later tiles (None: every tile plain)
+        # overlap_tiles: the launch of a step's later tiles on one stream (None: every tile plain)
         self._run_step_after = launcher(self._step_fn, (STEP_THREADS, 1, 1), self._step_shared, pack,
                                         programmatic=True) if self.overlap_tiles else None
         self._rope_pack = rpack = self._rope_decl.pack(
