@@ -103,7 +103,7 @@ class TiledAttentionDims:
     @property
     def max_units(self) -> int:
         """Units (partial states per sequence and query head) a tile can have: at most 64."""
-        return max_units(self.tile_capacity, self.block_size)
+        return max_units(self.tile_capacity, self.block_size, padded_head_dim(self.head_dim))
 
     @property
     def merge_counters(self) -> int:

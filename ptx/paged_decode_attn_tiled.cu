@@ -29,8 +29,9 @@
 //
 // unit_tokens(n, ctas): want = min(ATT_MAX_UNITS, max(1, ceil(T / ctas))) units per (sequence, CTA row), T =
 //   the CTAs a launch aims at (Cfg<HDP>::TARGET: about one wave of the 132 SMs of an H100 / H200 at the CTAs per SM
-//   the shared memory allows); U = the smallest ATT_UNIT_MIN * 2^j >= ceil(n / want). So at most ATT_MAX_UNITS
-//   units per tile, and at most ceil(n / ATT_UNIT_MIN).
+//   the shared memory allows); U = ceil(n / want) rounded up to a multiple of 64 (a step for each warp), at least
+//   UMIN = Cfg<HDP>::UNIT_MIN (ATT_UNIT_MIN 128 at HDP 64 and 256, ATT_UNIT_MIN_128 256 at HDP 128). So at most
+//   want <= ATT_MAX_UNITS units per tile, as even as 64-token steps allow, and at most ceil(n / UMIN).
 //
 // paged_decode_attn_tiled(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out,
 //     merge_count, num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units,
@@ -50,7 +51,7 @@
 //                     is in log2 units (base-2 logits)
 //   out               bf16 [num_seqs, num_q_heads, head_dim] or null
 //   merge_count       u32 [num_seqs, num_kv_heads * ceil(gqa_ratio/16), ATT_COUNTERS], zero between launches
-//   max_units = min(ATT_MAX_UNITS, ceil(tile_capacity*block_size / ATT_UNIT_MIN)) (the partial arrays' row
+//   max_units = min(ATT_MAX_UNITS, ceil(tile_capacity*block_size / UMIN)) (the partial arrays' row
 //   stride). Launch: grid (num_seqs, num_kv_heads * ceil(gqa_ratio/16), Z), 1 <= Z <= max_units (any Z gives the
 //   same bits), block (256,1,1), dynamic shared memory Cfg<HDP>::BYTES (hss.kernels.attention.step_shared_bytes:
 //   past 48 KiB, the host raises the function's limit). A sequence whose tile has no tokens keeps its state
@@ -68,7 +69,8 @@
 #define ATT_WARPS 8
 #define ATT_ROWS 8           // tokens per warp step (the n of the S tile, the k of the P.V mma)
 #define ATT_HG 16            // query heads per CTA (the m of every mma tile)
-#define ATT_UNIT_MIN 256     // the smallest unit, in tokens
+#define ATT_UNIT_MIN 128     // the smallest unit, in tokens (HDP 64 and 256)
+#define ATT_UNIT_MIN_128 256 // the smallest unit at HDP 128
 #define ATT_MAX_UNITS 64     // units of one tile at most
 #define ATT_GROUP 8          // units per first-level fold group
 #define ATT_COUNTERS 9       // fold counters per (sequence, CTA row): one per group, then the groups' own
@@ -130,6 +132,7 @@ template <int HDP>
 struct Cfg {
     static constexpr int STAGES = HDP == 64 ? 4 : 2;
     static constexpr int TARGET = HDP == 256 ? 128 : 256;   // CTAs a launch aims at (1 resp. 2 per SM, 132 SMs)
+    static constexpr int UNIT_MIN = HDP == 128 ? ATT_UNIT_MIN_128 : ATT_UNIT_MIN;   // the smallest unit (tokens)
     static constexpr int RS = HDP + 8;
     static constexpr int STEP = 2 * ATT_ROWS * RS * 2;
     static constexpr int RING = STAGES * STEP;
@@ -170,12 +173,12 @@ __device__ __forceinline__ int tile_tokens_counted(const int* __restrict__ count
 }
 
 // The unit size for a tile of n >= 1 tokens in a launch of `ctas` CTAs per unit index (see the header).
-__device__ __forceinline__ long long unit_tokens(int n, int ctas, int target) {
+__device__ __forceinline__ long long unit_tokens(int n, int ctas, int target, int unit_min) {
+    constexpr long long STEPS = ATT_WARPS * ATT_ROWS;   // a step for every warp
     const int want = min(ATT_MAX_UNITS, max(1, (target + ctas - 1) / ctas));
     const long long need = ((long long)n + want - 1) / want;
-    long long u = ATT_UNIT_MIN;
-    while (u < need) u <<= 1;
-    return u;
+    const long long u = (need + STEPS - 1) / STEPS * STEPS;
+    return u > unit_min ? u : unit_min;
 }
 
 struct Args {
@@ -260,7 +263,6 @@ __device__ __forceinline__ void stage(const Args& a, int t0, int n, unsigned sho
     }
 }
 
-#ifdef ATT_FAST_ISSUE
 // stage() for a full step (8 rows) on one page with 16-byte loads, its addresses by increments from the step's
 // page and slot (no division): the same copies. PPR (16-byte pieces a row) divides 32, so lane l stages pieces
 // (row l / PPR + j * 32 / PPR, column l % PPR) for j = 0 .. 8 * PPR / 32 - 1.
@@ -286,7 +288,6 @@ __device__ __forceinline__ void stage_full(const Args& a, int pg, int slot, unsi
         hss_cp_async16(dv + j * RJ * RS, a.v + off + j * step);
     }
 }
-#endif
 
 // One warp step over the n (1..8) staged tokens in ks: lane (g = lane/4, c = lane%4) holds the state of query
 // heads g (m0, l0) and g + 8 (m1, l1) and o[j] = the mma C fragment of dims 8j .. 8j + 7 (rows g, g + 8).
@@ -678,7 +679,6 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
         i_new = (a.newest - u0) / ATT_ROWS / ATT_WARPS;
         r_new = (a.newest - u0) % ATT_ROWS;
     }
-#ifdef ATT_FAST_ISSUE
     // the next issued step's page and slot: steps are issued in order, each ATT_WARPS * ATT_ROWS tokens on
     int cur_pg = 0, cur_slot = 0;
     {
@@ -703,12 +703,6 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
             ++cur_pg;
         }
     };
-#else
-    auto issue = [&](int i) {
-        if (i < ns) stage<HDP, ROPE>(a, t0_of(i), min(ATT_ROWS, uend - t0_of(i)), buffer(i), lane, i == i_new ? r_new : -1, rr);
-        hss_cp_commit();   // empty groups keep the count: hss_cp_wait<STAGES-1> always means "step i has landed"
-    };
-#endif
 #pragma unroll
     for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
     if (first_unit) {   // the query heads entry() staged (rope entry points: staged here, rotated)
@@ -960,7 +954,7 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     a.unit = 0;
     a.n_units = 0;
     if (n_tok > 0) {
-        const long long u = unit_tokens(n_tok, (int)(gridDim.x * gridDim.y), target);
+        const long long u = unit_tokens(n_tok, (int)(gridDim.x * gridDim.y), target, Cfg<HDP>::UNIT_MIN);
         const long long nu = (n_tok + u - 1) / u;
         if (nu > max_units) return;   // max_units does not cover the tile (a broken launch contract)
         a.unit = (int)u;

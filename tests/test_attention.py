@@ -188,10 +188,23 @@ def test_dims_types_and_ratio() -> None:
     assert ORIGINAL.gqa_ratio == 4 and ORIGINAL.stripe_bytes == 4096
     assert ORIGINAL.max_units == 1 and ORIGINAL.workspace_bytes == 4 * (32 * 1 * (128 + 2) + 8 * 9)
     assert replace(ORIGINAL, tile_capacity=100, block_size=13).max_units == 6            # ceil(1300 / 256)
+    assert replace(ORIGINAL, tile_capacity=100, block_size=13, head_dim=256).max_units == 11   # ceil(1300 / 128)
     assert replace(ORIGINAL, tile_capacity=10**6).max_units == 64                         # at most 64 units
     assert replace(ORIGINAL, num_kv_heads=2).merge_counters == 2 * 9                      # 16 q heads: one CTA row
     assert replace(ORIGINAL, num_kv_heads=1).merge_counters == 2 * 9                      # 32: two CTA rows
     assert replace(ORIGINAL, head_dim=72).workspace_bytes == 4 * (32 * (128 + 2) + 8 * 9)  # rows padded to 128
+
+
+@given(st.integers(1, 1 << 24), st.integers(1, 4096), st.sampled_from([64, 128, 256]))
+def test_units_are_balanced(n: int, ctas: int, hdp: int) -> None:
+    """A tile's units: at most the launch's wanted count, multiples of a step for each warp, at least the HDP's
+    smallest unit, and within one 64-token step of an even cut (no unit left near empty by rounding)."""
+    from hss.kernels import attention as ka
+    want = min(ka.MAX_UNITS, -(-ka.target_ctas(hdp) // ctas))
+    u = ka.unit_tokens(n, ctas, hdp)
+    assert u % ka.UNIT_STEP == 0 and u >= ka.unit_min(hdp) and -(-n // u) <= want
+    assert u == ka.unit_min(hdp) or u - -(-n // want) < ka.UNIT_STEP
+    assert ka.unit_tokens(2052, 64, 256) == 1088 and ka.unit_tokens(33000, 8, 128) == 1088   # 2 and 31 units
 
 
 @pytest.mark.parametrize("field", ["max_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size",

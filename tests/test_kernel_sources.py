@@ -106,6 +106,8 @@ MIRRORS = [
     ("ATT_ROWS", attention.STEP_ROWS),
     ("ATT_HG", attention.HEAD_GROUP),
     ("ATT_UNIT_MIN", attention.UNIT_MIN),
+    ("ATT_UNIT_MIN_128", attention.UNIT_MIN_128),
+    ("ATT_WARPS * ATT_ROWS", attention.UNIT_STEP),
     ("ATT_MAX_UNITS", attention.MAX_UNITS),
     ("ATT_GROUP", attention.FOLD_GROUP),
     ("ATT_FOLD_DIRECT", attention.FOLD_DIRECT),
@@ -207,4 +209,4 @@ def test_parser_sees_every_kernel_and_override():
     """The regexes above found what they should (a silent parse failure would pass the tests vacuously)."""
     text = "".join(code(p) for p in SOURCES)
     assert len(source_kernels()) == len(re.findall(r'extern\s+"C"\s+__global__', text)) == len(DECLARATIONS)
-    assert defines()["ATT_UNIT_MIN"] == "256"
+    assert defines()["ATT_UNIT_MIN"] == "128"

@@ -25,7 +25,9 @@ FINALIZE_THREADS = 128   # block of attention_finalize
 MAX_HEAD_DIM = 256
 STEP_ROWS = 8            # ATT_ROWS: tokens per warp step
 HEAD_GROUP = 16          # ATT_HG: query heads per CTA (the mma tiles' 16 rows)
-UNIT_MIN = 256           # ATT_UNIT_MIN: the smallest unit (tokens per partial state)
+UNIT_MIN = 128           # ATT_UNIT_MIN: the smallest unit (tokens per partial state) at HDP 64 and 256
+UNIT_MIN_128 = 256       # ATT_UNIT_MIN_128: the smallest unit at HDP 128
+UNIT_STEP = 64           # ATT_WARPS * ATT_ROWS: units are multiples of a step for each warp
 MAX_UNITS = 64           # ATT_MAX_UNITS: units of one tile at most
 FOLD_GROUP = 8           # ATT_GROUP: units per first-level fold group
 FOLD_DIRECT = 16384      # ATT_FOLD_DIRECT: units x query heads x HDP at most for a one-level fold
@@ -70,15 +72,18 @@ def head_groups(gqa_ratio: int) -> int:
     return -(-gqa_ratio // HEAD_GROUP)
 
 
+def unit_min(hdp: int) -> int:
+    """Cfg<HDP>::UNIT_MIN: the smallest unit in tokens (UNIT_MIN_128 at HDP 128, else UNIT_MIN)."""
+    return UNIT_MIN_128 if hdp == 128 else UNIT_MIN
+
+
 def unit_tokens(n: int, ctas: int, hdp: int) -> int:
     """Tokens per unit for a tile of ``n`` >= 1 tokens in a launch of ``ctas`` = num_seqs * grid.y CTAs per unit
-    index (the kernel's unit_tokens): ``want`` = min(MAX_UNITS, ceil(target / ctas)) units, the unit the smallest
-    UNIT_MIN * 2^j >= ceil(n / want)."""
+    index (the kernel's unit_tokens): ``want`` = min(MAX_UNITS, ceil(target / ctas)) units, the unit
+    ceil(n / want) rounded up to a multiple of UNIT_STEP, at least :func:`unit_min`."""
     want = min(MAX_UNITS, max(1, -(-target_ctas(hdp) // max(ctas, 1))))
-    need, u = -(-n // want), UNIT_MIN
-    while u < need:
-        u *= 2
-    return u
+    u = -(-(-(-n // want)) // UNIT_STEP) * UNIT_STEP
+    return max(u, unit_min(hdp))
 
 
 def step_grid_z(max_units_: int, ctas_yx: int, hdp: int) -> int:
@@ -88,10 +93,10 @@ def step_grid_z(max_units_: int, ctas_yx: int, hdp: int) -> int:
     return max(1, min(max_units_, want))
 
 
-def max_units(tile_capacity: int, block_size: int) -> int:
-    """Partial states per (sequence, query head) a tile can need: min(MAX_UNITS, ceil(tile_capacity*block_size /
-    UNIT_MIN)), at least 1."""
-    return max(1, min(MAX_UNITS, -(-tile_capacity * block_size // UNIT_MIN)))
+def max_units(tile_capacity: int, block_size: int, hdp: int) -> int:
+    """Partial states per (sequence, query head) a tile can need at padded head dim ``hdp``: min(MAX_UNITS,
+    ceil(tile_capacity*block_size / unit_min(hdp))), at least 1."""
+    return max(1, min(MAX_UNITS, -(-tile_capacity * block_size // unit_min(hdp))))
 
 
 def counters(num_seqs: int, num_kv_heads: int, gqa_ratio: int) -> int:
@@ -117,9 +122,9 @@ def _check_step(a: SimpleNamespace, launch: Launch, hdp: int) -> str | None:
                 "memory")
     if a.block_size <= 0 or a.tile_capacity < 0:
         return "block_size must be > 0 and tile_capacity >= 0"
-    if a.max_units != max_units(a.tile_capacity, a.block_size):
-        return f"max_units must be min({MAX_UNITS}, ceil(tile_capacity*block_size/{UNIT_MIN})) = " \
-               f"{max_units(a.tile_capacity, a.block_size)}"
+    if a.max_units != max_units(a.tile_capacity, a.block_size, hdp):
+        return f"max_units must be min({MAX_UNITS}, ceil(tile_capacity*block_size/{unit_min(hdp)})) = " \
+               f"{max_units(a.tile_capacity, a.block_size, hdp)}"
     if a.num_kv_heads <= 0 or a.gqa_ratio <= 0 or a.num_kv_heads * a.gqa_ratio != a.num_q_heads:
         return f"num_kv_heads ({a.num_kv_heads}) * gqa_ratio ({a.gqa_ratio}) must equal num_q_heads ({a.num_q_heads})"
     y = a.num_kv_heads * head_groups(a.gqa_ratio)
