@@ -315,12 +315,13 @@ def _load_cublas(ctx: cm.CudaCtx, s: int) -> None:
     (library code, not hss memory: its first GEMM would read as ~6 MiB not given back)."""
     rng = np.random.default_rng(0)
     gpu = CudaBackend(ctx)
-    bufs = [upload(a, s) for a in ((rng.standard_normal(((N_HEADS + 1) * HD, HIDDEN)) * 0.1).astype(BF16),
-                                   (rng.standard_normal(HD) * 0.1).astype(BF16), (rng.standard_normal(HD) * 0.1).astype(BF16),
-                                   (rng.standard_normal((MAX_TOKENS, HIDDEN)) * 0.5).astype(BF16))]
+    norm_w = (rng.standard_normal(HD) * 0.1).astype(BF16)
+    bufs = [upload(a, s) for a in ((rng.standard_normal(((N_HEADS + 1) * HD, HIDDEN)) * 0.1).astype(BF16), norm_w,
+                                   norm_w, (rng.standard_normal((MAX_TOKENS, HIDDEN)) * 0.5).astype(BF16))]
     try:
-        idx = QsaIndexer(*bufs[:3], n_heads=N_HEADS, hd=HD, ratio=RATIO, budget=BUDGET, rot=ROT, theta=THETA, eps=EPS,
-                         hidden=HIDDEN, nkv_attn=NKV, hd_attn=HD_ATTN, gpu=gpu, max_tokens=MAX_TOKENS, max_seqs=MAX_SEQS)
+        idx = QsaIndexer(*bufs[:3], n_heads=N_HEADS, hd=HD, ratio=RATIO, budget=BUDGET, rot=ROT, theta=THETA,
+                         eps=EPS, hidden=HIDDEN, nkv_attn=NKV, hd_attn=HD_ATTN, gpu=gpu, max_tokens=MAX_TOKENS,
+                         max_seqs=MAX_SEQS)
         try:
             for m in range(1, MAX_TOKENS + 1):
                 idx._gemm(int(bufs[3].ptr), m, s)

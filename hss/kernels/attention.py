@@ -82,7 +82,8 @@ def unit_tokens(n: int, ctas: int, hdp: int) -> int:
     index (the kernel's unit_tokens): ``want`` = min(MAX_UNITS, ceil(target / ctas)) units, the unit
     ceil(n / want) rounded up to a multiple of UNIT_STEP, at least :func:`unit_min`."""
     want = min(MAX_UNITS, max(1, -(-target_ctas(hdp) // max(ctas, 1))))
-    u = -(-(-(-n // want)) // UNIT_STEP) * UNIT_STEP
+    need = -(-n // want)
+    u = -(-need // UNIT_STEP) * UNIT_STEP
     return max(u, unit_min(hdp))
 
 
