@@ -2,10 +2,11 @@
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
-A tile is split into units (:func:`hss.kernels.attention.unit_tokens`: as even a cut into 64-token multiples as the
-launch's CTA count wants for one wave, at least 128 or 256 tokens, at most 64 per tile), each one's partial softmax state computed by one CTA on the
-tensor cores (its 8 warps each streaming their own 8-token steps; up to 16 query heads of a kv head share the
-staged K/V, so each kv head is read once), then folded in two levels (groups of 8 units, then the groups) by the
+A tile is split into units (:func:`hss.kernels.attention.unit_tokens`: as even a cut into multiples of 64 tokens
+as the launch's CTA count wants for one wave, at least 128 or 256 tokens, at most 64 per tile), each one's partial
+softmax state computed by one CTA on the tensor cores (its 8 warps each streaming their own 8-token steps; up to 16
+query heads of a kv head share the staged K/V, so each kv head is read once), then folded in two levels (groups of
+8 units, then the groups) by the
 last CTA to finish, in the same launch (SPEC §0 allows split and merge). A tile's result depends only on its
 token list and the number of sequences in the launch: the same pages in the same tiles give the same bits
 whatever the pool layout, ``tile_capacity``, grid.z or the other sequences' pages; another split into tiles
