@@ -683,6 +683,12 @@ def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
         raise HssError(f"{name}: reading a __dlpack__ producer needs cuda.core (pip install cuda-core), or pass "
                        "its device address")
     from_dlpack = getattr(view_cls, "from_dlpack", None) or view_cls   # cuda.core >= 0.5; older: the constructor
+    # The protocol: ask the producer where its data lives first; a CPU producer takes no stream (numpy refuses one)
+    # and is host memory, which no device call can use.
+    where = _dlpack_device(obj, name)
+    if where[0] in _DLPACK_HOST:
+        raise HssError(f"{name} is host memory (DLPack device type {where[0]}, {_DLPACK_HOST[where[0]]}); pass device "
+                       "memory (a DeviceBuffer, a CUDA tensor or an address)")
     try:
         try:
             view = from_dlpack(obj, -1 if stream is None else stream)   # -1: the protocol's "no ordering"
@@ -692,8 +698,10 @@ def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
             if stream is not None:
                 raise
             view = from_dlpack(obj, 1)   # producers that cannot take -1 (JAX): order before the legacy stream
-    except BufferError as exc:
-        raise HssError(f"{name}: its DLPack export failed ({exc})") from None
+    except Exception as exc:   # BufferError, or whatever a broken producer or capsule makes the reader raise
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise HssError(f"{name}: its DLPack export failed ({why}); pass a CUDA array whose __dlpack__ returns a "
+                       "DLPack capsule, or its device address") from None
     if not view.is_device_accessible or view.device_id < 0:
         raise HssError(f"{name} is host memory (DLPack device {view.device_id}); pass device memory")
     shape = tuple(view.shape)
@@ -702,6 +710,23 @@ def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
     nbytes = _contiguous_bytes(shape, None if strides is None else tuple(s * itemsize for s in strides), itemsize,
                                name)
     return DeviceArg(int(view.ptr), nbytes, dtype, bool(view.readonly))
+
+
+_DLPACK_HOST = {1: "CPU", 7: "Vulkan", 8: "Metal", 9: "VPI"}   # DLPack device types no CUDA kernel can read
+
+
+def _dlpack_device(obj: Any, name: str) -> tuple[int, int]:
+    """``obj.__dlpack_device__()`` as ``(device type, device id)``; (-1, -1) when the producer has none (the
+    reader then decides); :class:`HssError` when it fails or answers something else."""
+    query = getattr(obj, "__dlpack_device__", None)
+    if query is None:
+        return (-1, -1)
+    try:
+        kind, ident = query()
+        return int(kind), int(ident)
+    except Exception as exc:
+        raise HssError(f"{name}: its __dlpack_device__() failed or did not return (device type, id) ({exc!r}); pass "
+                       "a CUDA array or its device address") from None
 
 
 def _view_dtype(view: Any) -> tuple[str | None, int]:

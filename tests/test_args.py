@@ -200,6 +200,37 @@ def test_dlpack_producers_are_read(ctx, stream):
         _args.pointer(DLPackOnly(np.zeros(4, np.float32)), "x")
 
 
+def test_host_dlpack_producers_are_host_memory_with_or_without_a_stream(ctx, stream):
+    """A CPU producer takes no stream (numpy raises on one): hss asks __dlpack_device__ first and refuses it."""
+    s = _args.stream(stream)
+    for st_arg in (None, s):
+        with pytest.raises(HssError, match="dst is host memory .*CPU"):
+            _args.pointer(DLPackOnly(np.zeros(4, np.float32)), "dst", 16, stream=st_arg)
+
+
+class BrokenDLPack:
+    """A producer whose ``__dlpack__`` returns something that is not a capsule, or whose device query fails."""
+
+    def __init__(self, result=42, device=(2, 0)) -> None:
+        self.result, self.device = result, device
+
+    def __dlpack__(self, **kw):
+        return self.result
+
+    def __dlpack_device__(self):
+        if isinstance(self.device, Exception):
+            raise self.device
+        return self.device
+
+
+@pytest.mark.parametrize("producer", [BrokenDLPack(), BrokenDLPack(result=None), BrokenDLPack(device="gpu"),
+                                      BrokenDLPack(device=RuntimeError("no device"))])
+def test_broken_dlpack_producers_are_clear_errors(ctx, stream, producer):
+    for st_arg in (None, _args.stream(stream)):
+        with pytest.raises(HssError, match="^x: its (DLPack export failed|__dlpack_device__)"):
+            _args.pointer(producer, "x", 16, stream=st_arg)
+
+
 @pytest.mark.parametrize("bad", [1.5, True, "0x10", None, object(), [1, 2]])
 def test_non_pointers_are_type_errors(bad):
     with pytest.raises(TypeError, match="x: cannot use"):
