@@ -135,7 +135,8 @@ def preflight_a_g(dims: PredictorDims, free_bytes: int) -> int:
         f"A_g sizing = num_layers ({d.num_layers}) × max_blocks ({d.max_blocks}) × num_kv_heads ({d.num_kv_heads}) "
         f"× block_size ({d.block_size}) × r ({d.r}) × 2 bytes = {need} bytes.\n"
         "Change one of these PredictorDims fields:\n"
-        f"  - r: {d.r} -> {max(d.r // 2, 1)} halves A_g ({fits(r_fit, 'r')}; lower r predicts less sharply)\n"
+        + (f"  - r: {d.r} -> {d.r // 2} halves A_g ({fits(r_fit, 'r')}; lower r predicts less sharply)\n" if d.r > 1
+           else "  - r: 1 is already the lowest rank (no lower r to try)\n") +
         f"  - max_blocks: {d.max_blocks} -> {fits(blocks_fit, 'max_blocks')} (max_blocks × block_size is the "
         f"longest context: {d.max_blocks * d.block_size} tokens now)\n"
         f"  - num_layers: {d.num_layers} -> {fits(layers_fit, 'num_layers')} (predict for fewer layers)\n"

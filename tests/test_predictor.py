@@ -6,6 +6,7 @@ every bound is shown to bite. On the emulator shapes are capped so the file runs
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -141,6 +142,11 @@ def test_preflight_message() -> None:
     assert preflight_a_g(LLAMA, LLAMA.a_g_bytes() * 100 // 95 + 100) == LLAMA.a_g_bytes()
     with pytest.raises(HssError, match="no r fits"):
         preflight_a_g(BIG, 1 << 20)
+    rank1 = dataclasses.replace(BIG, r=1)
+    with pytest.raises(HssError) as info:
+        preflight_a_g(rank1, 1 << 20)
+    msg = str(info.value)
+    assert "r: 1 is already the lowest rank" in msg and "1 -> " not in msg and "halves" not in msg
 
 
 def test_construction_fails_preflight_before_any_allocation(ctx, monkeypatch: pytest.MonkeyPatch) -> None:
