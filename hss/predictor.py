@@ -337,6 +337,14 @@ class Predictor:
         return self._a_g_base
 
     @property
+    def projection_dev_ptr(self) -> int:
+        """Device address of P as the projection kernels read it: the seeded ``[head_dim, r]`` bf16, or the caller's
+        ``[num_layers, num_kv_heads, head_dim, r]`` (layer l's matrices ``2 * num_kv_heads * head_dim * r`` bytes
+        apart)."""
+        self._live()
+        return self._p_base
+
+    @property
     def projection(self) -> np.ndarray:
         """The host copy of P that was uploaded (read-only bf16): the seeded ``[head_dim, r]``, or the caller's
         ``[num_layers, num_kv_heads, head_dim, r]``."""

@@ -58,6 +58,8 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("model"),
     # swap: HostStore reads of scattered pages from mapped pinned memory (hss.swap.gather; no --use_fast_math)
     ModuleSpec("page_gather"),
+    # swap: the device sparse step's selection, residency and reads (hss.swap.device_step; no --use_fast_math)
+    ModuleSpec("sparse_step"),
 )}
 
 

@@ -15,10 +15,7 @@
 //   read crosses PCIe (~1-2 us), so bandwidth needs many in flight (GATHER_CHUNK * 16 = 32 KiB per CTA, and every CTA
 //   of a group's launch is resident at once on a large GPU). Thread 0 reads the request's pair once for the CTA.
 #include "hss_common.cuh"
-
-#define GATHER_THREADS 256                            // block size
-#define GATHER_UNROLL 8                               // 16-byte loads in flight per thread
-#define GATHER_CHUNK (GATHER_THREADS * GATHER_UNROLL)  // 16-byte vectors per CTA
+#include "hss_copy.cuh"
 
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
 page_gather(uint4* __restrict__ dst, const uint4* __restrict__ src, const int2* pairs, int n_pages, int page_vecs) {
@@ -26,18 +23,5 @@ page_gather(uint4* __restrict__ dst, const uint4* __restrict__ src, const int2* 
     if (blockIdx.x >= (unsigned)n_pages) return;       // (the grid is exactly n_pages wide)
     if (threadIdx.x == 0) pair = pairs[blockIdx.x];    // plain load: the host rewrote the ring slot before the launch
     __syncthreads();
-    const long long first = (long long)blockIdx.y * GATHER_CHUNK + threadIdx.x;
-    const uint4* from = src + (long long)pair.x * page_vecs;
-    uint4* to = dst + (long long)pair.y * page_vecs;
-    uint4 v[GATHER_UNROLL];
-#pragma unroll
-    for (int u = 0; u < GATHER_UNROLL; ++u) {
-        const long long i = first + (long long)u * GATHER_THREADS;
-        if (i < page_vecs) v[u] = __ldcs(from + i);   // streamed: read once, no need to keep it in L1 / L2
-    }
-#pragma unroll
-    for (int u = 0; u < GATHER_UNROLL; ++u) {
-        const long long i = first + (long long)u * GATHER_THREADS;
-        if (i < page_vecs) to[i] = v[u];              // default caching: the attention reads the page next
-    }
+    hss_copy_page_chunk(dst + (long long)pair.y * page_vecs, src + (long long)pair.x * page_vecs, page_vecs);
 }

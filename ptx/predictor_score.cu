@@ -24,6 +24,14 @@
 //  * general path otherwise: the original's arithmetic. Lanes stride over the (q head, token) pairs; each
 //    dot is a sequential f32 fma over r ascending; per-lane max, then a warp shuffle-max.
 //
+// predictor_score_table(q_proj bf16 [R, num_q_heads, r], k_lr bf16 [max_blocks, num_kv_heads, block_size, r] (one
+//                       layer of A_g), table i32 [R, table_stride], counts i32 [R], rows i32 [1], scores f32
+//                       [R, table_stride], num_q_heads, num_kv_heads, block_size, r, gqa_ratio, table_stride, max_blocks)
+//   For each query row s < rows[0] and i < clamp(counts[s], 0, table_stride): scores[s, i] = predictor_score's score
+//   of A_g block table[s, i] for q_proj[s] (the same arithmetic, so the same bits); a block id outside
+//   0..max_blocks-1 scores NaN. Nothing else is written. Launch: block (32 * W, 1, 1) (hss: W = 1), grid
+//   (ceil(table_stride / W), R, 1): warps past a row's count exit.
+//
 // Per-head normalised scores (SPEC §17.5, hss's option; three launches in this order):
 // predictor_score_heads(q_proj, k_lr, head_scores f32 [num_blocks, num_q_heads], the same scalars as predictor_score)
 //   head_scores[b, qh] = max over token t of dot(q_proj[qh, :], k_lr[b, qh / gqa_ratio, t, :]) (the general
@@ -92,18 +100,11 @@ __device__ __forceinline__ float hss_score_block_mma(const __nv_bfloat16* __rest
     return best;
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
-                float* __restrict__ scores, int num_q_heads, int num_kv_heads, int block_size, int r,
-                int gqa_ratio, int num_blocks) {
-    const int lane = threadIdx.x & 31;
-    const long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b >= num_blocks) return;   // warp-uniform; no barrier follows
-    if (num_kv_heads <= 0 || block_size <= 0 || r <= 0 || gqa_ratio <= 0 ||
-        num_q_heads != gqa_ratio * num_kv_heads)
-        return;
-    const __nv_bfloat16* blk = k_lr + (size_t)b * num_kv_heads * block_size * r;
-    const bool aligned = ((reinterpret_cast<uintptr_t>(q_proj) | reinterpret_cast<uintptr_t>(k_lr)) & 15) == 0;
+// One K_lr block's score (the warp's lanes together; every lane returns the block's max): the tensor-core path
+// where it applies, else the original's arithmetic.
+__device__ __forceinline__ float hss_score_block(const __nv_bfloat16* __restrict__ q_proj,
+                                                 const __nv_bfloat16* __restrict__ blk, bool aligned, int num_q_heads,
+                                                 int num_kv_heads, int block_size, int r, int gqa_ratio, int lane) {
     float best;
     if (aligned && block_size % 16 == 0 && r % 32 == 0 && r <= 128 && gqa_ratio <= 8) {
         const int units = num_kv_heads * (block_size / 16);
@@ -125,8 +126,48 @@ predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* _
             best = fmaxf(best, acc);   // skips a NaN dot, as the original's strict '>' update did
         }
     }
-    best = hss_warp_max(best);
+    return hss_warp_max(best);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
+                float* __restrict__ scores, int num_q_heads, int num_kv_heads, int block_size, int r,
+                int gqa_ratio, int num_blocks) {
+    const int lane = threadIdx.x & 31;
+    const long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= num_blocks) return;   // warp-uniform; no barrier follows
+    if (num_kv_heads <= 0 || block_size <= 0 || r <= 0 || gqa_ratio <= 0 ||
+        num_q_heads != gqa_ratio * num_kv_heads)
+        return;
+    const __nv_bfloat16* blk = k_lr + (size_t)b * num_kv_heads * block_size * r;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(q_proj) | reinterpret_cast<uintptr_t>(k_lr)) & 15) == 0;
+    const float best = hss_score_block(q_proj, blk, aligned, num_q_heads, num_kv_heads, block_size, r, gqa_ratio,
+                                       lane);
     if (lane == 0) scores[b] = best;
+}
+
+// R queries, each over its own list of A_g blocks (the device sparse step, SPEC §17.8): see the header comment.
+extern "C" __global__ void __launch_bounds__(256, 2)
+predictor_score_table(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
+                      const int* __restrict__ table, const int* __restrict__ counts, const int* __restrict__ rows,
+                      float* __restrict__ scores, int num_q_heads, int num_kv_heads, int block_size, int r,
+                      int gqa_ratio, int table_stride, int max_blocks) {
+    const int lane = threadIdx.x & 31;
+    const int s = blockIdx.y;
+    const long long i = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (s >= rows[0] || i >= min(max(counts[s], 0), table_stride)) return;   // warp-uniform; no barrier follows
+    if (num_kv_heads <= 0 || block_size <= 0 || r <= 0 || gqa_ratio <= 0 ||
+        num_q_heads != gqa_ratio * num_kv_heads)
+        return;
+    const int b = table[(size_t)s * table_stride + i];
+    float best = __int_as_float(0x7fffffff);   // a block id outside A_g scores NaN: ranked below every number
+    if (0 <= b && b < max_blocks) {
+        const __nv_bfloat16* q = q_proj + (size_t)s * num_q_heads * r;
+        const __nv_bfloat16* blk = k_lr + (size_t)b * num_kv_heads * block_size * r;
+        const bool aligned = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k_lr)) & 15) == 0;
+        best = hss_score_block(q, blk, aligned, num_q_heads, num_kv_heads, block_size, r, gqa_ratio, lane);
+    }
+    if (lane == 0) scores[(size_t)s * table_stride + i] = best;
 }
 
 // The general path's dot for one (q head, token): sequential f32 fma over r ascending.

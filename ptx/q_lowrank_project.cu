@@ -11,15 +11,19 @@
 //   (ceil(heads_per_p / by), G, 1), static shared memory only. CTA (c, g) projects heads
 //   g*heads_per_p + c*by .. + by-1 (never past its matrix's heads); thread (o, y) computes one q_proj entry.
 //   With heads_per_p = num_q_heads the geometry, and every thread's fma chain, are the original P's.
+// q_lowrank_project_rows(q bf16 [R, num_q_heads, head_dim], p, q_proj bf16 [R, num_q_heads, r], rows i32 [1], the same
+//   scalars): query rows s < rows[0] each projected exactly as q_lowrank_project projects one query (the same bits);
+//   rows past rows[0] untouched. Launch: q_lowrank_project's block and grid with grid.z = R.
 // The kernel is latency-bound (a few KiB): the CTA stages its q rows and P (in chunks of up to
 //   32 KiB, all copies in flight at once through cp.async) into shared memory, so each thread's fma chain
 //   waits for one round trip to L2 instead of one per batch of loads.
 #include "hss_lowrank.cuh"
 
-extern "C" __global__ void __launch_bounds__(256)
-q_lowrank_project(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ p,
-                  __nv_bfloat16* __restrict__ q_proj, int num_q_heads, int head_dim, int r, int heads_per_p,
-                  int p_stride) {
+// One CTA's share of q_lowrank_project for the rows of q / q_proj given (the kernel, or one query row of the
+// batched kernel).
+__device__ __forceinline__ void hss_q_project(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ p,
+                                              __nv_bfloat16* __restrict__ q_proj, int num_q_heads, int head_dim,
+                                              int r, int heads_per_p, int p_stride) {
     __shared__ __align__(16) __nv_bfloat16 ps[HSS_LR_P_ELEMS];
     __shared__ __align__(16) __nv_bfloat16 xs[HSS_LR_ROWS][HSS_LR_HEAD_DIM];
     const int o = threadIdx.x, y = threadIdx.y;
@@ -36,4 +40,21 @@ q_lowrank_project(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __re
     const bool active = o < r && y < rows;
     const float acc = hss_lr_project(xs, ps, p, head_dim, r, o, y, active, tid, nthreads);
     if (active) q_proj[(size_t)(row0 + y) * r + o] = hss_f32_to_bf16(acc);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+q_lowrank_project(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ p,
+                  __nv_bfloat16* __restrict__ q_proj, int num_q_heads, int head_dim, int r, int heads_per_p,
+                  int p_stride) {
+    hss_q_project(q, p, q_proj, num_q_heads, head_dim, r, heads_per_p, p_stride);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+q_lowrank_project_rows(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ p,
+                       __nv_bfloat16* __restrict__ q_proj, const int* __restrict__ rows, int num_q_heads, int head_dim,
+                       int r, int heads_per_p, int p_stride) {
+    const int s = blockIdx.z;
+    if (s >= rows[0]) return;   // CTA-uniform, before any barrier
+    hss_q_project(q + (size_t)s * num_q_heads * head_dim, p, q_proj + (size_t)s * num_q_heads * r, num_q_heads,
+                  head_dim, r, heads_per_p, p_stride);
 }

@@ -22,4 +22,5 @@ from hss.kernels import (
     qsa_device,  # noqa: E402,F401
     qsa_prefill,  # noqa: E402,F401
     selftest,  # noqa: E402,F401
+    sparse_step,  # noqa: E402,F401
 )

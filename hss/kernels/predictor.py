@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss.errors import MemoryFault
 from hss.kernels._decl import Extent, Launch, declare, f32
 from hss.reference import predictor as ref
 
@@ -235,3 +236,88 @@ PREDICTOR_HEAD_COMBINE = declare(
            "head_max": lambda a: 4 * max(a.num_q_heads, 0) if a.num_blocks > 0 else 0},
     writes={"scores": lambda a: 4 * max(a.num_blocks, 0)},
     emulate=_emulate_head_combine, check=_check_head_combine)
+
+
+# -- the batched entry points of the device sparse step (SPEC §17.8) -----------------------------------------------
+def _rows(a: SimpleNamespace) -> int:
+    """The real row count a batched launch reads from ``rows`` (i32 [1]) when it runs."""
+    return int(a.rows[:4].view(np.int32)[0])
+
+
+def _emulate_q_rows(a: SimpleNamespace, launch: Launch) -> None:
+    if not _pos(a.num_q_heads, a.head_dim, a.r, a.heads_per_p) or a.p_stride < 0:
+        return
+    n = min(_rows(a), launch.grid[2])
+    if n <= 0:
+        return
+    p = _matrices(a, _q_groups(a))
+    q = _bf16(a.q, launch.grid[2], a.num_q_heads, a.head_dim)
+    out = a.q_proj.view(BF16).reshape(launch.grid[2], a.num_q_heads * a.r)
+    for s in range(n):
+        out[s] = ref.project_q(q[s], p, a.heads_per_p).astype(np.float32).astype(BF16).ravel()
+
+
+def _check_q_rows(a: SimpleNamespace, launch: Launch) -> str | None:
+    return _check_q(a, Launch((launch.grid[0], launch.grid[1], 1), launch.block, launch.shared))
+
+
+def q_rows_geometry(r: int, num_q_heads: int, heads_per_p: int, rows: int) -> tuple[tuple[int, int, int],
+                                                                                     tuple[int, int, int]]:
+    """(block, grid) of q_lowrank_project_rows: q_lowrank_project's, grid.z = ``rows`` (the capacity)."""
+    block, (gx, gy) = q_lowrank_geometry(r, num_q_heads, heads_per_p)
+    return block, (gx, gy, rows)
+
+
+Q_LOWRANK_PROJECT_ROWS = declare(
+    "q_lowrank_project", "q_lowrank_project_rows",
+    "ptr q, ptr p, ptr q_proj, ptr rows, i32 num_q_heads, i32 head_dim, i32 r, i32 heads_per_p, i32 p_stride",
+    reads={"q": lambda a: None, "p": _p_reads(_q_groups), "rows": lambda a: 4},   # q: rows x [num_q_heads, head_dim]
+    writes={"q_proj": lambda a: None},
+    emulate=_emulate_q_rows, check=_check_q_rows)
+
+
+def _emulate_score_table(a: SimpleNamespace, launch: Launch) -> None:
+    if not _score_params_ok(a) or a.table_stride <= 0:
+        return
+    R = launch.grid[1]
+    n_rows = min(_rows(a), R)
+    if n_rows <= 0:
+        return
+    stride = a.table_stride
+    counts = a.counts[:4 * R].view(np.int32)
+    table = a.table[:4 * R * stride].view(np.int32).reshape(R, stride)
+    q = _bf16(a.q_proj[:2 * R * a.num_q_heads * a.r], R, a.num_q_heads, a.r)
+    slot = a.num_kv_heads * a.block_size * a.r
+    k_all = a.k_lr.view(BF16)
+    out = f32(a.scores[:4 * R * stride]).reshape(R, stride)
+    for s in range(n_rows):
+        n = min(max(int(counts[s]), 0), stride)
+        ids = table[s, :n].astype(np.int64)
+        ok = (ids >= 0) & (ids < a.max_blocks)
+        if (ids[ok] + 1).max(initial=0) * slot > k_all.size:
+            raise MemoryFault(f"predictor_score_table parameter k_lr: block {int(ids[ok].max())} runs past the "
+                              "allocation's end")
+        got = np.full(n, np.nan, np.float32)
+        if ok.any():
+            k = k_all[:(int(ids[ok].max()) + 1) * slot].reshape(-1, a.num_kv_heads, a.block_size, a.r)[ids[ok]]
+            got[ok] = ref.predictor_score(q[s], k, a.gqa_ratio).astype(np.float32)
+        out[s, :n] = got
+
+
+def _check_score_table(a: SimpleNamespace, launch: Launch) -> str | None:
+    bx = launch.block[0]
+    if bx % 32 or launch.block[1:] != (1, 1) or launch.grid[2] != 1:
+        return "needs block (32 * W, 1, 1) and grid (G, R, 1)"
+    if launch.grid[0] * (bx // 32) < a.table_stride:
+        return f"grid.x * warps per CTA must cover table_stride ({a.table_stride})"
+    return None
+
+
+PREDICTOR_SCORE_TABLE = declare(
+    "predictor_score", "predictor_score_table",
+    "ptr q_proj, ptr k_lr, ptr table, ptr counts, ptr rows, ptr scores, i32 num_q_heads, i32 num_kv_heads, "
+    "i32 block_size, i32 r, i32 gqa_ratio, i32 table_stride, i32 max_blocks",
+    reads={"q_proj": lambda a: None, "k_lr": lambda a: None, "table": lambda a: None, "counts": lambda a: None,
+           "rows": lambda a: 4},
+    writes={"scores": lambda a: None},
+    emulate=_emulate_score_table, check=_check_score_table)

@@ -1,0 +1,165 @@
+"""Declarations of ``ptx/sparse_step.cu`` (the device sparse swap step, SPEC §17.8: selection, residency, reads),
+their launch geometry, and their emulation through :mod:`hss.reference.sparse_step`.
+
+Every count (rows, pages, misses) is read from device memory when the kernel runs, so grids are sized for the worst
+case and the emulation reads the same counts; the state arrays are declared to their allocation's end and indexed
+by the row.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from hss.errors import MemoryFault
+from hss.kernels._decl import Launch, declare
+from hss.kernels.gather import CHUNK, THREADS, VECTOR
+from hss.kernels.qsa_prefill import Geometry
+from hss.reference import gather as gref
+from hss.reference import sparse_step as ref
+
+__all__ = ["MODULE", "SELECT_THREADS", "SPARSE_ADVANCE", "SPARSE_SELECT", "SPARSE_FETCH", "select_shared_bytes",
+           "select_geometry", "fetch_geometry", "advance_geometry", "MAX_SLOTS"]
+
+MODULE = "sparse_step"
+SELECT_THREADS = 1024      # SELECT_THREADS: sparse_select's block
+ADVANCE_THREADS = 256
+MAX_SLOTS = 1 << 24        # a slot index fits the 24 bits of the sort key
+
+
+def select_shared_bytes(stride: int, slots: int, sel_cap: int) -> int:
+    """sparse_select's dynamic shared memory: keys u32 [stride] (padded to even), the slots' order u64 [pow2 >=
+    slots], misses i32 [sel_cap], chosen u8 [stride], in_s u8 [slots]."""
+    cap = 1 << max(slots - 1, 0).bit_length()
+    return 4 * ((stride + 1) & ~1) + 8 * cap + 4 * sel_cap + stride + slots
+
+
+def select_geometry(rows: int, stride: int, slots: int, sel_cap: int) -> Geometry:
+    return Geometry((rows, 1, 1), (SELECT_THREADS, 1, 1), select_shared_bytes(stride, slots, sel_cap))
+
+
+def fetch_geometry(rows: int, sel_cap: int, page_vecs: int) -> Geometry:
+    return Geometry((sel_cap, -(-page_vecs // CHUNK), rows), (THREADS, 1, 1), 0)
+
+
+def advance_geometry(rows: int) -> Geometry:
+    return Geometry((-(-rows // ADVANCE_THREADS), 1, 1), (ADVANCE_THREADS, 1, 1), 0)
+
+
+def _i32(view: np.ndarray, count: int | None = None) -> np.ndarray:
+    v = view[:(len(view) // 4) * 4].view(np.int32)
+    return v if count is None else v[:count]
+
+
+def _real_rows(a: SimpleNamespace, R: int) -> int:
+    return max(0, min(int(_i32(a.rows, 1)[0]), R))
+
+
+def _emulate_advance(a: SimpleNamespace, launch: Launch) -> None:
+    n = _real_rows(a, a.R)
+    _i32(a.step, a.R)[:n] += 1
+
+
+SPARSE_ADVANCE = declare(
+    MODULE, "sparse_advance", "ptr step, ptr rows, i32 R",
+    reads={"step": lambda a: 4 * max(a.R, 0), "rows": lambda a: 4}, writes={"step": lambda a: 4 * max(a.R, 0)},
+    emulate=_emulate_advance)
+
+
+def _emulate_select(a: SimpleNamespace, launch: Launch) -> None:
+    R, stride, slots, cap = launch.grid[0], a.stride, a.slots, a.sel_cap
+    n_rows = _real_rows(a, R)
+    counts = _i32(a.counts, R)
+    attend_counts, fetch_counts = _i32(a.attend_counts, R), _i32(a.fetch_counts, R)
+    scores = a.scores[:4 * R * stride].view(np.float32).reshape(R, stride)
+    table = _i32(a.table, R * stride).reshape(R, stride)
+    page_slot = _i32(a.page_slot, R * stride).reshape(R, stride)
+    slot_page = _i32(a.slot_page, R * slots).reshape(R, slots)
+    slot_stamp = _i32(a.slot_stamp, R * slots).reshape(R, slots)
+    step = _i32(a.step, R)
+    attend = _i32(a.attend, R * cap).reshape(R, cap)
+    fetch = _i32(a.fetch, R * cap * 2).reshape(R, cap, 2)
+    stats = a.stats[:16 * R].view(np.int64).reshape(R, 2)
+    attend_counts[n_rows:] = 0
+    fetch_counts[n_rows:] = 0
+    for s in range(n_rows):
+        n = min(max(int(counts[s]), 0), stride)
+        chosen = ref.select(scores[s, :n], n, a.budget, a.keep_first, a.keep_recent)
+        if np.any(page_slot[s, :n][chosen] >= slots):
+            raise MemoryFault(f"sparse_select: row {s}'s page_slot names a slot past slots ({slots}): corrupt state")
+        slots_of, misses, into = ref.residency_step(chosen, page_slot[s], slot_page[s], slot_stamp[s], int(step[s]))
+        base = a.slot_base + s * slots
+        k, m = slots_of.size, misses.size
+        attend[s, :k] = base + slots_of
+        fetch[s, :m, 0] = a.src_base + table[s, misses]
+        fetch[s, :m, 1] = base + into
+        attend_counts[s], fetch_counts[s] = k, m
+        stats[s] += (k - m, m)
+
+
+def _check_select(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.block != (SELECT_THREADS, 1, 1) or launch.grid[1:] != (1, 1):
+        return f"needs block ({SELECT_THREADS}, 1, 1) and grid (R, 1, 1)"
+    if not 0 < a.sel_cap <= a.slots < MAX_SLOTS or a.stride < 1:
+        return f"needs 0 < sel_cap ({a.sel_cap}) <= slots ({a.slots}) < 2^24 and stride >= 1"
+    if a.sel_cap != a.budget + a.keep_first + a.keep_recent:
+        return "sel_cap must be budget + keep_first + keep_recent"
+    if launch.shared < select_shared_bytes(a.stride, a.slots, a.sel_cap):
+        return f"needs {select_shared_bytes(a.stride, a.slots, a.sel_cap)} bytes of dynamic shared memory"
+    return None
+
+
+_ROW_STATE = lambda a: None   # noqa: E731  (indexed by the row: to the allocation's end)
+
+SPARSE_SELECT = declare(
+    MODULE, "sparse_select",
+    "ptr scores, ptr counts, ptr table, ptr rows, ptr page_slot, ptr slot_page, ptr slot_stamp, ptr step, "
+    "ptr attend, ptr attend_counts, ptr fetch, ptr fetch_counts, ptr stats, i32 stride, i32 slots, i32 sel_cap, "
+    "i32 budget, i32 keep_first, i32 keep_recent, i64 slot_base, i64 src_base",
+    reads={n: _ROW_STATE for n in ("scores", "counts", "table", "page_slot", "slot_page", "slot_stamp", "step",
+                                   "stats")} | {"rows": lambda a: 4},
+    writes={n: _ROW_STATE for n in ("page_slot", "slot_page", "slot_stamp", "attend", "attend_counts", "fetch",
+                                    "fetch_counts", "stats")},
+    emulate=_emulate_select, check=_check_select)
+
+
+def _emulate_fetch(a: SimpleNamespace, launch: Launch) -> None:
+    R = launch.grid[2]
+    n_rows = _real_rows(a, R)
+    counts = _i32(a.fetch_counts, R)
+    fetch = _i32(a.fetch, R * a.sel_cap * 2).reshape(R, a.sel_cap, 2).astype(np.int64)
+    page = VECTOR * a.page_vecs
+    pairs = np.concatenate([fetch[s, :max(0, min(int(counts[s]), a.sel_cap))] for s in range(n_rows)] or
+                           [np.zeros((0, 2), np.int64)])
+    ok = (pairs[:, 0] >= 0) & (pairs[:, 0] < a.src_pages) & (pairs[:, 1] >= 0) & (pairs[:, 1] < a.dst_pages)
+    pairs = pairs[ok]
+    if not pairs.size:
+        return
+    try:
+        rows = gref.gather_pages(a.src, pairs[:, 0], page)
+    except IndexError as exc:
+        raise MemoryFault(f"sparse_fetch parameter src (its address to its allocation's end): {exc}") from None
+    try:
+        gref.scatter_pages(a.dst, pairs[:, 1], rows)
+    except IndexError as exc:
+        raise MemoryFault(f"sparse_fetch parameter dst (its address to its allocation's end): {exc}") from None
+    except ValueError as exc:
+        raise MemoryFault(f"sparse_fetch parameter dst: {exc} (a race on a GPU)") from None
+
+
+def _check_fetch(a: SimpleNamespace, launch: Launch) -> str | None:
+    if a.page_vecs < 1 or a.dst % VECTOR or a.src % VECTOR:
+        return "page_vecs must be >= 1, dst and src 16-byte aligned"
+    want = fetch_geometry(launch.grid[2], a.sel_cap, a.page_vecs)
+    if (launch.grid[:2], launch.block, launch.shared) != (want.grid[:2], want.block, want.shared):
+        return f"needs grid ({want.grid[0]}, {want.grid[1]}, R) and block {want.block}"
+    return None
+
+
+SPARSE_FETCH = declare(
+    MODULE, "sparse_fetch",
+    "ptr dst, ptr src, ptr fetch, ptr fetch_counts, ptr rows, i32 sel_cap, i32 page_vecs, i32 src_pages, "
+    "i64 dst_pages",
+    reads={"src": lambda a: None, "fetch": lambda a: None, "fetch_counts": lambda a: None, "rows": lambda a: 4},
+    writes={"dst": lambda a: None},
+    emulate=_emulate_fetch, check=_check_fetch)

@@ -1,0 +1,382 @@
+"""The sparse swap step on the device (SPEC §17.8): :class:`DeviceSparseStep`.
+
+For R sequences of one :class:`~hss.swap.HighSpeedSwap` (its ``HostStore`` holding every layer's pages in pinned host
+memory), a decode step of one layer is five launches on the caller's stream and no host work beyond queueing them:
+
+1. ``q_lowrank_project_rows``: each query row's low-rank projection (the swap's predictor P, the same bits as
+   ``project_q``);
+2. ``predictor_score_table``: each sequence's complete pages scored through its block table (the same bits as
+   ``score_layer``; a block id outside A_g scores NaN, ranked lowest);
+3. ``sparse_select``: one CTA per sequence picks S (the first ``keep_first`` and last ``keep_recent`` pages plus the
+   ``budget_pages`` best others, SPEC §17.1's order), finds its hits among the sequence's ``slots`` HBM slots of the
+   layer, gives each miss a slot (free slots first, then the least recently selected), lists the misses' reads and
+   S's slots in page order, and counts hits and misses;
+4. ``sparse_fetch``: the misses read straight from the store's mapped pinned memory into their slots (16-byte loads,
+   many in flight);
+5. the tiled attention over exactly S's slots (one tile; ``output=`` ends the step, or the caller adds the newest,
+   still-open page as another tile of :attr:`DeviceSparseStep.attention`).
+
+Every count (the real row count, each sequence's page count, hits, misses) stays on the device, so a step captures
+into a CUDA graph (hss's or ``torch.cuda.graph``) and replays with no host in the loop; rows past the real count
+(a batch padded to a captured size) do nothing and attend nothing. A sequence with at most ``keep_first +
+keep_recent + budget_pages`` complete pages selects every page: after the step that reads them all, its steps are
+all hits (no scores matter, nothing is read). A row's residency starts free (:meth:`DeviceSparseStep.reset`, also
+for a new sequence in a row); the state is per (layer, row) and its step number per row (:meth:`begin_step`).
+
+Pages are identified by their position in the sequence: a page offloaded again with new content must be dropped
+from the residency (:meth:`reset` of its row) before a step reads it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hss import _args
+from hss import cuda_min as cm
+from hss._launch import launcher
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.errors import HssError
+from hss.kernels import sparse_step as ks
+from hss.kernels.predictor import PREDICTOR_SCORE_TABLE, Q_LOWRANK_PROJECT_ROWS, q_rows_geometry, score_warps
+from hss.ptx import load_module
+
+__all__ = ["DeviceSparseStep", "DeviceStepCounters"]
+
+_I32_MAX = 2**31 - 1
+_SHARED_DEFAULT = 48 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceStepCounters:
+    """What the device steps did since the rows' last :meth:`DeviceSparseStep.reset`: ``hits``, ``misses`` (pages of
+    S that were resident / read), ``bytes_read`` (misses times the page size), each int64 ``[rows, num_layers]``."""
+    hits: np.ndarray
+    misses: np.ndarray
+    bytes_read: np.ndarray
+
+
+class DeviceSparseStep:
+    """The device sparse step of up to ``max_seqs`` sequences over ``swap``'s pages (see the module docstring).
+
+    ``budget_pages``, ``keep_first``, ``keep_recent``: the selection (SPEC §17.8; ``sel_cap`` = their sum pages are
+    attended at most); ``slots``: HBM slots per (sequence, layer), at least ``sel_cap`` (default ``sel_cap``);
+    ``max_pages``: the longest sequence in complete pages (default the swap's ``max_blocks_per_layer``); ``ctx``: the
+    swap's context (None: the thread's current one); ``stream``: where the initial reset is queued. Allocates the
+    slot pool (``num_layers * max_seqs * slots`` pages), the residency state and a :class:`TiledAttention` for
+    ``max_seqs`` sequences; ``close()`` frees them (idempotent; a context manager). ``swap`` must stay open while
+    this is used.
+    """
+
+    def __init__(self, swap: Any, stream: Any, *, max_seqs: int, budget_pages: int, keep_first: int = 1,
+                 keep_recent: int = 4, slots: int | None = None, max_pages: int | None = None,
+                 ctx: cm.CudaCtx | None = None) -> None:
+        from hss.swap.orchestrator import HighSpeedSwap
+        from hss.swap.stores import HostStore
+        if not isinstance(swap, HighSpeedSwap):
+            raise TypeError(f"swap must be a HighSpeedSwap, not {type(swap).__name__}")
+        if not isinstance(swap.store, HostStore):
+            raise HssError("DeviceSparseStep reads the pages straight from pinned host memory: the swap needs "
+                           "store='host' (HighSpeedSwapConfig.store)")
+        pred = swap.predictor
+        if pred.head_temperature is not None:
+            raise HssError("DeviceSparseStep scores pages by the max over heads: construct the swap without "
+                           "head_temperature (the per-head normalised scores run on the host step only)")
+        m = swap.model
+        self.max_seqs = _args.as_int("max_seqs", max_seqs, 1, 65535, why="sequences per step (grid.y of the scores)")
+        self.budget = _args.as_count("budget_pages", budget_pages)
+        self.keep_first = _args.as_count("keep_first", keep_first)
+        self.keep_recent = _args.as_count("keep_recent", keep_recent)
+        self.sel_cap = self.budget + self.keep_first + self.keep_recent
+        if self.sel_cap < 1:
+            raise HssError("budget_pages + keep_first + keep_recent must be >= 1: a step attends at least one page")
+        self.slots = self.sel_cap if slots is None else _args.as_int(
+            "slots", slots, self.sel_cap, ks.MAX_SLOTS - 1, why="HBM slots per (sequence, layer): at least "
+            "budget_pages + keep_first + keep_recent, the pages one step attends")
+        self.max_pages = m.max_blocks_per_layer if max_pages is None else _args.as_int(
+            "max_pages", max_pages, 1, m.max_blocks_per_layer, why="complete pages per sequence (the block tables' "
+            "row length), at most the swap's max_blocks_per_layer")
+        self.swap, self.layout = swap, swap.layout
+        L, R, C = m.num_layers, self.max_seqs, self.slots
+        self.num_layers = L
+        page = self.layout.block_bytes
+        if L * R * C >= _I32_MAX:
+            raise HssError(f"num_layers * max_seqs * slots ({L} * {R} * {C}) must be < 2^31 (slot indices are int32)")
+        geo = ks.select_geometry(R, self.max_pages, C, self.sel_cap)
+        if geo.shared > 227 * 1024:
+            raise HssError(f"max_pages ({self.max_pages}) and slots ({C}) need {geo.shared} bytes of shared memory "
+                           "for the selection; at most 232448 fit: lower max_pages or slots")
+        s0 = _args.stream(stream)
+        if ctx is not None and not isinstance(ctx, cm.CudaCtx):
+            raise TypeError(f"ctx must be a CudaCtx or None (the current context), not {type(ctx).__name__}")
+        self.ctx = ctx
+        self._parts = contextlib.ExitStack()
+        own = self._parts.enter_context
+        self._closed = True
+        try:
+            alloc = lambda n: own(cm.DeviceBuffer(max(n, 16), ctx))   # noqa: E731
+            self.pool = alloc(L * R * C * page)
+            self.page_slot = alloc(4 * L * R * self.max_pages)
+            self.slot_page = alloc(4 * L * R * C)
+            self.slot_stamp = alloc(4 * L * R * C)
+            self.stats = alloc(16 * L * R)
+            self.step_no = alloc(4 * R)
+            self.rows_dev = alloc(16)
+            self.q_proj = alloc(2 * R * m.num_q_heads * pred.dims.r)
+            self.scores = alloc(4 * R * self.max_pages)
+            self.attend = alloc(4 * R * self.sel_cap)
+            self.attend_counts = alloc(4 * R)
+            self.fetch = alloc(8 * R * self.sel_cap)
+            self.fetch_counts = alloc(4 * R)
+            self.attention = own(TiledAttention(ctx, TiledAttentionDims(R, m.num_q_heads, m.num_kv_heads,
+                                                                        m.head_dim, m.block_size, self.sel_cap)))
+            self._prepare(pred, geo)
+        except BaseException:
+            self._parts.close()
+            raise
+        self._closed = False
+        self._mine = _args.OwnedRanges()
+        for name in ("pool", "page_slot", "slot_page", "slot_stamp", "stats", "step_no", "rows_dev", "q_proj",
+                     "scores", "attend", "attend_counts", "fetch", "fetch_counts"):
+            buf = getattr(self, name)
+            self._mine.add(buf.ptr, buf.bytes, f"the DeviceSparseStep's {name}")
+        self._tables = self._counts = 0
+        self._begun = False
+        self.reset(s0)
+
+    # -- kernels -----------------------------------------------------------------------------------------------
+    def _prepare(self, pred: Any, geo: Any) -> None:
+        m, d, R = self.swap.model, pred.dims, self.max_seqs
+        ctx = self.ctx
+        load = lambda name: self._parts.enter_context(load_module(name, ctx))   # noqa: E731
+        f_q = load("q_lowrank_project").function("q_lowrank_project_rows")
+        f_score = load("predictor_score").function("predictor_score_table")
+        mod = load(ks.MODULE)
+        f_adv, f_sel, f_fetch = (mod.function(n) for n in ("sparse_advance", "sparse_select", "sparse_fetch"))
+        nq, nkv, hd, r = m.num_q_heads, m.num_kv_heads, m.head_dim, d.r
+        self._layered = pred.layered
+        self._p_base = pred.projection_dev_ptr
+        self._p_layer = 2 * nkv * hd * r if self._layered else 0
+        stride, per_p = (hd * r, d.gqa_ratio()) if self._layered else (0, nq)
+        block_q, self._q_grid = q_rows_geometry(r, nq, per_p, R)
+        self._q_pack = Q_LOWRANK_PROJECT_ROWS.pack(p=self._p_base, q_proj=self.q_proj.ptr, rows=self.rows_dev.ptr,
+                                                   num_q_heads=nq, head_dim=hd, r=r, heads_per_p=per_p,
+                                                   p_stride=stride)
+        self._q_in, self._q_p = self._q_pack.slot("q"), self._q_pack.slot("p")
+        self._run_q = launcher(f_q, block_q, 0, self._q_pack)
+        self._a_g = pred.a_g_dev_ptr
+        self._a_g_layer = d.max_blocks * d.slot_bytes()
+        w = score_warps()
+        self._score_grid = (-(-self.max_pages // w), R, 1)
+        self._score_pack = PREDICTOR_SCORE_TABLE.pack(q_proj=self.q_proj.ptr, scores=self.scores.ptr,
+                                                      rows=self.rows_dev.ptr, num_q_heads=nq, num_kv_heads=nkv,
+                                                      block_size=m.block_size, r=r, gqa_ratio=d.gqa_ratio(),
+                                                      table_stride=self.max_pages, max_blocks=d.max_blocks)
+        self._sc_k, self._sc_table, self._sc_counts = (self._score_pack.slot(n) for n in ("k_lr", "table", "counts"))
+        self._run_score = launcher(f_score, (32 * w, 1, 1), 0, self._score_pack)
+        self._adv_pack = ks.SPARSE_ADVANCE.pack(step=self.step_no.ptr, rows=self.rows_dev.ptr, R=R)
+        self._run_adv = launcher(f_adv, ks.advance_geometry(R).block, 0, self._adv_pack)
+        self._adv_grid = ks.advance_geometry(R).grid
+        if geo.shared > _SHARED_DEFAULT:
+            f_sel.set_max_dynamic_shared(geo.shared)
+        self._sel_pack = ks.SPARSE_SELECT.pack(
+            scores=self.scores.ptr, rows=self.rows_dev.ptr, step=self.step_no.ptr, attend=self.attend.ptr,
+            attend_counts=self.attend_counts.ptr, fetch=self.fetch.ptr, fetch_counts=self.fetch_counts.ptr,
+            stride=self.max_pages, slots=self.slots, sel_cap=self.sel_cap, budget=self.budget,
+            keep_first=self.keep_first, keep_recent=self.keep_recent)
+        self._sel_slots = tuple(self._sel_pack.slot(n) for n in ("counts", "table", "page_slot", "slot_page",
+                                                                 "slot_stamp", "stats", "slot_base", "src_base"))
+        self._run_sel = launcher(f_sel, geo.block, geo.shared, self._sel_pack)
+        page_vecs = self.layout.block_bytes // 16
+        store = self.swap.store
+        self._src = store.buffer.device_ptr()
+        fgeo = ks.fetch_geometry(R, self.sel_cap, page_vecs)
+        self._fetch_grid = fgeo.grid
+        self._fetch_pack = ks.SPARSE_FETCH.pack(
+            dst=self.pool.ptr, src=self._src, fetch=self.fetch.ptr, fetch_counts=self.fetch_counts.ptr,
+            rows=self.rows_dev.ptr, sel_cap=self.sel_cap, page_vecs=page_vecs,
+            src_pages=m.num_layers * self.layout.num_blocks, dst_pages=m.num_layers * R * self.slots)
+        self._run_fetch = launcher(f_fetch, fgeo.block, 0, self._fetch_pack)
+        blk, tok, kvh, v_off = self.attention.scratch_pool_strides(self.layout.group_stride)
+        self._strides = (blk, tok, kvh)
+        self._k_pool, self._v_pool = self.pool.ptr, self.pool.ptr + 2 * v_off
+        dev = self.pool.device
+        row = 2 * R * nq * hd
+        self._q_arg = _args.pointer_arg("q", row, 16, "bf16", what=f"the queries bf16 [max_seqs, num_q_heads, "
+                                        f"head_dim] = [{R}, {nq}, {hd}]", device=dev)
+        self._out_arg = _args.pointer_arg("out", row, 16, "bf16", write=True, what=f"the output bf16 [max_seqs, "
+                                          f"num_q_heads, head_dim] = [{R}, {nq}, {hd}]", device=dev)
+        self._table_arg = _args.pointer_arg("block_tables", 4 * R * self.max_pages, 4, "i32",
+                                            what=f"i32 [max_seqs, max_pages] = [{R}, {self.max_pages}] block ids",
+                                            device=dev)
+        self._counts_arg = _args.pointer_arg("page_counts", 4 * R, 4, "i32",
+                                             what=f"i32 [max_seqs] = [{R}] complete pages per sequence", device=dev)
+        self._rows_arg = _args.pointer_arg("rows", 4, 4, "i32", what="an i32 [1] real row count", device=dev)
+
+    # -- lifetime ----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the slot pool, the state and the attention (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mine.clear()
+        self._parts.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> DeviceSparseStep:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _live(self, what: str) -> None:
+        if self._closed:
+            raise HssError(f"DeviceSparseStep.{what}: it is closed")
+        if self.swap.closed:
+            raise HssError(f"DeviceSparseStep.{what}: its HighSpeedSwap is closed")
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def reset(self, stream: Any, rows: Any = None) -> None:
+        """Make every slot of ``rows`` (a row index, a sequence of them, or None: every row) free, its step number and
+        counters 0, on ``stream`` (capturable memsets): a new sequence in those rows."""
+        self._live("reset")
+        s = _args.stream(stream)
+        R, L, C, P = self.max_seqs, self.num_layers, self.slots, self.max_pages
+        picked = range(R) if rows is None else sorted({_args.as_index("rows", r, R, "rows (max_seqs)") for r in
+                                                       ([rows] if isinstance(rows, (int, np.integer)) else rows)})
+        spans = _spans(list(picked))
+        for first, count in spans:
+            for layer in range(L):
+                base = layer * R
+                cm.memset_d32_async(self.page_slot.ptr + 4 * (base + first) * P, 0xFFFFFFFF, count * P, s)
+                cm.memset_d32_async(self.slot_page.ptr + 4 * (base + first) * C, 0xFFFFFFFF, count * C, s)
+                cm.memset_d32_async(self.slot_stamp.ptr + 4 * (base + first) * C, 0, count * C, s)
+                cm.memset_d32_async(self.stats.ptr + 16 * (base + first), 0, 4 * count, s)
+            cm.memset_d32_async(self.step_no.ptr + 4 * first, 0, count, s)
+
+    def begin_step(self, stream: Any, block_tables: Any, page_counts: Any, rows: Any) -> None:
+        """Start a decode step of the first ``rows`` rows: ``rows`` an int (1..max_seqs; queued as a memset) or a
+        device i32 ``[1]`` holding it (read when the step runs: a captured step replays any real count);
+        ``block_tables`` i32 ``[max_seqs, max_pages]`` (row s: sequence s's disk block ids, page order) and
+        ``page_counts`` i32 ``[max_seqs]`` (its complete pages), read by every layer's step when it runs. Advances
+        each real row's step number (on ``stream``)."""
+        self._live("begin_step")
+        s = _args.stream(stream)
+        with _args.deferred_joins():
+            tables = self._table_arg(block_tables, s)
+            counts = self._counts_arg(page_counts, s)
+            for name, p, n in (("block_tables", tables, 4 * self.max_seqs * self.max_pages),
+                               ("page_counts", counts, 4 * self.max_seqs)):
+                self._mine.check(p, n, name, "this DeviceSparseStep")
+            if isinstance(rows, (int, np.integer)) and not isinstance(rows, (bool, np.bool_)):
+                real = _args.as_int("rows", rows, 1, self.max_seqs, why="the real row count of this step")
+                src = None
+            else:
+                real, src = None, self._rows_arg(rows, s)
+                self._mine.check(src, 4, "rows", "this DeviceSparseStep")
+        if real is not None:
+            cm.memset_d32_async(self.rows_dev.ptr, real, 1, s)
+        else:
+            cm.copy_d_to_d_async(self.rows_dev.ptr, src, 4, s)
+        self._tables, self._counts = tables, counts
+        self._run_adv(s, *self._adv_grid)
+        self._begun = True
+
+    def attend_layer(self, stream: Any, layer: int, q: Any, out: Any = None) -> None:
+        """One layer of the step begun by :meth:`begin_step`: scores, selection, residency, the misses' reads and the
+        attention over exactly S (see the module docstring), on ``stream``. ``q`` bf16 ``[max_seqs, num_q_heads,
+        head_dim]`` (rows past the real count ignored); ``out`` (optional) bf16 of the same shape, written (rows past
+        the real count: zeros). Without ``out`` the attention's state is kept for another tile of
+        :attr:`attention` (e.g. the newest, still-open page) that writes the output."""
+        if self._closed or not self._begun:
+            self._live("attend_layer")
+            raise HssError("DeviceSparseStep.attend_layer: call begin_step first (it names the step's block tables)")
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            layer = _args.as_index("layer", layer, self.num_layers, "layers")
+        with _args.deferred_joins():
+            qp = self._q_arg(q, s)
+            op = 0 if out is None else self._out_arg(out, s)
+        row = 2 * self.max_seqs * self.swap.model.num_q_heads * self.swap.model.head_dim
+        if self._mine.overlap(qp, row) or (op and self._mine.overlap(op, row)):
+            self._mine.check(qp, row, "q", "this DeviceSparseStep")
+            self._mine.check(op, row, "out", "this DeviceSparseStep")
+        if op:
+            _args.disjoint("DeviceSparseStep.attend_layer", ("out", op, row, True), ("q", qp, row, False))
+            self.swap._mine.check(op, row, "out", "its HighSpeedSwap")
+        R, C = self.max_seqs, self.slots
+        self._q_in.value = qp
+        if self._layered:
+            self._q_p.value = self._p_base + layer * self._p_layer
+        self._run_q(s, *self._q_grid)
+        self._sc_k.value = self._a_g + layer * self._a_g_layer
+        self._sc_table.value, self._sc_counts.value = self._tables, self._counts
+        self._run_score(s, *self._score_grid)
+        counts, table, page_slot, slot_page, stamp, stats, slot_base, src_base = self._sel_slots
+        counts.value, table.value = self._counts, self._tables
+        page_slot.value = self.page_slot.ptr + 4 * layer * R * self.max_pages
+        slot_page.value = self.slot_page.ptr + 4 * layer * R * C
+        stamp.value = self.slot_stamp.ptr + 4 * layer * R * C
+        stats.value = self.stats.ptr + 16 * layer * R
+        slot_base.value = layer * R * C
+        src_base.value = layer * self.layout.num_blocks
+        self._run_sel(s, R)
+        self._run_fetch(s, *self._fetch_grid)
+        attn = self.attention
+        attn.begin_step(s, R)
+        attn.step_tile(s, qp, self._k_pool, self._v_pool, self.attend.ptr, self.attend_counts.ptr, R,
+                       *self._strides, self.swap.model.block_size, output=(op or None))
+
+    # -- reading the state (outside a step) -----------------------------------------------------------------
+    def counters(self, stream: Any) -> DeviceStepCounters:
+        """Hits, misses and bytes read per (row, layer) since each row's last reset; waits for ``stream``."""
+        self._live("counters")
+        s = _args.stream(stream)
+        host = np.empty((self.num_layers, self.max_seqs, 2), np.int64)
+        cm.copy_d_to_h_async(host, self.stats.ptr, host.nbytes, s)
+        cm.stream_sync(s)
+        hits, misses = host[..., 0].T.copy(), host[..., 1].T.copy()
+        return DeviceStepCounters(hits, misses, misses * self.layout.block_bytes)
+
+    def residency(self, stream: Any, layer: int, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(page_slot ``[max_pages]``, slot_page ``[slots]``, slot_stamp ``[slots]``, step number) of one (layer, row);
+        waits for ``stream``."""
+        self._live("residency")
+        s = _args.stream(stream)
+        layer = _args.as_index("layer", layer, self.num_layers, "layers")
+        row = _args.as_index("row", row, self.max_seqs, "rows (max_seqs)")
+        R, C, P = self.max_seqs, self.slots, self.max_pages
+        ps, sp, st, no = (np.empty(P, np.int32), np.empty(C, np.int32), np.empty(C, np.int32), np.empty(1, np.int32))
+        i = layer * R + row
+        cm.copy_d_to_h_async(ps, self.page_slot.ptr + 4 * i * P, ps.nbytes, s)
+        cm.copy_d_to_h_async(sp, self.slot_page.ptr + 4 * i * C, sp.nbytes, s)
+        cm.copy_d_to_h_async(st, self.slot_stamp.ptr + 4 * i * C, st.nbytes, s)
+        cm.copy_d_to_h_async(no, self.step_no.ptr + 4 * row, 4, s)
+        cm.stream_sync(s)
+        return ps, sp, st, int(no[0])
+
+    def selection(self, stream: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The last layer step's attend lists (i32 ``[max_seqs, sel_cap]`` global slot indices) and counts; waits."""
+        self._live("selection")
+        s = _args.stream(stream)
+        att, cnt = np.empty((self.max_seqs, self.sel_cap), np.int32), np.empty(self.max_seqs, np.int32)
+        cm.copy_d_to_h_async(att, self.attend.ptr, att.nbytes, s)
+        cm.copy_d_to_h_async(cnt, self.attend_counts.ptr, cnt.nbytes, s)
+        cm.stream_sync(s)
+        return att, cnt
+
+
+def _spans(rows: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive row indices as (first, count)."""
+    spans: list[tuple[int, int]] = []
+    for r in rows:
+        if spans and spans[-1][0] + spans[-1][1] == r:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((r, 1))
+    return spans
