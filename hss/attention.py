@@ -386,6 +386,30 @@ class TiledAttention:
         lbvs = last_block_valid_slots
         if type(lbvs) is not int or not -2**31 <= lbvs <= _I32_MAX:
             lbvs = self._lbvs(lbvs)
+        self._tile(s, n, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride, lbvs,
+                   output, 0)
+
+    step_tile_on_stream = step_tile
+
+    def step_tile_tokens(self, stream: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, token_counts: Any,
+                         num_seqs: int, blk_stride: int, tok_stride: int, kvh_stride: int, token_offset: int = 0,
+                         output: Any = None) -> None:
+        """:meth:`step_tile` whose length the device holds (:meth:`TileStep.tile_tokens`, without starting a step):
+        sequence i attends the first clamp(token_counts[i] - token_offset, 0, tile_capacity * block_size) tokens of
+        its listed pages. A tile of a step that another call began (e.g. the newest, still-open page after a tile
+        of complete pages): capturable while the counts change."""
+        if self._closed:
+            self._live()
+        s = _args.stream(stream)
+        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
+        blk_stride, tok_stride, kvh_stride = self._strides(blk_stride, tok_stride, kvh_stride)
+        off = _args.as_int("token_offset", token_offset, 0, _I32_MAX)
+        self._tile(s, n, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride, off,
+                   output, 2)
+
+    def _tile(self, s: int, n: int, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any,
+              blk_stride: int, tok_stride: int, kvh_stride: int, lbvs: int, output: Any, mode: int) -> None:
+        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``lbvs`` is the token offset) checks and launch."""
         q_bytes = n * self._row_bytes
         out = 0 if output is None else self._out_arg(output, s, q_bytes)
         if out:
@@ -395,11 +419,9 @@ class TiledAttention:
         kp = self._k_arg(k_pool, s, pool_bytes)
         vp = self._v_arg(v_pool, s, pool_bytes)
         tp = self._table_arg(tile_blocks, s, n * self._table_bytes)
-        cp = self._counts_arg(tile_block_counts, s, 4 * n)
+        cp = self._counts_arg(counts, s, 4 * n)
         self._fill(qp, kp, vp, blk_stride, tok_stride, kvh_stride, tp, cp, lbvs)
-        self._launch(s, n, out)
-
-    step_tile_on_stream = step_tile
+        self._launch(s, n, out, mode)
 
     def _fill(self, q: int, k: int, v: int, blk: int, tok: int, kvh: int, table: int, counts: int, lbvs: int,
               owner: int = 0) -> None:

@@ -12,6 +12,11 @@
 // sparse_advance(step i32 [R], rows i32 [1], R): step[s] += 1 for s < min(rows[0], R).
 //   Launch: grid (ceil(R / 256), 1, 1), block (256, 1, 1).
 //
+// sparse_counts(visible i32 [R], rows i32 [1], R, block_size, page_counts i32 [R], tail_counts i32 [R]): for a
+//   decode step whose newest token sits on a still-open page: page_counts[s] = (visible[s] - 1) / block_size (the
+//   complete pages before it), tail_counts[s] = visible[s] - page_counts[s] * block_size (the tokens on the newest
+//   page, 1..block_size), for s < min(rows[0], R) (visible < 1: 0 and 0). Launch: sparse_advance's geometry.
+//
 // sparse_select(scores f32 [R, stride], counts i32 [R], table i32 [R, stride], rows i32 [1], page_slot, slot_page,
 //               slot_stamp, step, attend i32 [R, sel_cap], attend_counts i32 [R], fetch i32 [R, sel_cap, 2],
 //               fetch_counts i32 [R], stats, stride, slots, sel_cap, budget, keep_first, keep_recent, slot_base i64,
@@ -79,6 +84,18 @@ extern "C" __global__ void __launch_bounds__(256) sparse_advance(int* __restrict
                                                                 int R) {
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s < min(rows[0], R)) step[s] += 1;
+}
+
+extern "C" __global__ void __launch_bounds__(256) sparse_counts(const int* __restrict__ visible,
+                                                               const int* __restrict__ rows, int R, int block_size,
+                                                               int* __restrict__ page_counts,
+                                                               int* __restrict__ tail_counts) {
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= min(rows[0], R)) return;
+    const int v = visible[s];
+    const int full = v >= 1 ? (v - 1) / block_size : 0;
+    page_counts[s] = full;
+    tail_counts[s] = v >= 1 ? v - full * block_size : 0;
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS)

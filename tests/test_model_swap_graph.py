@@ -194,13 +194,19 @@ def test_copy_stream_racing_without_the_read_waits_breaks(model, bs, hbm, monkey
         assert sess.generate(n) != want[:n], "the write-after-read waits do not bite"
 
 
-def test_sparse_mode_stays_a_host_path(model, bs):
+def test_the_host_sparse_step_stays_a_host_path_and_the_device_step_is_one_graph(model, bs):
     ids = prompt_of(2 * bs, 14)
-    with model.session("sparse", max_tokens=len(ids) + 4, budget=1, resident=2, tile=1, graph=True) as sess:
+    with model.session("sparse", max_tokens=len(ids) + 4, budget=1, resident=2, tile=1, graph=True,
+                       device_step=False) as sess:
         assert not sess.kv.capturable and sess.kv.staged is None and sess.kv.next_epoch() is None
         sess.prefill(ids)
         assert len(sess.generate(3)) == 3
         assert any(kind == "host" for kind, _ in sess._graphs)
+    with model.session("sparse", max_tokens=len(ids) + 2 * bs, budget=1, graph=True) as sess:
+        assert sess.kv.capturable and sess.kv.sparse_step is not None and sess.kv.graph_epoch == 0
+        sess.prefill(ids)
+        assert len(sess.generate(bs + 3)) == bs + 3   # across a page boundary: the same graph replays
+        assert all(kind == "graph" for kind, _ in sess._graphs) and sess.captures == 1
     with model.session("swap", max_tokens=len(ids) + 4) as sess:
         assert sess.kv.capturable and sess.kv.staged is not None
 

@@ -251,8 +251,9 @@ def _emulate_q_rows(a: SimpleNamespace, launch: Launch) -> None:
     if n <= 0:
         return
     p = _matrices(a, _q_groups(a))
-    q = _bf16(a.q, launch.grid[2], a.num_q_heads, a.head_dim)
-    out = a.q_proj.view(BF16).reshape(launch.grid[2], a.num_q_heads * a.r)
+    R = launch.grid[2]
+    q = _bf16(a.q[:2 * R * a.num_q_heads * a.head_dim], R, a.num_q_heads, a.head_dim)
+    out = a.q_proj[:2 * R * a.num_q_heads * a.r].view(BF16).reshape(R, a.num_q_heads * a.r)
     for s in range(n):
         out[s] = ref.project_q(q[s], p, a.heads_per_p).astype(np.float32).astype(BF16).ravel()
 

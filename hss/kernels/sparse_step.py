@@ -18,8 +18,8 @@ from hss.kernels.qsa_prefill import Geometry
 from hss.reference import gather as gref
 from hss.reference import sparse_step as ref
 
-__all__ = ["MODULE", "SELECT_THREADS", "SPARSE_ADVANCE", "SPARSE_SELECT", "SPARSE_FETCH", "select_shared_bytes",
-           "select_geometry", "fetch_geometry", "advance_geometry", "MAX_SLOTS"]
+__all__ = ["MODULE", "SELECT_THREADS", "SPARSE_ADVANCE", "SPARSE_COUNTS", "SPARSE_SELECT", "SPARSE_FETCH",
+           "select_shared_bytes", "select_geometry", "fetch_geometry", "advance_geometry", "MAX_SLOTS"]
 
 MODULE = "sparse_step"
 SELECT_THREADS = 1024      # SELECT_THREADS: sparse_select's block
@@ -64,6 +64,25 @@ SPARSE_ADVANCE = declare(
     MODULE, "sparse_advance", "ptr step, ptr rows, i32 R",
     reads={"step": lambda a: 4 * max(a.R, 0), "rows": lambda a: 4}, writes={"step": lambda a: 4 * max(a.R, 0)},
     emulate=_emulate_advance)
+
+
+def _emulate_counts(a: SimpleNamespace, launch: Launch) -> None:
+    n = _real_rows(a, a.R)
+    v = _i32(a.visible, a.R)[:n].astype(np.int64)
+    full = np.where(v >= 1, (v - 1) // max(a.block_size, 1), 0)
+    _i32(a.page_counts, a.R)[:n] = full
+    _i32(a.tail_counts, a.R)[:n] = np.where(v >= 1, v - full * a.block_size, 0)
+
+
+def _check_counts(a: SimpleNamespace, launch: Launch) -> str | None:
+    return None if a.block_size >= 1 else f"block_size ({a.block_size}) must be >= 1"
+
+
+SPARSE_COUNTS = declare(
+    MODULE, "sparse_counts", "ptr visible, ptr rows, i32 R, i32 block_size, ptr page_counts, ptr tail_counts",
+    reads={"visible": lambda a: 4 * max(a.R, 0), "rows": lambda a: 4},
+    writes={"page_counts": lambda a: 4 * max(a.R, 0), "tail_counts": lambda a: 4 * max(a.R, 0)},
+    emulate=_emulate_counts, check=_check_counts)
 
 
 def _emulate_select(a: SimpleNamespace, launch: Launch) -> None:

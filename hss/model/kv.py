@@ -25,6 +25,7 @@ from hss.model.forward import Op
 from hss.model.staged import RING, StagedPages
 from hss.realmodel import Config
 from hss.swap import GroupLayout, HighSpeedSwap, HighSpeedSwapConfig, ModelDims
+from hss.swap.device_step import DeviceSparseStep
 
 __all__ = ["HbmKV", "SwapKV", "sparse_support", "swap_block_size"]
 
@@ -115,6 +116,23 @@ class HbmKV:
             tiles.tile_tokens_rope(table, counts, qkv, cos, sin, max_pos, 0, output=out)
         return "attention", run
 
+    def _device_sparse_op(self, layer: int, q: int, out: int, counts: int) -> Op:
+        """The device sparse step of ``layer`` (capturable): the first layer begins the token's step (its complete
+        pages and tail length from the device count ``counts``), then the selected pages' tile and the tail's
+        token-count tile, which writes ``out``."""
+        step, table = self.sparse_step, self._dev_table.ptr
+        kt, vt = self.decode_cache(layer)[:2]
+        attn = step.attention
+        strides = attn.paged_strides()
+        tail_table, tail_counts = self._tail_table.ptr, step.tail_counts.ptr
+
+        def run(s: int) -> None:
+            if layer == 0:
+                step.begin_step(s, table, None, 1, token_counts=counts)
+            step.attend_layer(s, layer, q)
+            attn.step_tile_tokens(s, q, kt, vt, tail_table, tail_counts, 1, *strides, 0, output=out)
+        return "attention", run
+
     def after_step(self, stream: int, pos: int) -> None:
         pass
 
@@ -183,10 +201,17 @@ class SwapKV:
     def __init__(self, ctx: cm.CudaCtx, config: Config, max_tokens: int, stream: int, *, resident: int, tile: int,
                  rank: int = 32, seed: int = 0x5EED, budget: int | None = None, keep_first: int = 1,
                  keep_recent: int = 1, projection: np.ndarray | None = None,
-                 head_temperature: float | None = None, ring: int = RING) -> None:
+                 head_temperature: float | None = None, ring: int = RING, device_step: bool = True) -> None:
         c = self.config = config
         self.mode = "swap" if budget is None else "sparse"
-        exact = self.capturable = budget is None
+        exact = budget is None
+        if type(device_step) is not bool:
+            raise TypeError(f"device_step must be a bool, got {type(device_step).__name__}")
+        on_device = device_step and not exact
+        if on_device and head_temperature is not None:
+            raise HssError("the device sparse step scores pages by the max over heads: head_temperature needs "
+                           "device_step=False (the host sparse step)")
+        self.capturable = exact or on_device
         if exact and (type(ring) is not int or not 1 <= ring):
             raise HssError(f"ring must be an int >= 1 (staging slots), got {ring!r}")
         bs = self.block_size = swap_block_size(c.head_dim)
@@ -226,6 +251,16 @@ class SwapKV:
             self._host_k = own(cm.PinnedBuffer(c.n_layer * self._page, ctx))
             self._host_v = own(cm.PinnedBuffer(c.n_layer * self._page, ctx))
             self.staged: StagedPages | None = None
+            self.sparse_step: DeviceSparseStep | None = None
+            if on_device:   # the selection, residency and reads on the device: one step graph for the session
+                self.sparse_step = own(DeviceSparseStep(self.swap, stream, max_seqs=1, budget_pages=budget,
+                                                        keep_first=keep_first, keep_recent=keep_recent,
+                                                        max_pages=dims.max_blocks_per_layer, ctx=ctx))
+                self._dev_table = own(cm.DeviceBuffer(4 * dims.max_blocks_per_layer, ctx))   # block ids, page order
+                self._tail_table = own(cm.DeviceBuffer(4 * self.sparse_step.sel_cap, ctx))   # one entry: page 0
+                cm.memset_d32_async(self._dev_table, 0, dims.max_blocks_per_layer, stream)
+                cm.memset_d32_async(self._tail_table, 0, self.sparse_step.sel_cap, stream)
+                self._skipped = self._dev_steps = 0
             if exact:
                 self.staged = own(contextlib.closing(StagedPages(
                     ctx, self.swap.store, c.n_layer, c.n_head, dims.max_blocks_per_layer, resident // c.n_layer,
@@ -311,6 +346,9 @@ class SwapKV:
                 raise HssError(f"SwapKV: the swap gave disk block {block} for page {len(self._blocks)}: the exact "
                                "mode needs a fresh swap (block ids in page order)")
             self._blocks.append(block)
+            if self.sparse_step is not None:   # eager, between steps: the step graph reads the table when it runs
+                p = len(self._blocks) - 1
+                cm.copy_h_to_d_async(self._dev_table.ptr + 4 * p, np.array([block], np.int32), 4, self._stream)
         self._ids = np.asarray(self._blocks, np.int64)
 
     # -- decode ------------------------------------------------------------------------------------
@@ -353,6 +391,8 @@ class SwapKV:
         scores): the complete pages through the swap, then the tail tile, which writes ``out``."""
         if self.staged is not None:
             return self.staged.attention_op(layer, q, out, counts, self._stream)
+        if self.sparse_step is not None:
+            return self._device_sparse_op(layer, q, out, counts)
         swap, attn, bs = self.swap, self.swap.attn, self.block_size
         kt, vt = self.decode_cache(layer)[:2]
         strides = attn.paged_strides()
@@ -367,6 +407,23 @@ class SwapKV:
             attn.step_tile(s, q, kt, vt, table, count, 1, *strides, self._pos % bs + 1, output=out)
         return "attention", run
 
+    def _device_sparse_op(self, layer: int, q: int, out: int, counts: int) -> Op:
+        """The device sparse step of ``layer`` (capturable): the first layer begins the token's step (its complete
+        pages and tail length from the device count ``counts``), then the selected pages' tile and the tail's
+        token-count tile, which writes ``out``."""
+        step, table = self.sparse_step, self._dev_table.ptr
+        kt, vt = self.decode_cache(layer)[:2]
+        attn = step.attention
+        strides = attn.paged_strides()
+        tail_table, tail_counts = self._tail_table.ptr, step.tail_counts.ptr
+
+        def run(s: int) -> None:
+            if layer == 0:
+                step.begin_step(s, table, None, 1, token_counts=counts)
+            step.attend_layer(s, layer, q)
+            attn.step_tile_tokens(s, q, kt, vt, tail_table, tail_counts, 1, *strides, 0, output=out)
+        return "attention", run
+
     def after_step(self, stream: int, pos: int) -> None:
         """After the step that wrote position ``pos``: offload the tails when that completed a page."""
         c, bs = self.config, self.block_size
@@ -374,6 +431,10 @@ class SwapKV:
         if self.staged is not None:
             self.staged.count_step()
             self.staged.step_queued()
+        if self.sparse_step is not None:   # pages of this step not attended, every layer (the host's count)
+            full = pos // bs
+            self._skipped += (full - min(full, self.sparse_step.sel_cap)) * c.n_layer
+            self._dev_steps += c.n_layer
         if self._pos % bs:
             return
         p = pos // bs
@@ -398,6 +459,13 @@ class SwapKV:
             st = self.staged
             return {**st.counters, "skipped": 0, "resident_capacity": st.resident * self.config.n_layer,
                     "ring": st.ring, "tile_pages": 0, "block_size": self.block_size}
+        if self.sparse_step is not None:
+            st = self.sparse_step
+            got = st.counters(self._stream)
+            return {"hits": int(got.hits.sum()), "misses": int(got.misses.sum()),
+                    "bytes_read": int(got.bytes_read.sum()), "steps": self._dev_steps,
+                    "skipped": self._skipped, "resident_capacity": st.slots * self.config.n_layer,
+                    "tile_pages": st.sel_cap, "block_size": self.block_size, "device_step": True}
         d = self.swap.diagnostic_summary()
         return {"hits": d.hits, "misses": d.misses, "bytes_read": d.bytes_read, "steps": d.steps,
                 "skipped": getattr(d, "skipped", 0), "resident_capacity": d.resident_capacity,

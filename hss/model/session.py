@@ -114,7 +114,10 @@ class Session:
     ``budget``, ``keep_first``, ``keep_recent`` (sparse pages), ``projection``, ``head_temperature`` (the swap
     predictor's). ``fuse_rope``: where the KV mode can (``hbm``), the decode step's RoPE and cache write run inside
     its attention launch (:meth:`~hss.attention.TileStep.tile_tokens_rope`: the same bits, one launch fewer per
-    layer); False keeps the separate ``model_rope_kv``.
+    layer); False keeps the separate ``model_rope_kv``. ``device_step``: the sparse mode's selection, residency and
+    reads run on the device (:class:`~hss.swap.device_step.DeviceSparseStep`: the step is capturable, ``resident``
+    and ``tile`` unused: each layer keeps ``keep_first + keep_recent + budget`` slots); False: the host sparse step
+    (``HighSpeedSwap.attend_layer``, the reference; not capturable).
     Everything is checked before device work; a bad argument raises ``TypeError`` / :class:`HssError`.
     """
 
@@ -122,7 +125,7 @@ class Session:
                  prefill_chunk: int = 2048, resident: int = 512, tile: int = 64, ring: int = RING, rank: int = 32,
                  budget: int | None = None, keep_first: int = 1, keep_recent: int = 1,
                  projection: np.ndarray | None = None, head_temperature: float | None = None,
-                 fuse_rope: bool = True) -> None:
+                 fuse_rope: bool = True, device_step: bool = True) -> None:
         if not isinstance(model, DeviceModel):
             raise TypeError(f"model must be a DeviceModel, got {type(model).__name__}")
         if kv not in KV_MODES:
@@ -162,7 +165,7 @@ class Session:
                 self.kv = own(contextlib.closing(SwapKV(
                     model.ctx, c, self.max_tokens, s, resident=resident, tile=tile, rank=rank, budget=budget,
                     keep_first=keep_first, keep_recent=keep_recent, projection=projection,
-                    head_temperature=head_temperature, ring=ring)))
+                    head_temperature=head_temperature, ring=ring, device_step=device_step)))
             self._owned.callback(self._drop_graphs, "current", "next")
             self._ring = own(cm.PinnedBuffer(4 * AHEAD, model.ctx))
             self._ring_events = [own(cm.CudaEvent(ctx=model.ctx)) for _ in range(AHEAD)]

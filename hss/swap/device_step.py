@@ -130,6 +130,8 @@ class DeviceSparseStep:
             self.attend_counts = alloc(4 * R)
             self.fetch = alloc(8 * R * self.sel_cap)
             self.fetch_counts = alloc(4 * R)
+            self.page_counts = alloc(4 * R)     # begin_step(token_counts=): complete pages, then the newest page's
+            self.tail_counts = alloc(4 * R)     # tokens (sparse_counts)
             self.attention = own(TiledAttention(ctx, TiledAttentionDims(R, m.num_q_heads, m.num_kv_heads,
                                                                         m.head_dim, m.block_size, self.sel_cap)))
             self._prepare(pred, geo)
@@ -139,7 +141,7 @@ class DeviceSparseStep:
         self._closed = False
         self._mine = _args.OwnedRanges()
         for name in ("pool", "page_slot", "slot_page", "slot_stamp", "stats", "step_no", "rows_dev", "q_proj",
-                     "scores", "attend", "attend_counts", "fetch", "fetch_counts"):
+                     "scores", "attend", "attend_counts", "fetch", "fetch_counts", "page_counts", "tail_counts"):
             buf = getattr(self, name)
             self._mine.add(buf.ptr, buf.bytes, f"the DeviceSparseStep's {name}")
         self._tables = self._counts = 0
@@ -154,7 +156,8 @@ class DeviceSparseStep:
         f_q = load("q_lowrank_project").function("q_lowrank_project_rows")
         f_score = load("predictor_score").function("predictor_score_table")
         mod = load(ks.MODULE)
-        f_adv, f_sel, f_fetch = (mod.function(n) for n in ("sparse_advance", "sparse_select", "sparse_fetch"))
+        f_adv, f_cnt, f_sel, f_fetch = (mod.function(n) for n in ("sparse_advance", "sparse_counts", "sparse_select",
+                                                                  "sparse_fetch"))
         nq, nkv, hd, r = m.num_q_heads, m.num_kv_heads, m.head_dim, d.r
         self._layered = pred.layered
         self._p_base = pred.projection_dev_ptr
@@ -179,6 +182,10 @@ class DeviceSparseStep:
         self._adv_pack = ks.SPARSE_ADVANCE.pack(step=self.step_no.ptr, rows=self.rows_dev.ptr, R=R)
         self._run_adv = launcher(f_adv, ks.advance_geometry(R).block, 0, self._adv_pack)
         self._adv_grid = ks.advance_geometry(R).grid
+        self._cnt_pack = ks.SPARSE_COUNTS.pack(rows=self.rows_dev.ptr, R=R, block_size=m.block_size,
+                                               page_counts=self.page_counts.ptr, tail_counts=self.tail_counts.ptr)
+        self._cnt_visible = self._cnt_pack.slot("visible")
+        self._run_cnt = launcher(f_cnt, ks.advance_geometry(R).block, 0, self._cnt_pack)
         if geo.shared > _SHARED_DEFAULT:
             f_sel.set_max_dynamic_shared(geo.shared)
         self._sel_pack = ks.SPARSE_SELECT.pack(
@@ -259,19 +266,28 @@ class DeviceSparseStep:
                 cm.memset_d32_async(self.stats.ptr + 16 * (base + first), 0, 4 * count, s)
             cm.memset_d32_async(self.step_no.ptr + 4 * first, 0, count, s)
 
-    def begin_step(self, stream: Any, block_tables: Any, page_counts: Any, rows: Any) -> None:
+    def begin_step(self, stream: Any, block_tables: Any, page_counts: Any, rows: Any, *,
+                   token_counts: Any = None) -> None:
         """Start a decode step of the first ``rows`` rows: ``rows`` an int (1..max_seqs; queued as a memset) or a
         device i32 ``[1]`` holding it (read when the step runs: a captured step replays any real count);
         ``block_tables`` i32 ``[max_seqs, max_pages]`` (row s: sequence s's disk block ids, page order) and
-        ``page_counts`` i32 ``[max_seqs]`` (its complete pages), read by every layer's step when it runs. Advances
-        each real row's step number (on ``stream``)."""
+        ``page_counts`` i32 ``[max_seqs]`` (its complete pages), read by every layer's step when it runs. Or, for a
+        step whose newest token sits on a page still open (a model's decode step), ``page_counts=None`` and
+        ``token_counts`` i32 ``[max_seqs]``, each sequence's visible tokens: the complete pages are
+        ``(visible - 1) // block_size`` and :attr:`tail_counts` gets the newest page's tokens (computed on the device,
+        for the tail tile: :meth:`TiledAttention.step_tile_tokens`). Advances each real row's step number (on
+        ``stream``)."""
         self._live("begin_step")
         s = _args.stream(stream)
+        if (page_counts is None) == (token_counts is None):
+            raise HssError("DeviceSparseStep.begin_step: pass page_counts (complete pages) or token_counts= (visible "
+                           "tokens, the newest on an open page), one of the two")
         with _args.deferred_joins():
             tables = self._table_arg(block_tables, s)
-            counts = self._counts_arg(page_counts, s)
+            counts = self._counts_arg(page_counts if token_counts is None else token_counts, s)
             for name, p, n in (("block_tables", tables, 4 * self.max_seqs * self.max_pages),
-                               ("page_counts", counts, 4 * self.max_seqs)):
+                               ("page_counts" if token_counts is None else "token_counts", counts,
+                                4 * self.max_seqs)):
                 self._mine.check(p, n, name, "this DeviceSparseStep")
             if isinstance(rows, (int, np.integer)) and not isinstance(rows, (bool, np.bool_)):
                 real = _args.as_int("rows", rows, 1, self.max_seqs, why="the real row count of this step")
@@ -283,6 +299,10 @@ class DeviceSparseStep:
             cm.memset_d32_async(self.rows_dev.ptr, real, 1, s)
         else:
             cm.copy_d_to_d_async(self.rows_dev.ptr, src, 4, s)
+        if token_counts is not None:
+            self._cnt_visible.value = counts
+            self._run_cnt(s, *self._adv_grid)
+            counts = self.page_counts.ptr
         self._tables, self._counts = tables, counts
         self._run_adv(s, *self._adv_grid)
         self._begun = True
