@@ -407,6 +407,17 @@ class TiledAttention:
         self._tile(s, n, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride, off,
                    output, 2)
 
+    def queue_checked_tile(self, s: int, n: int, q: int, k_pool: int, v_pool: int, blk: int, tok: int, kvh: int,
+                           tile_blocks: int, counts: int, lbvs: int, output: int = 0,
+                           token_counts: bool = False) -> None:
+        """Internal API for components that checked a tile's arguments once and reuse them (hss.swap's device step):
+        :meth:`step_tile` (or, with ``token_counts``, :meth:`step_tile_tokens`, ``lbvs`` the token offset) on a raw
+        stream handle with every argument an int the caller has checked as those methods check them."""
+        if self._closed:
+            self._live()
+        self._fill(q, k_pool, v_pool, blk, tok, kvh, tile_blocks, counts, lbvs)
+        self._launch(s, n, output, 2 if token_counts else 0)
+
     def _tile(self, s: int, n: int, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any,
               blk_stride: int, tok_stride: int, kvh_stride: int, lbvs: int, output: Any, mode: int) -> None:
         """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``lbvs`` is the token offset) checks and launch."""

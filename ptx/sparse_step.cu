@@ -153,14 +153,25 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
                 if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
             }
             __syncthreads();
-            if (tid == 0) {
-                unsigned want = want_s, b = 255u;
-                for (;; --b) {
-                    if (hist[b] >= want || b == 0u) break;
-                    want -= hist[b];
+            if (tid < 32) {   // warp 0 finds the bin holding the want-th largest key: lane l owns bins 255 - 8l ..
+                const unsigned want = want_s;   //   248 - 8l, so lanes ascend as the bins descend
+                unsigned own = 0u;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) own += hist[255 - 8 * tid - j];
+                unsigned incl = own;
+#pragma unroll
+                for (int d = 1; d < 32; d <<= 1) {
+                    const unsigned y = __shfl_up_sync(HSS_FULL_MASK, incl, d);
+                    if (tid >= d) incl += y;
                 }
-                prefix_s = prefix | (b << shift);
-                want_s = want;   // how many keys equal to the prefix so far are still to take
+                const unsigned hit = __ballot_sync(HSS_FULL_MASK, incl >= want);
+                const int lane = hit ? __ffs(hit) - 1 : 31;   // (always hit: fewer wanted than scored keys)
+                if (tid == lane) {
+                    unsigned before = incl - own, b = 255u - 8u * (unsigned)lane;
+                    for (int j = 0; j < 7 && before + hist[b] < want; ++j, --b) before += hist[b];
+                    prefix_s = prefix | (b << shift);
+                    want_s = want - before;   // how many keys equal to the prefix so far are still to take
+                }
             }
             mask |= 255u << shift;
             __syncthreads();
@@ -199,6 +210,9 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
     __syncthreads();
 
     // 3. the slots' order for the misses: free (slot), then holding a page outside S (stamp, slot); S's slots last
+    // (n_miss is the CTA's: a step with no miss skips 3 and 4)
+    const int m = min(n_miss, sel_cap);
+    if (m > 0) {
     for (int c = tid; c < cap; c += SELECT_THREADS) {
         unsigned long long key = ~0ull;
         if (c < slots && !in_s[c]) {
@@ -222,7 +236,6 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
     }
 
     // 4. miss j into the j-th slot of the order: the page it held dropped, the miss's read listed
-    const int m = min(n_miss, sel_cap);
     for (int j = tid; j < m; j += SELECT_THREADS) {
         const int slot = (int)(order[j] & 0xffffffull);
         const int old = sp[slot];
@@ -238,6 +251,7 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
         fetch[(size_t)s * sel_cap + j] = make_int2((int)(src_base + tb[page]), (int)(base + slot));
     }
     __syncthreads();
+    }
 
     // 5. stamps, the attend list in page order, the counts
     const int now = step[s];
