@@ -31,6 +31,16 @@
 //   of A_g block table[s, i] for q_proj[s] (the same arithmetic, so the same bits); a block id outside
 //   0..max_blocks-1 scores NaN. Nothing else is written. Launch: block (32 * W, 1, 1) (hss: W = 1), grid
 //   (ceil(table_stride / W), R, 1): warps past a row's count exit.
+// predictor_score_heads_table, predictor_head_max_rows, predictor_head_combine_rows: the three per-head kernels below
+//   for R query rows over their tables (the device sparse step; the same arithmetic, so the same bits):
+//   predictor_score_heads_table(q_proj [R, nq, r], k_lr, table, counts, rows, head_scores f32 [R, table_stride, nq],
+//     nq, nkv, block_size, r, gqa_ratio, table_stride, max_blocks): predictor_score_heads of block table[s, i]
+//     (an id outside A_g: NaN for every head). Launch: predictor_score_table's.
+//   predictor_head_max_rows(head_scores, counts, rows, head_max f32 [R, nq], nq, table_stride): each row's head max
+//     over its first counts[s] entries. Launch: block (HSS_PRED_HEAD_THREADS, 1, 1), grid (nq, R, 1).
+//   predictor_head_combine_rows(head_scores, head_max, table, counts, rows, scores f32 [R, table_stride], nq,
+//     table_stride, max_blocks, exp2_scale): predictor_head_combine of each entry (an id outside A_g: NaN).
+//     Launch: block (HSS_PRED_HEAD_THREADS, 1, 1), grid (ceil(table_stride / HSS_PRED_HEAD_THREADS), R, 1).
 //
 // Per-head normalised scores (SPEC §17.5, hss's option; three launches in this order):
 // predictor_score_heads(q_proj, k_lr, head_scores f32 [num_blocks, num_q_heads], the same scalars as predictor_score)
@@ -177,6 +187,45 @@ __device__ __forceinline__ float hss_lowrank_dot(const __nv_bfloat16* q, const _
     return acc;
 }
 
+// One block's per-head maxima (the warp's lanes together): out[qh] for every q head.
+__device__ __forceinline__ void hss_head_scores_block(const __nv_bfloat16* __restrict__ q_proj,
+                                                      const __nv_bfloat16* __restrict__ blk, float* __restrict__ out,
+                                                      int num_q_heads, int block_size, int r, int gqa_ratio, int lane) {
+    for (int qh = 0; qh < num_q_heads; ++qh) {
+        const __nv_bfloat16* q = q_proj + (size_t)qh * r;
+        const __nv_bfloat16* keys = blk + (size_t)(qh / gqa_ratio) * block_size * r;
+        float best = hss_neg_inf();
+        for (int tok = lane; tok < block_size; tok += 32)
+            best = fmaxf(best, hss_lowrank_dot(q, keys + (size_t)tok * r, r));   // fmaxf skips a NaN dot
+        best = hss_warp_max(best);
+        if (lane == 0) out[qh] = best;
+    }
+}
+
+// The max over n blocks of head qh's scores (rows num_q_heads apart), by the CTA (HSS_PRED_HEAD_THREADS threads).
+__device__ __forceinline__ float hss_head_max(const float* __restrict__ head_scores, int num_q_heads, int qh,
+                                              long long n, float* warp_best) {
+    float best = hss_neg_inf();
+    for (long long b = threadIdx.x; b < n; b += HSS_PRED_HEAD_THREADS)
+        best = fmaxf(best, head_scores[b * num_q_heads + qh]);
+    best = hss_warp_max(best);
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+    __syncthreads();
+    for (int w = 1; w < HSS_PRED_HEAD_THREADS / 32; ++w) best = fmaxf(best, warp_best[w]);
+    return best;   // (thread 0's is the CTA's: warp_best[0] is its own warp's)
+}
+
+// One block's normalised score from its per-head maxima.
+__device__ __forceinline__ float hss_head_combine(const float* __restrict__ row, const float* __restrict__ head_max,
+                                                  int num_q_heads, float exp2_scale) {
+    float acc = 0.0f;
+    for (int qh = 0; qh < num_q_heads; ++qh) {
+        const float x = (row[qh] - head_max[qh]) * exp2_scale;
+        if (!isnan(x)) acc += exp2f(x);
+    }
+    return acc;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 predictor_score_heads(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
                       float* __restrict__ head_scores, int num_q_heads, int num_kv_heads, int block_size, int r,
@@ -188,15 +237,8 @@ predictor_score_heads(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloa
         num_q_heads != gqa_ratio * num_kv_heads)
         return;
     const __nv_bfloat16* blk = k_lr + (size_t)b * num_kv_heads * block_size * r;
-    for (int qh = 0; qh < num_q_heads; ++qh) {
-        const __nv_bfloat16* q = q_proj + (size_t)qh * r;
-        const __nv_bfloat16* keys = blk + (size_t)(qh / gqa_ratio) * block_size * r;
-        float best = hss_neg_inf();
-        for (int tok = lane; tok < block_size; tok += 32)
-            best = fmaxf(best, hss_lowrank_dot(q, keys + (size_t)tok * r, r));   // fmaxf skips a NaN dot
-        best = hss_warp_max(best);
-        if (lane == 0) head_scores[(size_t)b * num_q_heads + qh] = best;
-    }
+    hss_head_scores_block(q_proj, blk, head_scores + (size_t)b * num_q_heads, num_q_heads, block_size, r, gqa_ratio,
+                          lane);
 }
 
 extern "C" __global__ void __launch_bounds__(HSS_PRED_HEAD_THREADS)
@@ -205,16 +247,8 @@ predictor_head_max(const float* __restrict__ head_scores, float* __restrict__ he
     __shared__ float warp_best[HSS_PRED_HEAD_THREADS / 32];
     const int qh = blockIdx.x;
     if (qh >= num_q_heads || blockDim.x != HSS_PRED_HEAD_THREADS) return;   // CTA-uniform, before the barrier
-    float best = hss_neg_inf();
-    for (long long b = threadIdx.x; b < num_blocks; b += HSS_PRED_HEAD_THREADS)
-        best = fmaxf(best, head_scores[b * num_q_heads + qh]);
-    best = hss_warp_max(best);
-    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < HSS_PRED_HEAD_THREADS / 32; ++w) best = fmaxf(best, warp_best[w]);
-        head_max[qh] = best;
-    }
+    const float best = hss_head_max(head_scores, num_q_heads, qh, num_blocks, warp_best);
+    if (threadIdx.x == 0) head_max[qh] = best;
 }
 
 extern "C" __global__ void __launch_bounds__(HSS_PRED_HEAD_THREADS)
@@ -222,11 +256,57 @@ predictor_head_combine(const float* __restrict__ head_scores, const float* __res
                        float* __restrict__ scores, int num_q_heads, int num_blocks, float exp2_scale) {
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_blocks) return;
-    const float* row = head_scores + b * num_q_heads;
-    float acc = 0.0f;
-    for (int qh = 0; qh < num_q_heads; ++qh) {
-        const float x = (row[qh] - head_max[qh]) * exp2_scale;
-        if (!isnan(x)) acc += exp2f(x);
+    scores[b] = hss_head_combine(head_scores + b * num_q_heads, head_max, num_q_heads, exp2_scale);
+}
+
+// The per-head normalised scores of the device sparse step: the three kernels above, each query row s < rows[0] over
+// its table's first clamp(counts[s], 0, table_stride) entries (see the header comment).
+extern "C" __global__ void __launch_bounds__(256)
+predictor_score_heads_table(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
+                            const int* __restrict__ table, const int* __restrict__ counts,
+                            const int* __restrict__ rows, float* __restrict__ head_scores, int num_q_heads,
+                            int num_kv_heads, int block_size, int r, int gqa_ratio, int table_stride, int max_blocks) {
+    const int lane = threadIdx.x & 31;
+    const int s = blockIdx.y;
+    const long long i = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (s >= rows[0] || i >= min(max(counts[s], 0), table_stride)) return;   // warp-uniform; no barrier follows
+    if (num_kv_heads <= 0 || block_size <= 0 || r <= 0 || gqa_ratio <= 0 ||
+        num_q_heads != gqa_ratio * num_kv_heads)
+        return;
+    float* out = head_scores + ((size_t)s * table_stride + i) * num_q_heads;
+    const int b = table[(size_t)s * table_stride + i];
+    if (b < 0 || b >= max_blocks) {   // outside A_g: no score (skipped by the max; the combine writes NaN)
+        for (int qh = lane; qh < num_q_heads; qh += 32) out[qh] = __int_as_float(0x7fffffff);
+        return;
     }
-    scores[b] = acc;
+    hss_head_scores_block(q_proj + (size_t)s * num_q_heads * r, k_lr + (size_t)b * num_kv_heads * block_size * r,
+                          out, num_q_heads, block_size, r, gqa_ratio, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(HSS_PRED_HEAD_THREADS)
+predictor_head_max_rows(const float* __restrict__ head_scores, const int* __restrict__ counts,
+                        const int* __restrict__ rows, float* __restrict__ head_max, int num_q_heads, int table_stride) {
+    __shared__ float warp_best[HSS_PRED_HEAD_THREADS / 32];
+    const int qh = blockIdx.x, s = blockIdx.y;
+    if (qh >= num_q_heads || s >= rows[0] || blockDim.x != HSS_PRED_HEAD_THREADS) return;   // CTA-uniform
+    const int n = min(max(counts[s], 0), table_stride);
+    const float best = hss_head_max(head_scores + (size_t)s * table_stride * num_q_heads, num_q_heads, qh, n,
+                                    warp_best);
+    if (threadIdx.x == 0) head_max[(size_t)s * num_q_heads + qh] = best;
+}
+
+extern "C" __global__ void __launch_bounds__(HSS_PRED_HEAD_THREADS)
+predictor_head_combine_rows(const float* __restrict__ head_scores, const float* __restrict__ head_max,
+                            const int* __restrict__ table, const int* __restrict__ counts,
+                            const int* __restrict__ rows, float* __restrict__ scores, int num_q_heads,
+                            int table_stride, int max_blocks, float exp2_scale) {
+    const int s = blockIdx.y;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= rows[0] || i >= min(max(counts[s], 0), table_stride)) return;
+    const size_t at = (size_t)s * table_stride + i;
+    const int b = table[at];
+    scores[at] = (b < 0 || b >= max_blocks)
+        ? __int_as_float(0x7fffffff)
+        : hss_head_combine(head_scores + at * num_q_heads, head_max + (size_t)s * num_q_heads, num_q_heads,
+                           exp2_scale);
 }

@@ -322,3 +322,98 @@ PREDICTOR_SCORE_TABLE = declare(
            "rows": lambda a: 4},
     writes={"scores": lambda a: None},
     emulate=_emulate_score_table, check=_check_score_table)
+
+
+def _table_rows(a: SimpleNamespace, R: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(real rows, counts i32 [R] clamped to 0..table_stride, table i32 [R, table_stride]) of a batched launch."""
+    n_rows = min(_rows(a), R)
+    counts = np.clip(a.counts[:4 * R].view(np.int32).astype(np.int64), 0, a.table_stride)
+    table = a.table[:4 * R * a.table_stride].view(np.int32).reshape(R, a.table_stride) \
+        if hasattr(a, "table") else np.zeros((R, 0), np.int32)
+    return n_rows, counts, table
+
+
+def _emulate_heads_table(a: SimpleNamespace, launch: Launch) -> None:
+    if not _score_params_ok(a) or a.table_stride <= 0:
+        return
+    R, nq, stride = launch.grid[1], a.num_q_heads, a.table_stride
+    n_rows, counts, table = _table_rows(a, R)
+    q = _bf16(a.q_proj[:2 * R * nq * a.r], R, nq, a.r)
+    slot = a.num_kv_heads * a.block_size * a.r
+    k_all = a.k_lr.view(BF16)
+    out = f32(a.head_scores[:4 * R * stride * nq]).reshape(R, stride, nq)
+    for s in range(n_rows):
+        ids = table[s, :counts[s]].astype(np.int64)
+        ok = (ids >= 0) & (ids < a.max_blocks)
+        got = np.full((ids.size, nq), np.nan, np.float32)
+        if ok.any():
+            top = int(ids[ok].max()) + 1
+            if top * slot > k_all.size:
+                raise MemoryFault(f"predictor_score_heads_table parameter k_lr: block {top - 1} runs past the "
+                                  "allocation's end")
+            k = k_all[:top * slot].reshape(top, a.num_kv_heads, a.block_size, a.r)[ids[ok]]
+            got[ok] = ref.predictor_score_heads(q[s], k, a.gqa_ratio).astype(np.float32)
+        out[s, :ids.size] = got
+
+
+PREDICTOR_SCORE_HEADS_TABLE = declare(
+    "predictor_score", "predictor_score_heads_table",
+    "ptr q_proj, ptr k_lr, ptr table, ptr counts, ptr rows, ptr head_scores, i32 num_q_heads, i32 num_kv_heads, "
+    "i32 block_size, i32 r, i32 gqa_ratio, i32 table_stride, i32 max_blocks",
+    reads={"q_proj": lambda a: None, "k_lr": lambda a: None, "table": lambda a: None, "counts": lambda a: None,
+           "rows": lambda a: 4},
+    writes={"head_scores": lambda a: None},
+    emulate=_emulate_heads_table, check=_check_score_table)
+
+
+def _emulate_head_max_rows(a: SimpleNamespace, launch: Launch) -> None:
+    R, nq, stride = launch.grid[1], a.num_q_heads, a.table_stride
+    if nq <= 0 or stride <= 0:
+        return
+    n_rows, counts, _ = _table_rows(a, R)
+    hs = f32(a.head_scores[:4 * R * stride * nq]).reshape(R, stride, nq)
+    out = f32(a.head_max[:4 * R * nq]).reshape(R, nq)
+    for s in range(n_rows):
+        out[s] = ref.head_max(hs[s, :counts[s]]).astype(np.float32) if counts[s] else -np.inf
+
+
+def _check_rows_launch(a: SimpleNamespace, launch: Launch) -> str | None:
+    if launch.block != (HEAD_THREADS, 1, 1) or launch.grid[2] != 1:
+        return f"needs block ({HEAD_THREADS}, 1, 1) and grid (G, R, 1)"
+    return None
+
+
+PREDICTOR_HEAD_MAX_ROWS = declare(
+    "predictor_score", "predictor_head_max_rows",
+    "ptr head_scores, ptr counts, ptr rows, ptr head_max, i32 num_q_heads, i32 table_stride",
+    reads={"head_scores": lambda a: None, "counts": lambda a: None, "rows": lambda a: 4},
+    writes={"head_max": lambda a: None},
+    emulate=_emulate_head_max_rows, check=_check_rows_launch)
+
+
+def _emulate_head_combine_rows(a: SimpleNamespace, launch: Launch) -> None:
+    R, nq, stride = launch.grid[1], a.num_q_heads, a.table_stride
+    if stride <= 0:
+        return
+    n_rows, counts, table = _table_rows(a, R)
+    hs = f32(a.head_scores[:4 * R * stride * max(nq, 0)]).reshape(R, stride, max(nq, 0))
+    hm = f32(a.head_max[:4 * R * max(nq, 0)]).reshape(R, max(nq, 0))
+    out = f32(a.scores[:4 * R * stride]).reshape(R, stride)
+    for s in range(n_rows):
+        n = int(counts[s])
+        if not n:
+            continue
+        got = ref.head_combine(hs[s, :n], hm[s], a.exp2_scale).astype(np.float32)
+        ids = table[s, :n]
+        got[(ids < 0) | (ids >= a.max_blocks)] = np.nan
+        out[s, :n] = got
+
+
+PREDICTOR_HEAD_COMBINE_ROWS = declare(
+    "predictor_score", "predictor_head_combine_rows",
+    "ptr head_scores, ptr head_max, ptr table, ptr counts, ptr rows, ptr scores, i32 num_q_heads, i32 table_stride, "
+    "i32 max_blocks, f32 exp2_scale",
+    reads={"head_scores": lambda a: None, "head_max": lambda a: None, "table": lambda a: None,
+           "counts": lambda a: None, "rows": lambda a: 4},
+    writes={"scores": lambda a: None},
+    emulate=_emulate_head_combine_rows, check=_check_rows_launch)
