@@ -50,7 +50,8 @@ from hss.errors import HssError
 __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg",
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
            "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
-           "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "DEVICES", "device_of", "check_device"]
+           "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "extent", "DEVICES", "device_of",
+           "check_device"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -315,6 +316,26 @@ def disjoint(what: str, *args: tuple[str, int, int, bool]) -> None:
                 a, b = ((name, p, n), (name2, p2, n2)) if w else ((name2, p2, n2), (name, p, n))
                 raise HssError(f"{what}: {a[0]} overlaps {b[0]} ({a[2]} bytes at {a[1]:#x}, {b[2]} bytes at "
                                f"{b[1]:#x}): {a[0]} is written while {b[0]} is in use; pass separate buffers")
+
+
+def extent(obj: Any, ptr: int, min_bytes: int) -> int:
+    """The bytes an argument spans from its checked address ``ptr``, for an overlap check where the call's reach is
+    not known in advance (a paged pool read through page ids): the bytes the argument states (an array's size), else,
+    for an address inside a live hss buffer, up to that buffer's end, else ``min_bytes`` (the least the call reads);
+    never less than ``min_bytes``."""
+    cls = type(obj)
+    n: int | None = None
+    if cls in _QUICK:
+        got = _QUICK[cls](obj)
+        n = got[1] if got is not None else None
+    elif _READERS.get(cls) is _read_torch:
+        n = obj.nbytes
+    elif not isinstance(obj, (int, np.integer)):
+        n = device_arg(obj, "extent").nbytes
+    if n is None:
+        span = RANGES.find(ptr)
+        n = span[1] - ptr if span is not None else 0
+    return n if n > min_bytes else min_bytes
 
 
 # -- device pointers --------------------------------------------------------------------------

@@ -310,6 +310,96 @@ def test_qsa_indexer_on_device_1_selects_what_device_0_selects(ctxs) -> None:
             assert ra.size and np.array_equal(ra, rb)
 
 
+def test_qsa_indexer_refuses_another_devices_weights_streams_and_memory(ctxs) -> None:
+    """Weights of device 0 for a backend of device 1 are refused at construction; an indexer of device 1 refuses a
+    stream of device 0 at every entry point, and device 0's memory in prefill_select: each error names both devices
+    and comes before any device work, the states unchanged; the indexer then works."""
+    import test_qsa_device as tq
+    from test_qsa_indexer import driver_calls
+
+    from hss.gpu import CudaBackend
+
+    from helpers import Recording
+    c0, c1 = ctxs
+    rng = np.random.default_rng(5)
+    c0.make_current()   # the helpers allocate in the current context
+    layer0 = tq.make_layer(np.random.default_rng(12), c0.stream)
+    h0 = tq.upload(tq.hidden_rows(rng, 16), c0.stream)
+    c1.make_current()
+    layer1 = tq.make_layer(np.random.default_rng(12), c1.stream)
+    gpu = CudaBackend(c1)
+    for bad, name in enumerate(("qk_proj_w", "q_norm_w", "k_norm_w")):
+        bufs = list(layer1.bufs)
+        bufs[bad] = layer0.bufs[bad] if bad else layer0.bufs[bad].ptr   # a buffer, or the int address of one
+        rec = Recording(gpu)
+        with driver_calls() as seen, pytest.raises(
+                HssError, match=f"{name} is memory of device 0, but the backend .gpu. works on device 1"):
+            tq.Layer(layer1.w, layer1.qn, layer1.kn, tuple(bufs)).indexer(rec)
+        assert rec.calls == [] and seen == [], "device work before the error"
+    lengths = [tq.BOUND + 6, 9]
+    R, nq, hd = len(lengths), tq.D["nq"], tq.D["hd_attn"]
+    cache = tq.kv_cache(rng, R, -(-tq.D["max_tokens"] // tq.BS), c1.stream)
+    k, v, _ = cache.dev
+    s0, s1 = c0.stream, c1.stream
+    with layer1.indexer(gpu) as idx:
+        states, rows = tq.start(idx, lengths, rng, s1)
+        st = states[0]
+        x = tq.upload(np.stack([rows[r][lengths[r]] for r in range(R)]), s1)
+        h1 = tq.upload(rows[0][:8], s1)
+        q = tq.upload(rng.standard_normal((R, nq, hd)).astype(BF16), s1)
+        qv, out = q.view("bf16", (R, nq, hd)), cm.DeviceBuffer(R * nq * hd * 2, c1)
+        tv = tq.table_view(cache)
+        sel = idx.decode_select_batch(states, x, tv, tq.BS, s1)
+        blob = idx.snapshot_aux(st, s1)
+        n = st.ingested
+        chunk = [tq.upload(a, s1) for a in (rows[0][n - 2:n], rng.standard_normal((2, nq, hd)).astype(BF16),
+                                            np.zeros((2, nq * hd), BF16))]
+        scratch, scratch0 = (cm.DeviceBuffer(idx.prefill_scratch_bytes(n), c) for c in (c1, c0))
+
+        def select(stream, normed=chunk[0], attn_ctx=chunk[2], scr=scratch):
+            return idx.prefill_select(st, normed, chunk[1], attn_ctx, k, v, cache.tables[0], n - 2, 2, nq, tq.BS,
+                                      hd ** -0.5, scr, stream)
+        cm.stream_sync(s1)
+        before = [(s.ingested, s.pooled, s.sync(s1)) for s in states]
+        stream_calls = {
+            "prefill_ingest": lambda: idx.prefill_ingest(st, h1, 8, 0, s0),
+            "decode_select": lambda: idx.decode_select(st, x, n, k, v, cache.dev[2], tq.BS, s0),
+            "decode_select_batch": lambda: idx.decode_select_batch(states, x, tv, tq.BS, s0),
+            "sparse_decode_attention": lambda: idx.sparse_decode_attention(qv, k, v, None, sel, out, s0),
+            "prefill_select": lambda: select(s0),
+            "snapshot_aux": lambda: idx.snapshot_aux(st, s0),
+            "restore_aux": lambda: idx.restore_aux(st, blob, s0),
+            "QsaSeqState.sync": lambda: st.sync(s0),
+        }
+        memory_calls = {"normed": lambda: select(s1, normed=h0), "attn_ctx": lambda: select(s1, attn_ctx=h0),
+                        "scratch": lambda: select(s1, scr=scratch0.ptr)}
+        for what, call in stream_calls.items():
+            with driver_calls() as seen, pytest.raises(
+                    HssError, match=f"{what}: stream 0x[0-9a-f]+ belongs to device 0, but this indexer works on "
+                                    "device 1"):
+                call()
+            assert seen == [], f"{what}: device work before the error: {seen}"
+        for name, call in memory_calls.items():
+            with driver_calls() as seen, pytest.raises(
+                    HssError, match=f"{name} is memory of device 0, but this call runs on device 1"):
+                call()
+            assert seen == [], f"prefill_select's {name}: device work before the error: {seen}"
+        assert [(s.ingested, s.pooled, s.sync(s1)) for s in states] == before
+        # the indexer is unharmed: its own stream and memory work
+        sel = idx.decode_select_batch(states, x, tv, tq.BS, s1)
+        idx.sparse_decode_attention(qv, k, v, None, sel, out, s1)
+        assert [s.ingested for s in states] == [b[0] + 1 for b in before]
+        got = tq.download(out, (R, nq, hd), BF16, s1).astype(np.float64)
+        assert np.isfinite(got).all()
+        for s in states:
+            idx.release_seq_state(s)
+        for b in (x, h1, q, out, scratch, scratch0, *chunk):
+            b.close()
+    for b in (h0, *cache.dev, *layer0.bufs, *layer1.bufs):
+        b.close()
+    gpu.close()
+
+
 def test_kv_heads_split_over_two_devices_give_the_one_device_rows(ctxs, rng, tmp_path) -> None:
     """Tensor parallelism (hss.swap.tp): a layer's 4 kv heads (8 q heads) as two HighSpeedSwaps of 2 kv heads, one
     per device, every page streamed (the same tiles as the one-device run): each rank's output rows equal the

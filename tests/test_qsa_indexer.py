@@ -297,6 +297,24 @@ def test_max_tokens_from_env(gpu, layer, monkeypatch):
         assert idx.max_tokens == 32768
 
 
+@pytest.mark.parametrize("raw", ["1_000", "\uff11\uff10\uff12\uff14", "\u0664\u0660\u0669\u0666", "+4096",
+                                 "\u20034096", "4096\u3000"])
+def test_env_settings_take_ascii_digits_only(gpu, layer, monkeypatch, raw):
+    """HSS_QSA_MAX_TOKENS is ASCII decimal digits (with ASCII blanks around), as the original read it: what Python's
+    int() also takes (underscores, full-width or Arabic-Indic digits, a sign, Unicode blanks) is an error, before any
+    device work; so is a flag wrapped in Unicode blanks."""
+    rec = Recording(gpu)
+    monkeypatch.setenv("HSS_QSA_MAX_TOKENS", raw)
+    with pytest.raises(HssError, match="HSS_QSA_MAX_TOKENS=.* is not an integer .ASCII decimal digits."):
+        layer.indexer(rec)
+    monkeypatch.setenv("HSS_QSA_MAX_TOKENS", " \t4096\n")
+    monkeypatch.setenv("HSS_QSA_SCORE_SCALAR", raw.replace("4096", "1"))
+    if not raw.isascii():   # a flag: "1" wrapped in Unicode blanks, or non-ASCII digits
+        with pytest.raises(HssError, match="HSS_QSA_SCORE_SCALAR=.* is not a flag"):
+            layer.indexer(rec)
+    assert rec.calls == []
+
+
 # -- errors: each raised before any device work -----------------------------------------------------------
 CONSTRUCTOR_ERRORS = [
     (dict(ratio=0), HssError, r"ratio = 0 must be in 1\.\.2147483647: tokens per QSA block"),

@@ -51,6 +51,11 @@ _RESERVE = 32              # entries eager steps leave free, so that a capture a
 _GONE_STREAM = ("CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_INVALID_CONTEXT")   # a destroyed stream's sync
 _I32 = 2**31 - 1
 _SHARED_DEFAULT = 48 * 1024   # dynamic shared memory a launch may use without the opt-in attribute
+_JOINS = _args.deferred_joins()   # its state is per thread, so one instance serves every call
+# argument types that never change what they say and whose checks order no producer's stream (addresses, hss's
+# arrays): a call of such arrays needs no deferred-join block, and the same objects pass again at once until an hss
+# buffer is made or freed (which a closed buffer, a bound or an owned range would show)
+_FIXED = frozenset({int, DevicePtr, cm.DeviceBuffer, cm.DeviceView, type(None)})
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,12 @@ class DeviceState:
         self.pool_host = self.pinned.array[desc_bytes:desc_bytes + pool_bytes].view(np.int32).reshape(
             COMPOSITIONS, max_seqs)
         self.sync_host = self.pinned.array[desc_bytes + pool_bytes:].view(np.int32)[:1]
+        idx._mine.add(self.pinned.ptr, self.pinned.bytes, "the indexer's pinned slot lists")   # a step's copy reads it
+        # the arguments of the last batched step and attention whose memory passed every check, and what it gave
+        self.batch_key: tuple | None = None
+        self.attn_key: tuple | None = None
+        self.batch_checked: tuple = ()
+        self.attn_checked: tuple = ()
         self.free_entries = list(range(COMPOSITIONS - 1, -1, -1))
         self.compositions: collections.OrderedDict[tuple, _Composition] = collections.OrderedDict()
         self.pos_addr, self.desc_addr, self.slots_addr = int(self.pos_dev), int(self.desc_dev), int(self.slots_dev)
@@ -137,8 +148,7 @@ class DeviceState:
             raise
 
     def _prepare(self, idx: QsaIndexer, nq_attn: int | None) -> None:
-        dev = cm.ordinal_of(getattr(idx.gpu, "ctx", None))
-        ptr_arg = functools.partial(_args.pointer_arg, device=dev)   # refuses other devices' memory
+        ptr_arg = functools.partial(_args.pointer_arg, device=idx._device)   # refuses other devices' memory
         self.normed_arg = ptr_arg("normed", None, 2, "bf16",
                                             what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
         # the sparse attention loads q and K/V rows in 16-byte vectors
@@ -280,6 +290,46 @@ class DeviceState:
             del self.compositions[key]
             self.free_entries.append(comp.entry)
 
+    # -- the batched calls' caller memory ---------------------------------------------------------------
+    def batch_memory(self, normed: Any, block_tables: Any, R: int, max_pages: Any, s: int,
+                     fixed: bool) -> tuple[int, int, int]:
+        """decode_select_batch's arrays checked: (normed, block_tables, max_pages); neither may overlap the indexer's
+        memory. ``fixed``: both are of :data:`_FIXED` types, and the same objects as the last call's pass at once
+        while no hss buffer was made or freed."""
+        key = (normed, block_tables, R, max_pages, _args.RANGES.generation, self.idx._owned_gen) if fixed else None
+        if key is not None and key == self.batch_key:
+            return self.batch_checked
+        nx = R * self.idx.hidden * 2
+        x = self.normed_arg(normed, s, nx)
+        table, pages = _table_arg(self.table_arg, block_tables, R, max_pages, s, "block_tables")
+        self.idx._check_caller("decode_select_batch", (("normed", x, nx, False),
+                                                       ("block_tables", table, 4 * R * pages, False)))
+        self.batch_key, self.batch_checked = key, (x, table, pages)
+        return x, table, pages
+
+    def attention_memory(self, sel: QsaDeviceSelection, q: Any, k_pool: Any, v_pool: Any, block_tables: Any,
+                         out: Any, row: int, s: int, fixed: bool) -> tuple[int, int, int, int, int]:
+        """sparse_decode_attention's arrays checked (``row``: bytes of q and of out): (q, k_pool, v_pool, the page
+        tables, out). None may overlap the indexer's memory, nor out another of them; the pools are read through
+        page ids, so they count as far as they reach (:func:`hss._args.extent`). ``fixed``: every array is of a
+        :data:`_FIXED` type, and the same objects as the last call's pass at once while no hss buffer was made or
+        freed."""
+        key = (q, k_pool, v_pool, block_tables, out, sel.block_tables, sel.max_pages, sel.block_size, sel.R, row,
+               _args.RANGES.generation, self.idx._owned_gen) if fixed else None
+        if key is not None and key == self.attn_key:
+            return self.attn_checked
+        page, pages = sel.block_size * self.idx._kv_row, sel.max_pages
+        qp = self.q_arg(q, s, row)
+        op = self.out_arg(out, s, row)
+        kp = self.k_pool_arg(k_pool, s, page)
+        vp = self.v_pool_arg(v_pool, s, page)
+        table = sel.block_tables if block_tables is None else self.table_arg(block_tables, s, 4 * sel.R * pages)
+        self.idx._check_caller("sparse_decode_attention", (
+            ("out", op, row, True), ("q", qp, row, False), ("k_pool", kp, _args.extent(k_pool, kp, page), False),
+            ("v_pool", vp, _args.extent(v_pool, vp, page), False), ("block_tables", table, 4 * sel.R * pages, False)))
+        self.attn_key, self.attn_checked = key, (qp, kp, vp, table, op)
+        return qp, kp, vp, table, op
+
     # -- partials ------------------------------------------------------------------------------------------
     def ensure_partials(self, nq: int, s: int | None) -> None:
         """Split partials for ``nq`` query heads (grown eagerly only: allocation cannot be captured)."""
@@ -393,9 +443,12 @@ def select_batch(idx: QsaIndexer, states: Any, normed: Any, block_tables: Any, b
     dev.require("decode_select_batch")
     R = len(key)
     bs = block_size if type(block_size) is int and 8 <= block_size <= _I32 else idx._block_size(block_size)
-    s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
-    x = dev.normed_arg(normed, s, R * idx.hidden * 2)
-    table, pages = _table_arg(dev.table_arg, block_tables, R, max_pages, s, "block_tables")
+    s = idx._stream(stream, "decode_select_batch")
+    if type(normed) in _FIXED and type(block_tables) in _FIXED and (max_pages is None or type(max_pages) is int):
+        x, table, pages = dev.batch_memory(normed, block_tables, R, max_pages, s, True)
+    else:
+        with _JOINS:   # a producer's stream is joined only once every argument passed
+            x, table, pages = dev.batch_memory(normed, block_tables, R, max_pages, s, False)
     limit = min(idx.max_tokens, pages * bs)   # visible = ingested + 1 must fit the table and max_tokens
     ratio = idx.ratio
     for st in key:
@@ -462,7 +515,7 @@ def sparse_attention(idx: QsaIndexer, q: Any, k_pool: Any, v_pool: Any, block_ta
     idx._check_open("sparse_decode_attention")
     dev.require("sparse_decode_attention")
     R, hd, nkv = selection.R, idx.hd_attn, idx.nkv_attn
-    s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+    s = idx._stream(stream, "sparse_decode_attention")
     if nq is None:
         nq = _heads_from(q, R, hd)
     else:
@@ -472,25 +525,18 @@ def sparse_attention(idx: QsaIndexer, q: Any, k_pool: Any, v_pool: Any, block_ta
     if nq % nkv or nq // nkv > kd.ATTN_MAX_GROUP:
         raise HssError(f"QsaIndexer.sparse_decode_attention: nq = {nq} must be a multiple of nkv_attn = {nkv}, at "
                        f"most {kd.ATTN_MAX_GROUP} query heads per KV head")
-    row = R * nq * hd * 2
-    qp = dev.q_arg(q, s, row)
-    op = dev.out_arg(out, s, row)
-    page = selection.block_size * idx._kv_row
-    kp = dev.k_pool_arg(k_pool, s, page)
-    vp = dev.v_pool_arg(v_pool, s, page)
-    if block_tables is None:
-        table, pages = selection.block_tables, selection.max_pages
+    arrays, row = (q, k_pool, v_pool, block_tables, out), R * nq * hd * 2
+    if type(q) in _FIXED and type(k_pool) in _FIXED and type(v_pool) in _FIXED and type(block_tables) in _FIXED \
+            and type(out) in _FIXED:
+        qp, kp, vp, table, op = dev.attention_memory(selection, *arrays, row, s, True)
     else:
-        pages = selection.max_pages
-        table = dev.table_arg(block_tables, s, 4 * R * pages)
-    if scale is None:
-        sc = 1.0 / math.sqrt(hd)
-    else:
-        sc = idx._f32("scale", scale, positive=True)
+        with _JOINS:   # a producer's stream is joined only once every argument passed
+            qp, kp, vp, table, op = dev.attention_memory(selection, *arrays, row, s, False)
+    sc = 1.0 / math.sqrt(hd) if scale is None else idx._f32("scale", scale, positive=True)
     dev.ensure_partials(nq, s)
     q_slot, k_slot, v_slot, t_slot, p_slot, b_slot, n_slot, s_slot = dev.attn_slots
     q_slot.value, k_slot.value, v_slot.value, t_slot.value = qp, kp, vp, table
-    p_slot.value, b_slot.value, n_slot.value, s_slot.value = pages, selection.block_size, nq, sc
+    p_slot.value, b_slot.value, n_slot.value, s_slot.value = selection.max_pages, selection.block_size, nq, sc
     dev.merge_out.value, dev.merge_nq.value = op, nq
     dev.run_attn(s, R, nkv, dev.splits)
     dev.run_merge(s, R, nq)

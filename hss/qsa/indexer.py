@@ -38,7 +38,8 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
-from hss.errors import HssError
+from hss._context import owner_context, stream_context
+from hss.errors import CudaError, HssError
 from hss.gpu import DevicePtr, GpuBackend, launcher, proj_dense
 from hss.kernels import qsa as kq
 from hss.kernels import qsa_prefill as kp
@@ -56,6 +57,7 @@ MODULE = kq.MODULE
 _SMEM_LIMIT = 48 * 1024     # qsa_score stages q in shared memory without the opt-in attribute
 _I32 = 2**31 - 1
 _SEL_HEAD = 4               # i32 slots before the selection in the seq_len / selection upload
+_ASCII_SPACE = " \t\n\r\v\f"   # what an environment setting may carry around its value
 
 
 def env_flag(name: str, value: bool | None) -> bool:
@@ -64,7 +66,7 @@ def env_flag(name: str, value: bool | None) -> bool:
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"QsaIndexer: the {name} override must be a bool or None, got {type(value).__name__}")
         return bool(value)
-    raw = os.environ.get(name, "").strip()
+    raw = os.environ.get(name, "").strip(_ASCII_SPACE)
     if raw in ("", "0"):
         return False
     if raw == "1":
@@ -138,7 +140,7 @@ class QsaSeqState:
         if owner is None:
             raise HssError("QsaSeqState.sync: the indexer of this state is gone")
         owner._check_state(self, "QsaSeqState.sync")
-        s = _args.stream(stream)
+        s = owner._stream(stream, "QsaSeqState.sync")
         n = owner._dev.read_pos(self, s)
         if n != self.ingested:
             self.ingested, self.pooled = n, n // owner.ratio
@@ -171,14 +173,17 @@ def max_tokens_setting(max_tokens: int | None) -> int:
     """``max_tokens`` if given, else ``HSS_QSA_MAX_TOKENS`` from the environment, else 32768."""
     if max_tokens is not None:
         return max_tokens
-    raw = os.environ.get("HSS_QSA_MAX_TOKENS", "").strip()
+    raw = os.environ.get("HSS_QSA_MAX_TOKENS", "").strip(_ASCII_SPACE)
     if not raw:
         return DEFAULT_MAX_TOKENS
-    try:
-        return int(raw)
-    except ValueError:
-        raise HssError(f"HSS_QSA_MAX_TOKENS={raw!r} is not an integer; set it to the longest context in tokens "
-                       f"(default {DEFAULT_MAX_TOKENS}) or pass max_tokens=") from None
+    if raw.isascii() and raw.isdigit():   # ASCII decimal digits only, as the original read it (no sign, no "_")
+        try:
+            return int(raw)
+        except ValueError:   # more digits than int() converts
+            raise HssError(f"HSS_QSA_MAX_TOKENS has {len(raw)} digits; at most {_I32} tokens (int32 token ids): "
+                           "set it to the longest context in tokens or pass max_tokens=") from None
+    raise HssError(f"HSS_QSA_MAX_TOKENS={raw!r} is not an integer (ASCII decimal digits); set it to the longest "
+                   f"context in tokens (default {DEFAULT_MAX_TOKENS}) or pass max_tokens=")
 
 
 class QsaIndexer:
@@ -198,9 +203,12 @@ class QsaIndexer:
     states are freed by ``release_seq_state``. An indexer dropped without ``close()`` frees all of it when it is
     collected (a ``weakref.finalize`` holding only the backend and the allocations).
 
-    Every call is all or nothing: it checks every argument (sizes, alignment, dtypes, and that no caller pointer
-    overlaps memory this indexer owns) before any device work, and changes a sequence's counters only once all of
-    its work is queued; a call that fails leaves the sequence, counters and keys, as it was.
+    Every call is all or nothing: it checks every argument before any device work -- sizes, alignment, dtypes; that
+    no caller memory overlaps memory this indexer owns (device buffers, pinned staging, the states' keys) and no
+    written argument another argument of the call (a paged pool counts as far as it reaches: its stated size, else
+    to the end of the hss buffer holding it); that weights, memory and streams are of the backend's device -- and
+    changes a sequence's counters only once all of its work is queued; a call that fails leaves the sequence,
+    counters and keys, as it was.
 
     Batched device decode (:meth:`decode_select_batch`, :meth:`sparse_decode_attention`): ``max_seqs`` (default
     64, at most 2048) bounds the live states (each holds a slot of the device arrays) and so the batch;
@@ -221,6 +229,8 @@ class QsaIndexer:
         # did not; the owned ranges refuse caller pointers into any of it; the live states, to mark them released
         self._owned: list[DevicePtr] = []
         self._mine = _args.OwnedRanges()
+        self._owned_gen = 0   # changes with every range added to or removed from _mine (cached checks hold until then)
+        self._streams_ok: set[int] = set()   # streams seen to be of this indexer's context (several devices in use)
         self._states: weakref.WeakSet[QsaSeqState] = weakref.WeakSet()
         self._finalizer: weakref.finalize | None = None
         self._backup: DevicePtr | None = None   # raw keys a restarted sequence overwrites, kept until it commits
@@ -241,6 +251,15 @@ class QsaIndexer:
                                                  what=f"[(n_heads + 1) * hd, hidden] = [{qkw}, {self.hidden}] bf16"))
         self.q_norm_w = DevicePtr(_args.pointer(q_norm_w, "q_norm_w", hd * 2, 2, "bf16", what=f"[hd] = [{hd}] bf16"))
         self.k_norm_w = DevicePtr(_args.pointer(k_norm_w, "k_norm_w", hd * 2, 2, "bf16", what=f"[hd] = [{hd}] bf16"))
+        pctx = owner_context(getattr(gpu, "ctx", None))
+        self._device, self._ctx_handle = pctx.ordinal, pctx.handle
+        for name, obj, ptr in (("qk_proj_w", qk_proj_w, self.qk_proj_w), ("q_norm_w", q_norm_w, self.q_norm_w),
+                               ("k_norm_w", k_norm_w, self.k_norm_w)):
+            where = _args.device_of(obj, int(ptr))
+            if where is not None and where != self._device:
+                raise HssError(f"QsaIndexer: {name} is memory of device {where}, but the backend (gpu) works on "
+                               f"device {self._device}; pass weights of device {self._device}, or a backend of "
+                               f"device {where}")
         self.gpu = gpu
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_all, gpu, self._owned, self._states)
@@ -315,6 +334,7 @@ class QsaIndexer:
         self.prefill_table_dev = self._alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4, "the indexer's prefill table")
         # host side: pinned scores (the blocking D2H of every selective step), pageable uploads
         self._pinned = cm.PinnedBuffer(max_tokens // ratio * 4, getattr(gpu, "ctx", None))
+        self._mine.add(self._pinned.ptr, self._pinned.bytes, "the indexer's pinned scores")   # the D2H writes it
         self._scores_host = self._pinned.view(np.float32)
         self._upload = np.zeros(_SEL_HEAD + self.sel_cap, dtype=np.int32)   # what a step uploads to seq_len_dev
         self._sel_host = self._upload[_SEL_HEAD:]   # the host top-k writes the selection here
@@ -325,8 +345,7 @@ class QsaIndexer:
     def _prepare_decode(self) -> None:
         """The per-token stages' prepared work: packs filled once by name (per call only the named slots that change
         are stored, as already-checked Python ints, and one prepared launch runs), the GEMM, the argument checks."""
-        dev = cm.ordinal_of(getattr(self.gpu, "ctx", None))
-        ptr_arg = functools.partial(_args.pointer_arg, device=dev)   # refuses other devices' memory
+        ptr_arg = functools.partial(_args.pointer_arg, device=self._device)   # refuses other devices' memory
         gpu, hd, n_heads, ratio = self.gpu, self.hd, self.n_heads, self.ratio
         self._gemm = proj_dense(gpu, self.qk_proj_w, self.qk_scratch, self.qk_width, self.hidden, INGEST_SLAB)
         # plain ints of the addresses the decode stages pass on (an int is _args's fast path; a DevicePtr is not)
@@ -373,6 +392,7 @@ class QsaIndexer:
         ptr = DevicePtr(self.gpu.alloc(nbytes))
         self._owned.append(ptr)
         self._mine.add(int(ptr), nbytes, label)
+        self._owned_gen += 1
         return ptr
 
     def _release(self, ptr: DevicePtr) -> None:
@@ -380,11 +400,46 @@ class QsaIndexer:
         once even if the free fails."""
         self._owned.remove(ptr)
         self._mine.remove(int(ptr))
+        self._owned_gen += 1
         self.gpu.free(ptr)
 
-    def _check_mine(self, ptr: int, nbytes: int, name: str) -> None:
-        """Refuse a caller's pointer into memory this indexer owns (its scratch, tables, sequences' keys)."""
-        self._mine.check(ptr, nbytes, name, "this QsaIndexer")
+    # -- the checks every entry point makes of caller memory and streams, before any device work -------------
+    def _check_caller(self, what: str, ranges: tuple[tuple[str, int, int, bool], ...]) -> None:
+        """The caller memory of one call, each ``(name, address, bytes, written)``: none may overlap memory this
+        indexer owns (its scratch, tables, pinned staging, the sequences' keys), and no written one another argument
+        of the call (:func:`hss._args.disjoint`). A pool read through page ids spans :func:`hss._args.extent`."""
+        mine, wrote = self._mine, False
+        for name, p, n, w in ranges:
+            try:
+                mine.check(p, n, name, "this QsaIndexer")
+            except HssError as exc:
+                raise HssError(f"QsaIndexer.{what}: {exc}") from None
+            wrote = wrote or w
+        if wrote:
+            _args.disjoint(f"QsaIndexer.{what}", *ranges)
+
+    def _stream(self, stream: Any, what: str) -> int:
+        """The raw handle of a stream argument, refused when it is a stream of another context than this indexer's
+        (its memory and kernels live there); a stream that passed once passes at once later."""
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+        if _args.DEVICES.many and s not in self._streams_ok:
+            self._check_stream(s, what)
+        return s
+
+    def _check_stream(self, s: int, what: str) -> None:
+        """Raise unless raw stream ``s`` is of this indexer's context (remembered once it is)."""
+        if s in (0, 1, 2):   # the legacy and per-thread default streams: the current context's, this indexer's
+            return
+        try:
+            handle, owner = stream_context(s)
+        except CudaError as exc:
+            raise HssError(f"QsaIndexer.{what}: stream {s:#x} is not a live stream ({exc.name}); pass a stream of "
+                           f"device {self._device}") from None
+        if handle != self._ctx_handle:
+            where = f"device {owner.ordinal}" if owner is not None else "another context"
+            raise HssError(f"QsaIndexer.{what}: stream {s:#x} belongs to {where}, but this indexer works on device "
+                           f"{self._device}; pass a stream of device {self._device}")
+        self._streams_ok.add(s)
 
     def close(self) -> None:
         """Free the layer's device and pinned buffers and every live state's key buffers (those states read as
@@ -532,10 +587,10 @@ class QsaIndexer:
             raise HssError(f"QSA: {seq_start + num_tokens} tokens exceed max_tokens = {self.max_tokens}; construct "
                            "the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
         row = self.hidden * 2
+        s = self._stream(stream, "prefill_ingest")
         with _args.deferred_joins():
-            s = _args.stream(stream)
             src = self._hidden_arg(hidden, s, num_tokens * row)
-            self._check_mine(src, num_tokens * row, "hidden")
+            self._check_caller("prefill_ingest", (("hidden", src, num_tokens * row, False),))
         total = seq_start + num_tokens
         old = (st.ingested, st.pooled)
         first_block = 0 if seq_start == 0 else st.pooled
@@ -706,16 +761,16 @@ class QsaIndexer:
         visible = pos + 1
         page = block_size * self._kv_row
         table_bytes = 4 * -(-visible // block_size)
+        s = self._stream(stream, "decode_select")
         with _args.deferred_joins():
-            s = _args.stream(stream)
             x = self._normed_arg(normed, s)
             kc = self._k_pool_arg(k_pool, s, page)
             vc = self._v_pool_arg(v_pool, s, page)
             table = self._table_arg(block_table_dev, s, table_bytes)
-            if self._mine:
-                for name, p, n in (("normed", x, self.hidden * 2), ("k_pool", kc, page), ("v_pool", vc, page),
-                                   ("block_table_dev", table, table_bytes)):
-                    self._check_mine(p, n, name)
+            self._check_caller("decode_select", (("normed", x, self.hidden * 2, False),
+                                                 ("k_pool", kc, _args.extent(k_pool, kc, page), False),
+                                                 ("v_pool", vc, _args.extent(v_pool, vc, page), False),
+                                                 ("block_table_dev", table, table_bytes, False)))
         pooled = self._queue_token(st, x, pos, s)
         complete = visible // self.ratio
         if complete <= self.block_topk:
@@ -739,7 +794,8 @@ class QsaIndexer:
         its position ``states[r].ingested``; ``block_tables`` i32 ``[R, max_pages]``: row r is sequence r's logical
         -> physical page table (``max_pages`` from the array's shape, or ``max_pages=``; a row must hold the
         sequence's visible tokens), kept in the selection for :meth:`sparse_decode_attention`; ``block_size`` >= 8
-        tokens per page. Every argument is checked before any device work or state change.
+        tokens per page. Every argument is checked before any device work or state change (neither array may overlap
+        the indexer's memory).
 
         Queues on ``stream``: the slots' copy, the qk GEMM (m = R), ``qsa_dev_prep``, ``qsa_dev_score``,
         ``qsa_dev_topk`` (which advances the device positions). Nothing blocks or reads the device, so it can be
@@ -767,7 +823,9 @@ class QsaIndexer:
         this indexer's latest :meth:`decode_select_batch` result; ``out`` bf16 ``[R, nq, hd_attn]`` (written; a
         sequence with no selected token gets zeros); ``scale``: default ``1 / sqrt(hd_attn)``. Two launches on
         ``stream`` (split-K partials of 128 tokens, then a log-sum-exp merge in split order: the bits depend only on
-        each sequence's token list); capturable. Every argument is checked before any device work.
+        each sequence's token list); capturable. Every argument is checked before any device work: none may overlap
+        the indexer's memory, nor ``out`` another argument (a pool as far as it reaches: its stated size, else to the
+        end of the hss buffer holding the address).
         """
         device.sparse_attention(self, q, k_pool, v_pool, block_tables, selection, out, stream, scale, nq)
 

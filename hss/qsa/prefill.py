@@ -172,8 +172,8 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
     rows_in, rows_attn = num_tokens * idx.hidden * 2, num_tokens * nq * hd_attn * 2
     pool = (int(table.max()) + 1) * block_size * nkv * hd_attn * 2 if num_tokens and table.size else 0
     al = _VEC
+    s = idx._stream(stream, "prefill_select")
     with _args.deferred_joins():   # a producer's stream is joined only once every argument passed
-        s = _args.stream(stream)
         base = _scratch(scratch, layout.nbytes, total, s)
         x = _args.pointer(normed, "normed", rows_in, 2, "bf16", stream=s,
                           what=f"the chunk's attention input [num_tokens, hidden] = [{num_tokens}, {idx.hidden}] bf16")
@@ -186,13 +186,16 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
                      f"names: {pool} bytes")
         kc = _args.pointer(k_pool, "k_pool", pool, al, "bf16", stream=s, what=pool_what)
         vc = _args.pointer(v_pool, "v_pool", pool, al, "bf16", stream=s, what=pool_what)
+        if _args.DEVICES.many:   # another device's memory (the kernels and cuBLAS run on the indexer's)
+            for name, obj, p in (("scratch", scratch, base), ("normed", normed, x), ("q_roped", q_roped, q),
+                                 ("attn_ctx", attn_ctx, out), ("k_pool", k_pool, kc), ("v_pool", v_pool, vc)):
+                _args.check_device(obj, p, name, idx._device)
         # the call writes scratch and attn_ctx: neither may overlap the indexer's memory or another argument
-        ranges = (("scratch", base, layout.nbytes, True), ("attn_ctx", out, rows_attn, True),
-                  ("normed", x, rows_in, False), ("q_roped", q, rows_attn, False), ("k_pool", kc, pool, False),
-                  ("v_pool", vc, pool, False))
-        for name, p, n, _ in ranges:
-            idx._check_mine(p, n, name)
-        _args.disjoint("QsaIndexer.prefill_select", *ranges)
+        idx._check_caller("prefill_select", (("scratch", base, layout.nbytes, True),
+                                             ("attn_ctx", out, rows_attn, True), ("normed", x, rows_in, False),
+                                             ("q_roped", q, rows_attn, False),
+                                             ("k_pool", kc, _args.extent(k_pool, kc, pool), False),
+                                             ("v_pool", vc, _args.extent(v_pool, vc, pool), False)))
     return _Checked(seq_start, total, max(idx.inert_bound(), seq_start), nq, block_size, inv, table, layout, base,
                     x, q, out, kc, vc, s)
 

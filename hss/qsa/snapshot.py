@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hss import _args
 from hss.errors import HssError
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ def _fingerprint_of(idx: QsaIndexer) -> int:
 def snapshot_aux(idx: QsaIndexer, st: QsaSeqState, stream: Any) -> bytes:
     """See :meth:`QsaIndexer.snapshot_aux`."""
     idx._check_state(st, "snapshot_aux")
-    s = _args.stream(stream)
+    s = idx._stream(stream, "snapshot_aux")
     n = st.ingested * idx.hd * 2
     body = HEADER.size + n
     blob = bytearray(body + TRAILER.size)
@@ -118,5 +117,8 @@ def restore_aux(idx: QsaIndexer, st: QsaSeqState, blob: Any, stream: Any) -> Non
     """See :meth:`QsaIndexer.restore_aux`."""
     idx._check_state(st, "restore_aux")
     parsed = parse_aux(blob, idx.hd, idx.ratio, idx.max_tokens, idx.n_heads)
-    s = _args.stream(stream)
+    s = idx._stream(stream, "restore_aux")
+    if parsed.raw.nbytes:   # host memory: the indexer's pinned staging would be overwritten under the upload
+        addr = np.frombuffer(parsed.raw, dtype=np.uint8).__array_interface__["data"][0]
+        idx._check_caller("restore_aux", (("blob", addr, parsed.raw.nbytes, False),))
     idx._restore(st, parsed.ingested, parsed.pooled, parsed.raw, s)
