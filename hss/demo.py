@@ -1,8 +1,15 @@
-"""``python -m hss demo`` and ``python -m hss demo qsa``.
+"""``python -m hss demo-qsa``: a decode loop on one Qwen3.8-Flash-Next-like attention layer.
 
-``demo`` (the main job, :mod:`hss.model.demo`): SmolLM2-135M-Instruct decoded on the GPU through hss, its KV history
-in HBM or behind the high-speed swap. ``demo qsa``: a decode loop on one Qwen3.8-Flash-Next-like attention layer
-(:data:`QSA_DOC`).
+Seeded synthetic weights, hidden states and paged KV (pages in a shuffled order, as a real pool).
+Prefill ingests the indexer keys and projects every KV page into the predictor's low-rank store;
+each decode step then runs the predictor over the KV pages (``project_q`` + ``score_layer``), the
+QSA indexer's selection (``decode_select``: ingest, score, host top-k, gather), attention over the
+selected tokens (``TiledAttention`` over the gathered scratch with its identity table) and over all
+tokens (dense, the real block table), and prints per-stage time, selection size and the cosine
+between sparse and dense attention outputs. On the CPU emulator the sizes are smaller and every
+time printed is marked as no hardware measurement.
+
+The main demo, SmolLM2 decoded through hss, is :mod:`hss.model.demo` (``python -m hss demo``).
 """
 from __future__ import annotations
 
@@ -17,53 +24,28 @@ import numpy as np
 from hss import cuda_min as cm
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.gpu import CudaBackend
+from hss.model.demo import NOT_MEASURED, int_at_least
 from hss.predictor import Predictor, PredictorDims
 from hss.qsa import QsaIndexer
 
-QSA_DOC = """``python -m hss demo qsa``: a decode loop on one Qwen3.8-Flash-Next-like attention layer.
-
-Seeded synthetic weights, hidden states and paged KV (pages in a shuffled order, as a real pool).
-Prefill ingests the indexer keys and projects every KV page into the predictor's low-rank store;
-each decode step then runs the predictor over the KV pages (``project_q`` + ``score_layer``), the
-QSA indexer's selection (``decode_select``: ingest, score, host top-k, gather), attention over the
-selected tokens (``TiledAttention`` over the gathered scratch with its identity table) and over all
-tokens (dense, the real block table), and prints per-stage time, selection size and the cosine
-between sparse and dense attention outputs.
-"""
+__all__ = ["HELP", "add_arguments", "run"]
 
 BF16 = ml_dtypes.bfloat16
 N_HEADS, HD, RATIO, BUDGET, ROT, THETA, EPS = 4, 128, 4, 2048, 64, 1e7, 1e-6
 NQ, NKV, HD_ATTN, BS, RANK = 24, 2, 256, 16, 32
-
-
-QSA_HELP = ("decode loop on a synthetic Qwen3.8-Flash-Next-like layer: predictor, QSA selection, sparse vs dense "
-            "attention")
+HELP = "decode loop on a synthetic Qwen3.8-Flash-Next-like layer: predictor, QSA selection, sparse vs dense attention"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The main demo's options (:func:`hss.model.demo.add_arguments`) and the ``qsa`` subcommand's."""
-    from hss.model import demo as model_demo
-    model_demo.add_arguments(p)
-    sub = p.add_subparsers(dest="demo_command", metavar="{qsa}")
-    qsa = sub.add_parser("qsa", help=QSA_HELP, description=QSA_DOC,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_qsa_arguments(qsa)
-
-
-def run(args: argparse.Namespace) -> int:
-    """``demo qsa``: :func:`run_qsa`; plain ``demo``: :func:`hss.model.demo.run`."""
-    if getattr(args, "demo_command", None) == "qsa":
-        return run_qsa(args)
-    from hss.model import demo as model_demo
-    return model_demo.run(args)
-
-
-def add_qsa_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", type=int, help="tokens ingested before decoding (default 4096; emulator 2052)")
-    p.add_argument("--steps", type=int, help="decode steps (default 8; emulator 3)")
-    p.add_argument("--hidden", type=int, help="hidden size (default 2560, the model's; emulator 256)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and data (default 0)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    """The options of ``demo-qsa`` on ``p`` (range-checked by argparse)."""
+    p.add_argument("--prefill", type=int_at_least(1), metavar="N",
+                   help="tokens ingested before decoding (default 4096; emulator 2052)")
+    p.add_argument("--steps", type=int_at_least(1), metavar="N", help="decode steps (default 8; emulator 3)")
+    p.add_argument("--hidden", type=int_at_least(1), metavar="N",
+                   help="hidden size (default 2560, the model's; emulator 256)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, metavar="N",
+                   help="seed of the synthetic weights and data (default 0)")
+    p.add_argument("--device", type=int_at_least(0), default=0, metavar="N", help="CUDA device ordinal (default 0)")
 
 
 def _upload(arr: np.ndarray, stream: int) -> cm.DeviceBuffer:
@@ -96,7 +78,8 @@ class _Timer:
             self.ms[n].append(a.elapsed_ms(b))
 
 
-def run_qsa(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """The decode loop (``args`` from :func:`add_arguments`); exit status 0."""
     status = cm.driver_status()
     emulated = status.kind == "emulator"
     prefill = args.prefill or (2052 if emulated else 4096)
@@ -108,7 +91,7 @@ def run_qsa(args: argparse.Namespace) -> int:
     ctx = cm.CudaCtx(args.device)
     s = ctx.stream
     where = "CPU emulator (no GPU; smaller size: kernels run as numpy references)" if emulated else ctx.name
-    print(f"hss demo on {where}: hidden {hidden}, indexer {N_HEADS}x{HD} (ratio {RATIO}, budget {BUDGET}, "
+    print(f"hss demo-qsa on {where}: hidden {hidden}, indexer {N_HEADS}x{HD} (ratio {RATIO}, budget {BUDGET}, "
           f"rot {ROT}), attention {NQ}q/{NKV}kv x {HD_ATTN}, block size {BS}, {prefill} prefill tokens, "
           f"{steps} decode steps, seed {args.seed}")
 
@@ -139,8 +122,9 @@ def run_qsa(args: argparse.Namespace) -> int:
     for b in range(pages):   # the predictor projects each KV page as it is written
         pred.project_kv_block_on_stream(s, 0, b, k_pool.ptr + int(table[b]) * page_bytes)
     cm.stream_sync(s)
+    note = f" {NOT_MEASURED}" if emulated else ""
     print(f"prefill: indexer ingest of {prefill} tokens + predictor projection of {pages} pages: "
-          f"{(time.perf_counter() - t0) * 1e3:.1f} ms (host wall, includes first-use JIT)")
+          f"{(time.perf_counter() - t0) * 1e3:.1f} ms (host wall, includes first-use JIT){note}")
 
     q_proj = cm.DeviceBuffer(NQ * RANK * 2)
     scores = cm.DeviceBuffer(4 * pages)
@@ -201,10 +185,10 @@ def run_qsa(args: argparse.Namespace) -> int:
         rows.append((pos, visible, n_sel, cos))
         print(f"step pos {pos}: visible {visible}, selected {n_sel} tokens"
               f"{'' if sel is not None else ' (inert: dense is exact)'}, cosine(sparse, dense) {cos:.4f}, "
-              + ", ".join(f"{n} {timer.ms[n][-1] * 1e3:.0f} us" for n in stages))
+              + ", ".join(f"{n} {timer.ms[n][-1] * 1e3:.0f} us" for n in stages) + note)
     print("median per stage over the steps: " + ", ".join(
         f"{n} {statistics.median(timer.ms[n]) * 1e3:.0f} us" for n in stages)
-        + f"; decode_select host wall {statistics.median(host_select_ms) * 1e3:.0f} us")
+        + f"; decode_select host wall {statistics.median(host_select_ms) * 1e3:.0f} us{note}")
 
     indexer.release_seq_state(st)
     for obj in (indexer, pred, attn, gpu, *timer_events(timer), *owned):

