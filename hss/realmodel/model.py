@@ -6,6 +6,7 @@ in two halves that rotate-half RoPE pairs (row ``i`` with row ``i + head_dim // 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,8 +41,13 @@ class Config:
             raise HssError(f"Config: n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         if self.head_dim % 2:
             raise HssError(f"Config: head_dim ({self.head_dim}) must be even for RoPE")
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))
-        object.__setattr__(self, "norm_eps", float(self.norm_eps))
+        for name, positive in (("rope_theta", True), ("norm_eps", False)):
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+            if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise HssError(f"Config.{name} must be a finite number {'> 0' if positive else '>= 0'}, got "
+                               f"{value!r}")
+            object.__setattr__(self, name, float(value))
 
     @property
     def q_dim(self) -> int:
@@ -71,13 +77,17 @@ class LayerWeights:
     w_up: np.ndarray        # [ffn_dim, dim]
     w_down: np.ndarray      # [dim, ffn_dim]
 
-    def check(self, config: Config, index: int) -> None:
-        """Raise :class:`HssError` naming the first array whose shape disagrees with ``config``."""
+    @staticmethod
+    def shapes(config: Config) -> dict[str, tuple[int, ...]]:
+        """The shape of each field for ``config``."""
         c = config
-        want = {"attn_norm": (c.dim,), "wq": (c.q_dim, c.dim), "wk": (c.kv_dim, c.dim), "wv": (c.kv_dim, c.dim),
+        return {"attn_norm": (c.dim,), "wq": (c.q_dim, c.dim), "wk": (c.kv_dim, c.dim), "wv": (c.kv_dim, c.dim),
                 "wo": (c.dim, c.q_dim), "ffn_norm": (c.dim,), "w_gate": (c.ffn_dim, c.dim),
                 "w_up": (c.ffn_dim, c.dim), "w_down": (c.dim, c.ffn_dim)}
-        for name, shape in want.items():
+
+    def check(self, config: Config, index: int) -> None:
+        """Raise :class:`HssError` naming the first array whose shape disagrees with ``config``."""
+        for name, shape in self.shapes(config).items():
             got = getattr(self, name).shape
             if got != shape:
                 raise HssError(f"layer {index} {name}: shape {got}, the config needs {shape}")

@@ -63,11 +63,20 @@ def _zen() -> str:
     raise HssError(f"{spec.origin}: no ROT13 string 's' found; use english_text('heapq')")
 
 
+def _topics() -> str:
+    """The prose of the Python help topics (``pydoc_data.topics``, ~460 KB): long English text that does not repeat."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise HssError("pydoc_data.topics is missing from this Python; use english_text('python')") from None
+    return "\n\n".join(p for p in (prose_paragraphs(topics[k]) for k in sorted(topics)) if p)
+
+
 def _python() -> str:
     return _license() + "\n\n" + _heapq()
 
 
-SOURCES = {"python": _python, "license": _license, "heapq": _heapq, "zen": _zen}
+SOURCES = {"python": _python, "license": _license, "heapq": _heapq, "zen": _zen, "topics": _topics}
 
 
 def english_text(name: str = "python") -> str:

@@ -77,11 +77,13 @@ def pre_tokenize(text: str) -> list[str]:
 
 
 class Tokenizer:
-    """Byte-level BPE over a GGUF vocabulary: :meth:`encode`, :meth:`decode`, :meth:`chat_prompt`.
+    """Byte-level BPE over a GGUF or ``tokenizer.json`` vocabulary: :meth:`encode`, :meth:`decode`,
+    :meth:`chat_prompt`.
 
     ``tokens``: the vocabulary (GPT-2 byte alphabet, id = index); ``merges``: ``"a b"`` pairs, highest
     priority first; ``token_types``: GGUF types per token (CONTROL / USER_DEFINED tokens are special: matched
-    verbatim in text); ``chat_template``: the Jinja template from the GGUF, read for its default system prompt.
+    verbatim in text); ``chat_template``: the model's Jinja template, read for its default system prompt. The
+    arguments are kept as attributes of the same names (lists).
     """
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int] | None = None,
@@ -92,14 +94,16 @@ class Tokenizer:
             raise HssError("Tokenizer: the vocabulary has duplicate tokens")
         if token_types is not None and len(token_types) != len(self.tokens):
             raise HssError(f"Tokenizer: {len(token_types)} token types for {len(self.tokens)} tokens")
+        self.merges = list(merges)
         self.ranks: dict[tuple[str, str], int] = {}
-        for rank, merge in enumerate(merges):
+        for rank, merge in enumerate(self.merges):
             pair = tuple(merge.split(" "))
             if len(pair) != 2:
                 raise HssError(f"Tokenizer: merge {rank} ({merge!r}) is not two tokens separated by one space")
             self.ranks.setdefault(pair, rank)
-        types = token_types if token_types is not None else [NORMAL] * len(self.tokens)
-        self.special = {t: i for i, (t, kind) in enumerate(zip(self.tokens, types)) if kind in (CONTROL, USER_DEFINED)}
+        self.token_types = list(token_types) if token_types is not None else [NORMAL] * len(self.tokens)
+        self.special = {t: i for i, (t, kind) in enumerate(zip(self.tokens, self.token_types))
+                        if kind in (CONTROL, USER_DEFINED)}
         self.special_ids = frozenset(self.special.values())
         self._special_re = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special, key=len,
                                                                                    reverse=True)) + ")") \
@@ -178,12 +182,12 @@ class Tokenizer:
         return "".join(out)
 
     def system_prompt(self) -> str:
-        """The default system message of the chat template (SmolLM2's own when the GGUF has no template)."""
+        """The default system message of the chat template (SmolLM2's own when the model has none)."""
         if self.chat_template is None:
             return DEFAULT_SYSTEM_PROMPT
         found = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", self.chat_template, re.S)
         if found is None:
-            raise HssError("Tokenizer.chat_prompt: the GGUF's chat template is not SmolLM2's ChatML template "
+            raise HssError("Tokenizer.chat_prompt: the model's chat template is not SmolLM2's ChatML template "
                            "(no '<|im_start|>system' default message)")
         return found.group(1)
 
