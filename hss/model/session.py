@@ -123,7 +123,7 @@ class Session:
 
     def __init__(self, model: DeviceModel, kv: str = "hbm", *, max_tokens: int, graph: bool = False,
                  prefill_chunk: int = 2048, resident: int = 512, tile: int = 64, ring: int = RING, rank: int = 32,
-                 budget: int | None = None, keep_first: int = 1, keep_recent: int = 1,
+                 budget: int | None = None, keep_first: int = 1, keep_recent: int = 4,
                  projection: np.ndarray | None = None, head_temperature: float | None = None,
                  fuse_rope: bool = True, device_step: bool = True) -> None:
         if not isinstance(model, DeviceModel):
