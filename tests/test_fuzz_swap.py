@@ -1,15 +1,18 @@
-"""State-machine fuzzing of HighSpeedSwap (issue 14): random sequences of disk block allocations and reference
-counts, offloads (with and without the predictor), decode steps over random page lists, hostile arguments, store
-faults (a failing pread or pwrite of the FileStore) and driver faults or interrupts at any driver call of a step,
-against a plain-Python model (the allocator's ids and counts, which pages of which layer are readable, their K/V).
+"""State-machine fuzzing of HighSpeedSwap: random sequences of disk block allocations and reference counts, offloads
+(with and without the predictor), decode steps over random page lists, hostile arguments, store faults (a failing
+pread of the FileStore; a store write that fails at once or part way: the FileStore's pwrite, the HostStore's copy),
+driver faults during an offload (the projection's launch, after the store write) and driver faults or interrupts at
+any driver call of a step, against a plain-Python model (the allocator's ids and counts, which pages of which layer
+are readable, their K/V).
 
 After every rule: the allocator, the store's validity and the diagnostic counts equal the model; every page resident
 in the scratch pool holds exactly the bytes of its (readable) page; a step's output equals, bit for bit, in-HBM tiled
 attention over the tiles it recorded, and float64 attention over its pages under the bf16 bound; a failed rule
-changed nothing (a failed store write leaves that one page unreadable: the only state a failure may change, and the
-model says so). Steps run exact or in the sparse mode (SPEC §17.6): the model picks the attended pages from the
-predictor's own scores, and only those that were not resident are read. At teardown the swap is closed:
-``mem_info`` is back to its start value, the files are gone.
+changed nothing: a failed offload leaves the page's stored bytes, its A_g slot and the pool as they were, and a retry
+of it works (only where the page's old bytes cannot be written back either is that one page unreadable, and the model
+says so). Steps run exact or in the sparse mode (SPEC §17.6): the model picks the attended pages from the predictor's
+own scores, and only those that were not resident are read. At teardown the swap is closed: ``mem_info`` is back to
+its start value, the files are gone.
 """
 from __future__ import annotations
 
@@ -29,10 +32,11 @@ from test_fuzz_qsa import live_buffers
 from test_qsa_indexer import driver_calls
 
 from hss import cuda_min as cm
+from hss import inject_fault
 from hss._driver import CudaError, HssError
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.reference import attention as ref
-from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, ModelDims, StoreError, StoreIOError
+from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, HostStore, ModelDims, StoreError, StoreIOError
 
 from helpers import BF16, assert_close, download, upload
 
@@ -83,6 +87,52 @@ def failing(name: str, at: int, err: int):
         yield count
     finally:
         setattr(os, name, real)
+
+
+@contextmanager
+def failing_writes(store, plan: tuple):
+    """The store's writes follow ``plan`` (then succeed): "fail" fails at once (ENOSPC), "part" writes some bytes
+    first (4096: O_DIRECT's unit), "ok" writes. A FileStore's pwrite fails; a HostStore's copy."""
+    calls = [0]
+
+    def step() -> str:
+        what = plan[calls[0]] if calls[0] < len(plan) else "ok"
+        calls[0] += 1
+        return what
+
+    if isinstance(store, HostStore):
+        real = store._write
+
+        def write(layer, page, offset, data):
+            what = step()
+            if what == "part":
+                real(layer, page, offset, data[:data.nbytes // 2])
+            if what != "ok":
+                raise StoreIOError(layer, page, 0, 0, "injected failure", errno.ENOSPC)
+            real(layer, page, offset, data)
+
+        store._write = write
+        try:
+            yield calls
+        finally:
+            del store._write
+        return
+    real_pwrite = os.pwrite
+    plan = tuple(w for what in plan for w in (("part", "fail") if what == "part" else (what,)))   # (pwrite loops)
+
+    def pwrite(fd, data, off):
+        what = step()
+        if what == "fail":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if what == "part":
+            return real_pwrite(fd, memoryview(data)[:4096], off)
+        return real_pwrite(fd, data, off)
+
+    os.pwrite = pwrite
+    try:
+        yield calls
+    finally:
+        os.pwrite = real_pwrite
 
 
 class SwapMachine(RuleBasedStateMachine):
@@ -267,7 +317,7 @@ class SwapMachine(RuleBasedStateMachine):
         self.nothing_queued(lambda: self.h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out,
                                                         **sparse_kw(sparse)), StoreError)
 
-    @rule(kind=st.integers(0, 12), layer=st.integers(0, LAYERS - 1))
+    @rule(kind=st.integers(0, 16), layer=st.integers(0, LAYERS - 1))
     def hostile(self, kind: int, layer: int) -> None:
         """A bad argument: an error naming it before any device work; nothing changed (the invariants)."""
         h, k, v = self.h, *self.page()
@@ -288,9 +338,13 @@ class SwapMachine(RuleBasedStateMachine):
             (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, budget_pages=1, keep_recent=1.0),
              TypeError),
             (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.out, keep_first=1), HssError),
+            (lambda: h.attend_layer(self.ctx, layer, ids, self.q_dev, self.store_memory()), HssError),  # the store's
+            (lambda: h.offload_block(self.ctx, layer, 0, self.store_memory(), k, v), HssError),
+            (lambda: h.store.read_pages(self.s, layer, ids[:1], [self.store_memory()]), HssError),
+            (lambda: h.store.read_pages(self.s, layer, ids[:2], [self.out.ptr] * 2), HssError),       # overlap
         ]
         call, exc = cases[kind]
-        if kind == 3 and not ids:
+        if (kind == 3 and not ids) or (kind == 15 and not ids) or (kind == 16 and len(ids) < 2):
             return
         self.nothing_queued(call, exc)
 
@@ -324,16 +378,85 @@ class SwapMachine(RuleBasedStateMachine):
                 return
         self.check_step(layer, list(pages), BS, rec)
 
-    @precondition(lambda self: self.cfg.store == "file")
-    @rule(layer=st.integers(0, LAYERS - 1), b=st.integers(0, BLOCKS - 1))
-    def write_fault(self, layer: int, b: int) -> None:
-        """The FileStore's write of a page fails (ENOSPC): a StoreIOError naming it; that page is no longer
-        readable (its old bytes may be partly overwritten), every other page is untouched."""
+    def store_memory(self) -> int:
+        """An address inside memory the swap's store owns (its pinned pages, or its bounce ring)."""
+        st = self.h.store
+        return st.buffer.ptr + self.h.layout.block_bytes if isinstance(st, HostStore) else st.bounce.ptr
+
+    def offload_state(self, layer: int, b: int) -> tuple:
+        """What a failed offload of (layer, b) must leave alone: the bytes the store serves for it (None: unreadable),
+        its A_g slot, the pool's residents and free list."""
+        cm.stream_sync(self.s)
+        data = None
+        if self.h.store.page_valid(layer, b):
+            dev = cm.DeviceBuffer(self.h.layout.block_bytes)
+            self.h.store.read_pages(self.s, layer, [b], [dev.ptr])
+            data = download(dev, (self.h.layout.block_bytes,), np.uint8, self.s)
+            dev.close()
+        a_g = self.h.predictor.read_k_lr_slot(self.ctx, layer, b).view(np.uint16).copy()
+        return data, a_g, self.h.pool.residents(), self.h.pool.free_slots()
+
+    def try_offload(self, layer: int, b: int, predict: bool, k: np.ndarray, v: np.ndarray) -> None:
+        if predict:
+            kd = upload(k, self.s)
+            try:
+                self.h.offload_block(self.ctx, layer, b, kd, k, v)
+                cm.stream_sync(self.s)
+            finally:
+                kd.close()
+        else:
+            self.h.offload_block_no_predict_on_stream(self.s, layer, b, k, v)
+
+    def after_failure(self, layer: int, b: int, before: tuple, lost: bool, retry: bool, predict: bool) -> None:
+        """Nothing changed (or, ``lost``, the page is unreadable and gone from the pool); a retry then works."""
+        data, a_g, residents, free = self.offload_state(layer, b)
+        assert np.array_equal(a_g, before[1]), "a failed offload changed the A_g slot"
+        if lost:
+            assert data is None and (layer, b) not in residents
+            self.valid.discard((layer, b))
+            before_residents = {key: slot for key, slot in before[2].items() if key != (layer, b)}
+            assert residents == before_residents, "a lost page changed other residents"
+        else:
+            assert (data is None) == (before[0] is None), "a failed offload changed the page's validity"
+            assert data is None or np.array_equal(data, before[0]), "a failed offload changed the stored bytes"
+            assert (residents, free) == before[2:], "a failed offload changed the pool"
+        if retry:
+            k, v = self.page()
+            self.try_offload(layer, b, predict, k, v)
+            self.k[layer, b], self.v[layer, b] = k, v
+            self.valid.add((layer, b))
+
+    @rule(layer=st.integers(0, LAYERS - 1), b=st.integers(0, BLOCKS - 1), predict=st.booleans(),
+          how=st.sampled_from(["fail", "part"]), twice=st.booleans(), retry=st.booleans())
+    def write_fault(self, layer: int, b: int, predict: bool, how: str, twice: bool, retry: bool) -> None:
+        """The store's write of a page fails (ENOSPC; at once or part way): a StoreIOError naming it; the page's stored
+        bytes, its A_g slot and the pool are as before; ``twice``: writing its old bytes back fails too, so a page that
+        was readable is no longer (the error says so). A retry works."""
+        before = self.offload_state(layer, b)
         k, v = self.page()
-        with failing("pwrite", 0, errno.ENOSPC):
-            with pytest.raises(StoreIOError, match=f"layer {layer} page {b} "):
-                self.h.offload_block_no_predict_on_stream(self.s, layer, b, k, v)
-        self.valid.discard((layer, b))
+        with failing_writes(self.h.store, (how, "fail" if twice else "ok")):
+            with pytest.raises(StoreIOError, match=f"layer {layer} page {b} ") as info:
+                self.try_offload(layer, b, predict, k, v)
+        lost = twice and before[0] is not None
+        assert ("previous bytes are lost" in str(info.value)) == lost
+        event(f"write fault: {how}{', page lost' if lost else ''}")
+        self.after_failure(layer, b, before, lost, retry, predict)
+
+    @rule(layer=st.integers(0, LAYERS - 1), b=st.integers(0, BLOCKS - 1), undo_fails=st.booleans(),
+          retry=st.booleans())
+    def projection_fault(self, layer: int, b: int, undo_fails: bool, retry: bool) -> None:
+        """The projection's launch fails after the store write (an injected driver fault): the CudaError propagates
+        and the page's old bytes are put back (``undo_fails``: that write fails too: a readable page is lost, a
+        StoreIOError says so); the A_g slot and the pool are as before. A retry works."""
+        before = self.offload_state(layer, b)
+        lost = undo_fails and before[0] is not None
+        k, v = self.page()
+        with failing_writes(self.h.store, ("ok", "fail" if undo_fails else "ok")):
+            with inject_fault("cuLaunchKernel", "CUDA_ERROR_LAUNCH_FAILED"):
+                with pytest.raises(StoreIOError if lost else CudaError):
+                    self.try_offload(layer, b, True, k, v)
+        event(f"projection fault{', page lost' if lost else ''}")
+        self.after_failure(layer, b, before, lost, retry, True)
 
     # -- invariants ----------------------------------------------------------------------------------------
     @invariant()

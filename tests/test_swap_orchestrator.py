@@ -645,7 +645,7 @@ def test_hostile_arguments_raise_before_any_device_work(ctx, tmp_path, rng, monk
         b.close()
 
 
-# -- own memory, page forms, cleanup (issue 14) ------------------------------------------------------------
+# -- own memory, page forms, cleanup -------------------------------------------------------------------------
 def test_pointers_into_the_swaps_memory_and_mistyped_pages_are_refused(ctx, tmp_path, rng, monkeypatch) -> None:
     """out_dev (and q_dev, k_block_dev) may not point into memory the swap owns -- the scratch pool (a resident page
     would be overwritten and later steps attend the damaged page), the predictor's A_g, the attention state, its
@@ -733,7 +733,7 @@ def test_bench_smoke_measures_the_disk_floor(tmp_path) -> None:
     assert "sparse step (budget 2 + first 1 / recent 4, a new query each step) within 0.2x" in text
 
 
-# -- the sparse mode (SPEC §17.6; issue 15) -------------------------------------------------------------------
+# -- the sparse mode (SPEC §17.6) ----------------------------------------------------------------------------
 def model_attended(ids: list[int], scores: list[float], budget: int, first: int, recent: int) -> list[int]:
     """SPEC §17.6 in plain Python: the first ``first`` and last ``recent`` pages, then the ``budget`` others ranked by
     (score descending, earlier page first; NaN below every number), in sequence order."""

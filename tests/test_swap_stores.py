@@ -219,11 +219,12 @@ def test_short_read_names_layer_page_and_kind(ctx, stream, rng, tmp_path, direct
             store.write_page(1, p, imgs[p])
         os.truncate(layer_path(tmp_path, 1), cut)
         assert np.array_equal(read_back(store, stream, 1, [1])[0], imgs[1])            # before the cut: fine
-        sink = cm.DeviceBuffer(LAYOUT.block_bytes)
+        bb = LAYOUT.block_bytes
+        sink = cm.DeviceBuffer(5 * bb)
         with pytest.raises(StoreIOError, match=rf"layer 1 page {page} \({what}\): short read: got \d+ of \d+ bytes "
                                                rf"at offset \d+ of .*layer_00001.kv, which ends at {cut} bytes but "
                                                rf"its layout needs {LAYOUT.bytes_per_layer} \(truncated\?\)") as info:
-            store.read_pages(stream, 1, [0, 1, 2, 3, 4], [sink.ptr] * 5)
+            store.read_pages(stream, 1, [0, 1, 2, 3, 4], [sink.ptr + i * bb for i in range(5)])
         sink.close()
         assert info.value.layer == 1 and info.value.page == page and info.value.kind == what[0]
 
@@ -497,7 +498,7 @@ def test_hostile_store_arguments(ctx, stream, rng, tmp_path, monkeypatch, kind: 
         b.close()
 
 
-# -- construction failures and finalizers (issue 14) ------------------------------------------------------
+# -- construction failures and finalizers ---------------------------------------------------------------
 @pytest.mark.parametrize("existing", [False, True], ids=["new-dir", "existing-dir"])
 def test_a_disk_too_full_names_path_layer_and_bytes_and_cleans_up(ctx, tmp_path, monkeypatch, existing) -> None:
     """posix_fallocate runs out of space at the third layer: the OSError names the file, the layer and the bytes

@@ -93,9 +93,16 @@ class HighSpeedSwapConfig:
         return self.resident_blocks - 2 * self.tile_blocks
 
     def validate_and_prepare(self) -> Path:
-        """:meth:`validate`, then create ``dir`` (mkdir -p); returns it."""
+        """:meth:`validate`, then create ``dir`` (mkdir -p); returns it. A ``dir`` (or a parent of it) that exists
+        but is not a directory is an :class:`HssError` naming it."""
         self.validate()
         path = Path(self.dir)
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise HssError(f"HighSpeedSwapConfig.dir {path}: {p} exists but is not a directory; pass a "
+                                   "directory, or a path that does not exist yet")
+                break
         path.mkdir(parents=True, exist_ok=True)
         return path
 

@@ -168,6 +168,11 @@ class PageGather:
         if old is not None:
             old.close()
 
+    @property
+    def ring(self) -> cm.PinnedBuffer | None:
+        """The mapped pinned memory of the index slots (None once closed); replaced when :meth:`reserve` grows it."""
+        return self._ring
+
     def launch(self, stream: int, slot: int, dst: int, src: int, pairs: np.ndarray | tuple, page_vecs: int) -> None:
         """Queue on ``stream`` the copies of page ``pairs[r, 0]`` of ``src`` into page ``pairs[r, 1]`` of ``dst``
         (``page_vecs`` 16-byte vectors each), its pairs written into index slot ``slot`` first. Values the caller

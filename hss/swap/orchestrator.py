@@ -84,6 +84,7 @@ from hss import cuda_min as cm
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
+from hss.swap._checks import StreamCheck, same_device
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy
 from hss.swap.gather import SPARSE_GATHER_MIN_RUNS
@@ -288,28 +289,35 @@ def _missing_dirs(path: Path) -> list[Path]:
     return out
 
 
+def _buffer_devices(obj: Any) -> set[int]:
+    """The devices of the device buffers ``obj`` holds (its attributes)."""
+    return {buf.device for buf in vars(obj).values() if isinstance(buf, cm.DeviceBuffer) and not buf.closed}
+
+
 def _never_offloaded(layer: int, pages: np.ndarray) -> StoreError:
     return StoreError(f"layer {layer} blocks {pages[:8].tolist()} were never offloaded (or their last write failed): "
                       "offload_block them before attending", pages)
 
 
 def _owned_ranges(h: HighSpeedSwap) -> _args.OwnedRanges:
-    """Every device buffer the swap and its parts hold (scratch pool, the predictor's P and A_g, the tiled attention's
-    running state, the step buffers), so that a caller's pointer into one of them is refused."""
+    """Every device (and pinned, device-addressable) buffer the swap and its parts hold (scratch pool, the predictor's
+    P and A_g, the tiled attention's running state, the step buffers and their pinned copies), so that a caller's
+    pointer into one of them is refused. (The store's own memory is the store's: ``store._memory``.)"""
     mine = _args.OwnedRanges()
     parts = ((h, "the swap's {}"), (h.pool, "the scratch pool"), (h.predictor, "the predictor's {}"),
              (h.attn, "the tiled attention's state ({})"))
     seen: set[int] = set()
     for obj, label in parts:
         for name, buf in vars(obj).items():
-            if isinstance(buf, cm.DeviceBuffer) and not buf.closed and buf.ptr not in seen:
+            if isinstance(buf, (cm.DeviceBuffer, cm.PinnedBuffer)) and not buf.closed and buf.ptr not in seen:
                 seen.add(buf.ptr)
                 mine.add(buf.ptr, buf.bytes, label.format(_BUFFER_NAMES.get(name, name.strip("_"))))
     return mine
 
 
 _BUFFER_NAMES = {"_a_g": "A_g store", "_p": "projection P", "_q_proj": "q_proj", "_scores_dev": "block scores",
-                 "_tile_index_dev": "tile tables", "buffer": "slots"}
+                 "_scores_host": "pinned block scores", "_tile_index_dev": "tile tables",
+                 "_tile_index_host": "pinned tile tables", "buffer": "slots"}
 
 
 def _record_fields(ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss_ids: np.ndarray,
@@ -386,6 +394,10 @@ class HighSpeedSwap:
             raise TypeError(f"model must be a ModelDims, not {type(model).__name__}")
         model.validate()
         cfg.validate()
+        if ctx is not None:
+            ctx.make_current()
+        self._streams = StreamCheck(ctx, "this HighSpeedSwap")    # ctx None: the current context
+        self._streams(stream, "stream" if ctx is None else "ctx")   # the setup stream: one of that context's
         self.config, self.model = cfg, model
         self.layout = GroupLayout(model.max_blocks_per_layer, model.num_kv_heads, model.block_size, model.head_dim)
         need = model.num_layers * self.layout.bytes_per_layer
@@ -398,8 +410,6 @@ class HighSpeedSwap:
         cfg.validate_and_prepare()
         self.tile_blocks, self.resident_capacity = cfg.tile_blocks, cfg.resident_capacity
         T, R = self.tile_blocks, self.resident_capacity
-        if ctx is not None:
-            ctx.make_current()
         try:
             own = self._own
             if cfg.store == "file":
@@ -433,6 +443,12 @@ class HighSpeedSwap:
             self._ev_scores, self._ev_go, self._ev_step_done, self._ev_resident = ev(), ev(), ev(), ev()
             self._ev_loaded, self._ev_done = (ev(), ev()), (ev(), ev())
             self._timer = own(_StallTimer(ctx))
+            dev = self._streams.device
+            parts = {"its store": self.store.device}
+            for name, part in (("its scratch pool", self.pool), ("its predictor", self.predictor),
+                               ("its tiled attention", self.attn), ("its step buffers", self)):
+                parts.update((name, d) for d in _buffer_devices(part) if d != dev)
+            same_device("HighSpeedSwap", dev, **parts)
         except BaseException:
             try:
                 self.close()
@@ -465,12 +481,14 @@ class HighSpeedSwap:
         self._operands = self.pool.attention_operands(self.attn)
         self._mine = _owned_ranges(self)
         rowbytes = 2 * model.num_q_heads * model.head_dim      # q and out: bf16 [num_q_heads, head_dim]
-        dev = self.pool.buffer.device   # another device's q or output is refused
+        # another device's q, output or K page is refused
         self._q_arg = _args.pointer_arg("q_dev", rowbytes, 2, "bf16", False, "bf16 [num_q_heads, head_dim]",
                                         device=dev)
         self._out_arg = _args.pointer_arg("out_dev", rowbytes, 2, "bf16", True,
                                           "a bf16 [num_q_heads, head_dim] output", device=dev)
         self._page_bytes = 2 * model.block_size * model.num_kv_heads * model.head_dim
+        self._k_arg = _args.pointer_arg("k_block_dev", self._page_bytes, 2, "bf16", False,
+                                        "one bf16 [block_size, num_kv_heads, head_dim] KV page", device=dev)
         self._copy = self.copy_stream.handle
         self._stepped = False
         self._ended = False      # the last step's end was recorded (step_done follows all its work on its stream)
@@ -491,6 +509,16 @@ class HighSpeedSwap:
     def _own(self, obj: Any) -> Any:
         self._owned.append(obj)
         return obj
+
+    @property
+    def device(self) -> int:
+        """The ordinal of the device the swap works on (its context's)."""
+        return self._streams.device
+
+    def _refuse_owned(self, ptr: int, nbytes: int, name: str) -> None:
+        """HssError where argument ``name`` overlaps memory the swap or its store owns (which its work writes)."""
+        self._mine.check(ptr, nbytes, name, "this HighSpeedSwap")
+        self.store._memory.check(ptr, nbytes, name, "this HighSpeedSwap's store")
 
     # -- argument checks -------------------------------------------------------------------------
     def _live(self) -> None:
@@ -572,43 +600,68 @@ class HighSpeedSwap:
     def offload_block(self, ctx: cm.CudaCtx, layer: int, block: int, k_block_dev: Any, k_host: Any,
                       v_host: Any) -> None:
         """:meth:`offload_block_on_stream` on ``ctx.stream``."""
-        self.offload_block_on_stream(_args.stream(ctx, "ctx"), layer, block, k_block_dev, k_host, v_host)
+        self.offload_block_on_stream(self._streams(ctx, "ctx"), layer, block, k_block_dev, k_host, v_host)
 
     def offload_block_on_stream(self, stream: Any, layer: int, block: int, k_block_dev: Any, k_host: Any,
                                 v_host: Any) -> None:
         """Store page ``block`` of ``layer`` and queue its predictor projection on ``stream``.
 
-        k_block_dev: device bf16 ``[block_size, num_kv_heads, head_dim]`` (the NHD page in the KV cache; not in the
-        swap's own memory); k_host, v_host: the same page's K and V on the host, bf16 ``[block_size, num_kv_heads,
-        head_dim]`` (a typed array must be bf16, or its bits as uint16, of exactly that shape; raw bytes and flat
-        arrays are taken as that layout). Everything is checked before anything happens. The store write is
-        synchronous; a resident copy of the page is dropped from the scratch pool. A write that fails
-        (:class:`StoreIOError`) leaves this page unreadable until it is offloaded again; nothing else changes.
+        k_block_dev: device bf16 ``[block_size, num_kv_heads, head_dim]`` (the NHD page in the KV cache, of the swap's
+        device; not in the swap's or its store's own memory); k_host, v_host: the same page's K and V on the host,
+        bf16 ``[block_size, num_kv_heads, head_dim]`` (a typed array must be bf16, or its bits as uint16, of exactly
+        that shape; raw bytes and flat arrays are taken as that layout). Everything is checked before anything
+        happens. The store write is synchronous; then the projection into the block's A_g slot is queued, and a
+        resident copy of the page is dropped from the scratch pool.
+
+        All or nothing: a call that fails changes nothing observable. A store write that fails
+        (:class:`StoreIOError`) leaves the page's stored bytes, the A_g slot and the pool as they were (nothing is
+        projected); a projection that fails to queue after the write (a driver error) puts the page's previous bytes
+        back before its error propagates, so the store, the A_g slot and the pool are again as before. Only where
+        the previous bytes cannot be put back (the disk fails again) is the page left unreadable, and dropped from
+        the pool, until it is offloaded again (the error says so). (An interrupt landing after the projection was
+        queued leaves the A_g slot projected from the new page, a score hint only; offload again.)
         """
         self._live()
-        s = _args.stream(stream)
+        s = self._streams(stream)
         layer, block = self._layer(layer), self._block(block)
         with _args.deferred_joins():
-            k = _args.pointer(k_block_dev, "k_block_dev", self._page_bytes, 2, "bf16", stream=s,
-                              what="one bf16 [block_size, num_kv_heads, head_dim] KV page")
-            self._mine.check(k, self._page_bytes, "k_block_dev", "this HighSpeedSwap")
+            k = self._k_arg(k_block_dev, s)
+            self._refuse_owned(k, self._page_bytes, "k_block_dev")
             image = self.layout.pack_page(k_host, v_host)
-        self.predictor.project_kv_block_on_stream(s, layer, block, k)
-        self._store(layer, block, image)
+        saved = self._store(layer, block, image)
+        try:
+            self.predictor.project_kv_block_on_stream(s, layer, block, k)
+        except BaseException:
+            try:
+                self.store._undo(saved)
+            finally:
+                self._forget_if_unreadable(layer, block)
+            raise
+        self.pool.invalidate((layer, block))
 
     def offload_block_no_predict_on_stream(self, stream: Any, layer: int, block: int, k_host: Any,
                                            v_host: Any) -> None:
         """:meth:`offload_block_on_stream` without the projection (quantized caches): the block's A_g slot
-        keeps what it had (zeros if never written), so its score is stale; eviction still works."""
+        keeps what it had (zeros if never written), so its score is stale; eviction still works. All or nothing
+        like the store write there."""
         self._live()
-        _args.stream(stream)
+        self._streams(stream)
         layer, block = self._layer(layer), self._block(block)
         self._store(layer, block, self.layout.pack_page(k_host, v_host))
+        self.pool.invalidate((layer, block))
 
-    def _store(self, layer: int, block: int, image: np.ndarray) -> None:
+    def _store(self, layer: int, block: int, image: np.ndarray) -> Any:
+        """Write the page into the store, all or nothing; returns what undoes it (``store._undo``)."""
         try:
-            self.store.write_page(layer, block, image)
-        finally:
+            return self.store._put(layer, block, 0, image, slice(None))
+        except BaseException:
+            self._forget_if_unreadable(layer, block)
+            raise
+
+    def _forget_if_unreadable(self, layer: int, block: int) -> None:
+        """After a failed write: a page the store can no longer read is dropped from the pool too (else the pool
+        keeps its copy, the same bytes as the store's)."""
+        if not self.store.page_valid(layer, block):
             self.pool.invalidate((layer, block))
 
     # -- disk block ids --------------------------------------------------------------------------
@@ -640,7 +693,7 @@ class HighSpeedSwap:
                      last_block_valid_slots: int | None = None, *, q_pos: int | None = None,
                      budget_pages: int | None = None, keep_first: int = 0, keep_recent: int = 0) -> StepRecord:
         """:meth:`attend_layer_on_stream` on ``ctx.stream``."""
-        return self.attend_layer_on_stream(_args.stream(ctx, "ctx"), layer, seq_block_ids, q_dev, out_dev,
+        return self.attend_layer_on_stream(self._streams(ctx, "ctx"), layer, seq_block_ids, q_dev, out_dev,
                                            last_block_valid_slots, q_pos=q_pos, budget_pages=budget_pages,
                                            keep_first=keep_first, keep_recent=keep_recent)
 
@@ -659,11 +712,13 @@ class HighSpeedSwap:
         q_dev: device bf16 ``[num_q_heads, head_dim]``; out_dev: device bf16 ``[num_q_heads, head_dim]``.
         seq_block_ids: distinct disk block ids in token order; each must have been offloaded for ``layer``.
         The last page contributes ``last_block_valid_slots`` tokens (default block_size; or give ``q_pos``:
-        ``q_pos % block_size + 1``). Everything is checked before any work is queued; neither q_dev nor out_dev
-        may overlap memory the swap owns (its scratch pool, the predictor's P and A_g, the attention state, its
-        tables), nor out_dev q_dev. Waits on the host for the predictor scores; otherwise asynchronous on
-        ``stream``. A step that fails part way (a read error, a driver error, an interrupt) changes no page: the
-        pool keeps only resident pages whose copies were queued, and the next step is exact.
+        ``q_pos % block_size + 1``). Everything is checked before any work is queued: ``stream`` must be one of
+        the swap's context, q_dev and out_dev memory of its device; neither may overlap memory the swap owns (its
+        scratch pool, the predictor's P and A_g, the attention state, its tables and their pinned copies) or its store
+        owns (the HostStore's pages and index ring, the FileStore's bounce ring), nor out_dev q_dev. Waits on the
+        host for the predictor scores; otherwise asynchronous on ``stream``. A step that fails part way (a read
+        error, a driver error, an interrupt) changes no page: the pool keeps only resident pages whose copies were
+        queued, and the next step is exact.
 
         The sparse mode (SPEC §17.6; opt in with ``budget_pages``, an int >= 0): the step attends the first
         ``keep_first`` and the last ``keep_recent`` pages of ``seq_block_ids`` plus the ``budget_pages`` others with
@@ -674,7 +729,7 @@ class HighSpeedSwap:
         """
         t0 = time.perf_counter()
         self._live()
-        s = _args.stream(stream)
+        s = self._streams(stream)
         layer = self._layer(layer)
         ids, top = self._seq_ids(seq_block_ids)
         lbvs = self._lbvs(last_block_valid_slots, q_pos)
@@ -682,8 +737,8 @@ class HighSpeedSwap:
         rowbytes = 2 * self.model.num_q_heads * self.model.head_dim
         with _args.deferred_joins():
             q, out = self._q_arg(q_dev, s), self._out_arg(out_dev, s)
-            self._mine.check(q, rowbytes, "q_dev", "this HighSpeedSwap")
-            self._mine.check(out, rowbytes, "out_dev", "this HighSpeedSwap")
+            self._refuse_owned(q, rowbytes, "q_dev")
+            self._refuse_owned(out, rowbytes, "out_dev")
             if out < q + rowbytes and q < out + rowbytes:      # (the error is _args.disjoint's)
                 _args.disjoint("attend_layer", ("out_dev", out, rowbytes, True), ("q_dev", q, rowbytes, False))
         self._prof["checks"] += time.perf_counter() - t0

@@ -11,11 +11,17 @@ where ``gather_min_runs`` opts in: :mod:`hss.swap.gather`).
 groups then issue with almost no host work.
 
 Validity: a per-group bitmap. A write clears the bits of the groups it covers, writes the data, and sets
-them only after the data is fully written, so a failed or partial write never leaves a group readable.
-A per-page flag (every group valid) keeps the read-side check to one lookup. Reading a page with any group
-not valid raises :class:`StoreError` before anything is queued. A short
-read or an I/O error raises :class:`StoreIOError` naming the layer, the page and the kind (K/V) and kv
-head of the first byte that could not be read.
+them only after the data is fully written, so a failed or partial write never leaves a group readable with
+partial bytes. A write is all or nothing: where a group it covers was readable, its bytes are read back first and,
+if the write fails, written back with their bits, so the group reads as before the call (only if writing them back
+fails too is the group left unreadable, which the error says). A per-page flag (every group valid) keeps the
+read-side check to one lookup. Reading a page with any group not valid raises :class:`StoreError` before anything
+is queued. A short read or an I/O error raises :class:`StoreIOError` naming the layer, the page and the kind (K/V)
+and kv head of the first byte that could not be read.
+
+A store refuses, before any work, destinations of reads that overlap its own memory (the pinned buffer, the bounce
+ring, the gather index ring) or each other, and, once the process uses several devices, a stream of another
+device's context than the store's.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +42,7 @@ import numpy as np
 from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError, StoreError, StoreIOError
+from hss.swap._checks import StreamCheck
 from hss.swap.gather import FENCES, GATHER_MIN_RUNS, PageGather, ReadFences, gather_fits
 from hss.swap.layout import GroupLayout, host_bytes
 
@@ -46,6 +54,20 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 def layer_path(directory: str | os.PathLike, layer: int) -> Path:
     """``<dir>/layer_{layer:05}.kv`` (SPEC §7.2)."""
     return Path(directory) / f"layer_{layer:05}.kv"
+
+
+def _what_is(path: Path) -> str:
+    """What ``path`` is, for an error: "a directory", "a FIFO", "a device", ..."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "unreadable"
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _run_starts(pages: np.ndarray, dsts: np.ndarray, block_bytes: int, cap: int, bounds: np.ndarray) -> np.ndarray:
@@ -71,6 +93,18 @@ def _runs(start: np.ndarray, bounds: list[int]) -> tuple[np.ndarray, np.ndarray,
     bound (group i's runs are ``at[i]:at[i + 1]``)."""
     edges = start.nonzero()[0]
     return edges[:-1], edges[1:] - edges[:-1], edges.searchsorted(bounds).tolist()
+
+
+class _Saved(NamedTuple):
+    """What a store write replaced (:meth:`BackingStore._put`): ``old``, the bytes at ``offset`` of (layer, page)
+    before it (None where none of its groups was readable, or they could not be read), and ``was``, the validity of
+    the groups ``groups`` it covered."""
+    layer: int
+    page: int
+    offset: int
+    groups: slice
+    was: np.ndarray
+    old: np.ndarray | None
 
 
 class PreparedReads:
@@ -157,8 +191,8 @@ class PreparedReads:
         like ``read_pages``, never on ``stream`` itself."""
         if type(i) is not int or not 0 <= i < len(self.bounds) - 1:   # the hot path: one check of an int
             i = self._group(i)
-        s = _args.stream(stream)
         store = self.store
+        s = store._stream(stream)
         lo, hi = self.bounds[i], self.bounds[i + 1]
         if store._closed or store._epoch != self._epoch:
             store._live()
@@ -178,13 +212,17 @@ class BackingStore:
     """Pages of ``num_layers`` layers in ``layout``; subclasses move the bytes.
 
     ``write_page(layer, page, image)`` / ``write_group(layer, page, kind, kv_head, data)``: synchronous host
-    writes. ``read_pages(stream, layer, pages, dsts)``: queue pages[i] -> device dsts[i] on ``stream``;
-    ``prepare_reads(layer, pages, dsts, bounds)``: the same, checked and planned once for many groups.
+    writes, all or nothing (see the module docstring). ``read_pages(stream, layer, pages, dsts)``: queue pages[i]
+    -> device dsts[i] on ``stream``; ``prepare_reads(layer, pages, dsts, bounds)``: the same, checked and planned
+    once for many groups. ``ctx``: the context the store works in (None: the current one); its streams must be that
+    context's. A subclass moves the bytes (``_write``, ``_read_back``, ``_issue``) and registers the memory it owns
+    in ``_memory`` (an :class:`hss._args.OwnedRanges`), which no read may write into.
     """
 
     kind = "?"
 
-    def __init__(self, layout: GroupLayout, num_layers: int, run_cap_bytes: int = 1 << 20) -> None:
+    def __init__(self, layout: GroupLayout, num_layers: int, run_cap_bytes: int = 1 << 20, *,
+                 ctx: cm.CudaCtx | None = None) -> None:
         if not isinstance(layout, GroupLayout):
             raise TypeError(f"layout must be a GroupLayout, not {type(layout).__name__}")
         nl = _args.as_int("num_layers", num_layers)
@@ -196,6 +234,14 @@ class BackingStore:
         self._page_ok = np.zeros((nl, layout.num_blocks), dtype=bool)   # every group of the page valid
         self._epoch = 0       # bumped whenever a page may stop being valid: prepared reads then check again
         self._closed = False
+        self._stream = StreamCheck(ctx, f"this {type(self).__name__}")
+        self._memory = _args.OwnedRanges()      # what this store owns: no read's destination may overlap it
+        self._spans: dict[int, tuple[int, int]] = {}     # the same ranges: start -> (start, end)
+
+    @property
+    def device(self) -> int:
+        """The ordinal of the device whose context the store works in."""
+        return self._stream.device
 
     # -- validity --------------------------------------------------------------------------------
     def _layer(self, layer: Any) -> int:
@@ -257,21 +303,19 @@ class BackingStore:
 
     # -- writes ----------------------------------------------------------------------------------
     def write_page(self, layer: int, page: int, image: Any) -> None:
-        """Write one page image (``block_bytes``; see :meth:`GroupLayout.pack_page`)."""
+        """Write one page image (``block_bytes``; see :meth:`GroupLayout.pack_page`). All or nothing: a write that
+        fails (:class:`StoreIOError`) leaves the page as it was (see the module docstring)."""
         self._live()
         layer, page = self._layer(layer), self._page(page)
         raw = host_bytes("image", image)
         if raw.nbytes != self.layout.block_bytes:
             raise StoreError(f"a page image is block_bytes = 2*num_kv_heads*group_stride = {self.layout.block_bytes} "
                              f"bytes, got {raw.nbytes}")
-        self._epoch += 1
-        self._valid[layer, page] = self._page_ok[layer, page] = False
-        self._write(layer, page, 0, raw)
-        self._valid[layer, page] = self._page_ok[layer, page] = True
+        self._put(layer, page, 0, raw, slice(None))
 
     def write_group(self, layer: int, page: int, kind: int, kv_head: int, data: Any) -> None:
         """Write one group (the original's ``write_from_host``): exactly ``group_bytes`` bytes, zero-padded
-        to ``group_stride``."""
+        to ``group_stride``. All or nothing, like :meth:`write_page`."""
         self._live()
         layer, page = self._layer(layer), self._page(page)
         kind, kv_head = _args.as_int("kind", kind), _args.as_int("kv_head", kv_head)
@@ -283,18 +327,81 @@ class BackingStore:
         buf = np.zeros(self.layout.group_stride, dtype=np.uint8)
         buf[:raw.nbytes] = raw
         g = kind * self.layout.num_kv_heads + kv_head
+        self._put(layer, page, off, buf, slice(g, g + 1))
+
+    def _put(self, layer: int, page: int, offset: int, data: np.ndarray, groups: slice) -> _Saved:
+        """Write ``data`` at ``offset`` of (layer, page), which covers the groups ``groups`` of the page (values the
+        caller checked), all or nothing; returns what :meth:`_undo` needs to put the old bytes back."""
+        self._live()
+        was = self._valid[layer, page, groups].copy()
+        old = self._read_back(layer, page, offset, data.nbytes) if was.any() else None
+        saved = _Saved(layer, page, offset, groups, was, old)
         self._epoch += 1
-        self._valid[layer, page, g] = self._page_ok[layer, page] = False
-        self._write(layer, page, off, buf)
-        self._valid[layer, page, g] = True
+        self._valid[layer, page, groups] = self._page_ok[layer, page] = False
+        try:
+            self._write(layer, page, offset, data)
+        except BaseException as exc:
+            self._restore(saved, exc)
+            raise
+        self._valid[layer, page, groups] = True
         self._page_ok[layer, page] = self._valid[layer, page].all()
+        return saved
+
+    def _undo(self, saved: _Saved) -> None:
+        """Put back what :meth:`_put` replaced (its caller's next step failed): the old bytes and validity of the
+        groups it covered. Raises :class:`StoreIOError` if the old bytes cannot be put back (those groups are then
+        unreadable)."""
+        self._epoch += 1
+        self._valid[saved.layer, saved.page, saved.groups] = self._page_ok[saved.layer, saved.page] = False
+        self._restore(saved, None)
+
+    def _restore(self, saved: _Saved, failure: BaseException | None) -> None:
+        """Write ``saved``'s old bytes back where a group they cover was readable, then set its old validity bits
+        (the caller cleared them). ``failure``: the write's own error (None: the write succeeded and is undone).
+        Where the old bytes cannot be put back, those groups stay unreadable and a StoreIOError says so."""
+        layer, page = saved.layer, saved.page
+        if saved.was.any():
+            why = ""
+            if saved.old is None:
+                why = "they could not be read before the write"
+            else:
+                try:
+                    self._write(layer, page, saved.offset, saved.old)
+                except OSError as exc:
+                    text = str(exc).split("): ", 1)[-1] if isinstance(exc, StoreIOError) else str(exc)
+                    why = f"writing them back failed: {text}"
+            if why:
+                raise self._lost(saved, failure, why)
+        self._valid[layer, page, saved.groups] = saved.was
+        self._page_ok[layer, page] = self._valid[layer, page].all()
+
+    def _lost(self, saved: _Saved, failure: BaseException | None, why: str) -> BaseException:
+        """The error of a write (``failure``; None: an undo) that left groups which were readable unreadable."""
+        tail = f"the page's previous bytes are lost ({why}): it is unreadable until it is written again"
+        if isinstance(failure, StoreIOError):
+            head = f"layer {failure.layer} page {failure.page} ({failure.kind} stripe of kv_head {failure.kv_head}): "
+            text = failure.strerror[len(head):] if failure.strerror.startswith(head) else failure.strerror
+            err = StoreIOError(saved.layer, saved.page, StoreIOError.KIND_NAMES.index(failure.kind), failure.kv_head,
+                               f"{text}; {tail}", failure.errno)
+        elif failure is None:
+            kind, kh = self.layout.locate(saved.offset)
+            err = StoreIOError(saved.layer, saved.page, kind, kh, f"the write was undone, but {tail}")
+        else:           # an interrupt or a driver error: raised as it is (the groups stay unreadable)
+            return failure
+        err.__cause__ = failure
+        return err
+
+    def _read_back(self, layer: int, page: int, offset: int, nbytes: int) -> np.ndarray | None:
+        """A copy of ``nbytes`` at ``offset`` of (layer, page) as the store holds them now, or None where they cannot
+        be read (values the caller checked)."""
+        raise NotImplementedError
 
     # -- reads -----------------------------------------------------------------------------------
     def read_pages(self, stream: Any, layer: int, pages: Any, dsts: Any) -> int:
         """Queue copies of (layer, pages[i]) into device addresses ``dsts[i]`` (``block_bytes`` each) on
         ``stream``; returns the bytes queued. May block the host (file reads, buffer reuse), never on
         ``stream`` itself. Raises :class:`StoreError` (nothing queued) if a page is not valid."""
-        s = _args.stream(stream)
+        s = self._stream(stream)
         return self.prepare_reads(layer, pages, dsts, [0, np.size(pages)]).issue(0, s)
 
     def prepare_reads(self, layer: int, pages: Any, dsts: Any, bounds: Any) -> PreparedReads:
@@ -302,13 +409,15 @@ class BackingStore:
         ``[bounds[i], bounds[i + 1])`` (non-decreasing request indices in 0..len(pages)); ``issue(i, stream)``
         of the result then queues group i like :meth:`read_pages`. Everything is checked here (layer, page
         range, destinations, pages never written: :class:`StoreError` naming them) and no transfer crosses a
-        group edge. Keep the destinations alive until the groups are issued."""
+        group edge. Destinations may overlap neither each other nor the store's own memory (:class:`HssError`). Keep
+        the destinations alive until the groups are issued."""
         self._live()
         layer = self._layer(layer)
         pages = self._pages(pages)
         dsts = self._dsts(dsts)
         if dsts.size != pages.size:
             raise HssError(f"{pages.size} pages but {dsts.size} destinations")
+        self._disjoint_dsts(dsts)
         b = np.asarray(bounds)
         if b.size and b.dtype.kind not in "iu":
             raise TypeError(f"bounds must be integers, got {b.dtype}")
@@ -351,6 +460,33 @@ class BackingStore:
         bb = self.layout.block_bytes
         return np.array([_args.pointer(d, f"dsts[{i}]", bb, write=True, what="room for one page")
                          for i, d in enumerate(items)], dtype=np.int64)
+
+    def _disjoint_dsts(self, dsts: np.ndarray) -> None:
+        """HssError where two destinations (a page each) overlap, or one overlaps memory this store owns."""
+        bb = self.layout.block_bytes
+        if dsts.size > 1:
+            order = dsts.argsort(kind="stable")
+            at = dsts[order]
+            close = np.flatnonzero(at[1:] - at[:-1] < bb)
+            if close.size:
+                i, j = sorted(order[close[0]:close[0] + 2].tolist())
+                raise HssError(f"dsts[{i}] ({int(dsts[i]):#x}) and dsts[{j}] ({int(dsts[j]):#x}) overlap: each "
+                               f"destination receives a whole page ({bb} bytes); pass distinct, non-overlapping "
+                               "destinations")
+        for start, end in self._spans.values():
+            hit = np.flatnonzero((dsts < end) & (dsts + bb > start))
+            if hit.size:
+                i = int(hit[0])
+                self._memory.check(int(dsts[i]), bb, f"dsts[{i}]", f"this {type(self).__name__}")
+
+    def _own_memory(self, ptr: int, nbytes: int, label: str) -> None:
+        """Register memory the store owns (no read may write into it; :attr:`_memory` for its users' checks)."""
+        self._memory.add(ptr, nbytes, label)
+        self._spans[ptr] = (ptr, ptr + nbytes)
+
+    def _disown_memory(self, ptr: int) -> None:
+        self._memory.remove(ptr)
+        self._spans.pop(ptr, None)
 
     # -- subclass hooks, lifetime ----------------------------------------------------------------
     def _write(self, layer: int, page: int, offset_in_page: int, data: np.ndarray) -> None:
@@ -423,24 +559,39 @@ class HostStore(BackingStore):
 
     def __init__(self, layout: GroupLayout, num_layers: int, *, ctx: cm.CudaCtx | None = None,
                  run_cap_bytes: int = 1 << 30) -> None:
-        super().__init__(layout, num_layers, run_cap_bytes)
+        super().__init__(layout, num_layers, run_cap_bytes, ctx=ctx)
         self._parts = contextlib.ExitStack()
         own = self._parts.enter_context
         try:
             self.buffer = own(cm.PinnedBuffer(self.num_layers * layout.bytes_per_layer, ctx))
+            self._own_memory(self.buffer.ptr, self.buffer.bytes, "the HostStore's pages")
             # page (layer, p) is entry layer * num_blocks + p (each layer laid out like its file)
             self._page_ptrs = cm.PointerTable(self.buffer.ptr, layout.block_bytes,
                                               self.num_layers * layout.num_blocks)
             self._fences = ReadFences(FENCES, ctx)
             self._parts.callback(self._fences.close)
             self._gather: PageGather | None = None
+            self._ring_at = 0       # where the gather index ring is registered (it moves when it grows)
             if gather_fits(layout.block_bytes, layout.num_blocks):
                 self._mapped = self.buffer.device_ptr()    # where the device reads the buffer (page_gather)
+                if self._mapped != self.buffer.ptr:
+                    self._own_memory(self._mapped, self.buffer.bytes, "the HostStore's pages (device mapping)")
                 self._gather = PageGather(FENCES, ctx)
                 self._parts.callback(self._gather.close)
+                self._track_ring()
         except BaseException:
             self._parts.close()
             raise
+
+    def _track_ring(self) -> None:
+        """Register the gather index ring where it is now (it is replaced when it grows)."""
+        ring = self._gather.ring if self._gather is not None else None
+        if self._ring_at:
+            self._disown_memory(self._ring_at)
+        self._ring_at = 0
+        if ring is not None:
+            self._own_memory(ring.ptr, ring.bytes, "the HostStore's gather index ring")
+            self._ring_at = ring.ptr
 
     def offset(self, layer: int, page: int) -> int:
         """Byte offset of (layer, page) in :attr:`buffer`."""
@@ -450,6 +601,10 @@ class HostStore(BackingStore):
         self._fences.wait_all()
         at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset_in_page
         self.buffer.array[at:at + data.nbytes] = data
+
+    def _read_back(self, layer: int, page: int, offset: int, nbytes: int) -> np.ndarray | None:
+        at = layer * self.layout.bytes_per_layer + page * self.layout.block_bytes + offset
+        return self.buffer.array[at:at + nbytes].copy()
 
     def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None,
                   gather_min_runs: int | None = None) -> None:
@@ -496,6 +651,7 @@ class HostStore(BackingStore):
             if widest > gather.capacity:
                 self._fences.wait_all()              # no launch may still read the old index slots
                 gather.reserve(widest)
+                self._track_ring()
         src = self._mapped + reads.layer * self.layout.bytes_per_layer
         reads.gather = _Gathered(gather, kernel, reads.pages, slots, pool, src, self.layout.block_bytes // 16)
         return every
@@ -573,7 +729,10 @@ class FileStore(BackingStore):
     holds beside the group being read), so the disk is not idle while the host attends between groups; the
     next ``issue`` of that group takes them, anything else (another group, a write, close) waits for them
     and drops them. Writes go through a page-aligned staging buffer when direct. Existing file contents
-    are never trusted: only pages written through this store are readable.
+    are never trusted: only pages written through this store are readable. An existing layer file is reused: a
+    shorter one is extended to ``bytes_per_layer``, a longer one keeps its tail, which the store never reads; a
+    layer path that is not a regular file (a directory, a FIFO, a device), or a store directory that is not a
+    directory, is refused with an :class:`HssError` naming it.
 
     A construction that fails (the directory cannot be made, a file cannot be opened or preallocated: a disk too
     full for ``num_layers * bytes_per_layer`` bytes) raises an ``OSError`` naming the path, the layer and the bytes
@@ -586,7 +745,7 @@ class FileStore(BackingStore):
     def __init__(self, directory: str | os.PathLike, layout: GroupLayout, num_layers: int, *,
                  direct: bool | None = None, qd: int = 1, bounce_pages: int = 16, run_cap_bytes: int = 1 << 20,
                  ctx: cm.CudaCtx | None = None) -> None:
-        super().__init__(layout, num_layers, run_cap_bytes)
+        super().__init__(layout, num_layers, run_cap_bytes, ctx=ctx)
         if direct not in (None, True, False):
             raise TypeError(f"direct must be None (auto), True or False, not {direct!r}")
         qd, bounce_pages = _args.as_int("qd", qd), _args.as_int("bounce_pages", bounce_pages)
@@ -604,6 +763,7 @@ class FileStore(BackingStore):
         self._finalizer = weakref.finalize(self, self._files.close, False)
         self._created: list[Path] = []                          # what a failed construction removes
         self._stage = mmap.mmap(-1, layout.block_bytes)       # page-aligned: O_DIRECT writes
+        self._back = mmap.mmap(-1, layout.block_bytes)        # and reads of what a write replaces
         try:
             self._make_dir()
             self.direct = self._open_all(direct)
@@ -612,8 +772,10 @@ class FileStore(BackingStore):
             self._finalizer.detach()
             self._files.close()
             self._stage.close()
+            self._back.close()
             self._remove_created()
             raise
+        self._own_memory(self.bounce.ptr, self.bounce.bytes, "the FileStore's bounce ring")
         self._created = []
         self._ctx = ctx
         self._head = 0                                          # absolute bounce page counter
@@ -652,6 +814,9 @@ class FileStore(BackingStore):
             missing.append(d)
             d = d.parent
         self._created += missing          # (those that exist at a failure are removed, if empty)
+        if not missing and not self.dir.is_dir():
+            raise HssError(f"FileStore: the store directory {self.dir} exists but is {_what_is(self.dir)}, not a "
+                           "directory: pass a directory (HighSpeedSwapConfig.dir)")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -685,6 +850,8 @@ class FileStore(BackingStore):
         path = layer_path(self.dir, layer)
         flags = os.O_RDWR | os.O_CREAT | (O_DIRECT if use_direct else 0)
         existed = path.exists()
+        if existed and not path.is_file():
+            self._not_a_file(path, layer)
         try:
             fd = os.open(path, flags, 0o644)
         except OSError as exc:
@@ -694,6 +861,8 @@ class FileStore(BackingStore):
         if not existed and path not in self._created:
             self._created.append(path)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):     # (replaced since the check above)
+                self._not_a_file(path, layer)
             self._preallocate(fd, path, layer)
             if use_direct:     # some filesystems accept the flag at open and refuse the I/O
                 probe = mmap.mmap(-1, 4096)
@@ -708,7 +877,14 @@ class FileStore(BackingStore):
             if exc.__cause__ is not None:
                 raise                       # already named by _preallocate
             raise self._setup_error(exc, "read", path, layer) from exc
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
+
+    def _not_a_file(self, path: Path, layer: int) -> None:
+        raise HssError(f"FileStore: layer {layer}'s file {path} exists but is {_what_is(path)}, not a regular file: "
+                       "remove it, or put the store in another directory (HighSpeedSwapConfig.dir)")
 
     def _refused(self, path: Path, exc: OSError, asked: bool | None) -> None:
         if asked is True:
@@ -738,13 +914,16 @@ class FileStore(BackingStore):
         n = data.nbytes
         if self.direct:
             self._stage[:n] = data.tobytes()
-            src = memoryview(self._stage)[:n]
+            src = memoryview(self._stage)
         else:
-            src = memoryview(np.ascontiguousarray(data))
+            src = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
         done = 0
+        chunk: memoryview | None = None
         try:
             while done < n:
-                w = os.pwrite(fd, src[done:], off + done)
+                chunk = src[done:n]
+                w = os.pwrite(fd, chunk, off + done)
+                chunk.release()
                 if w <= 0:
                     raise OSError(errno.EIO, "pwrite wrote nothing")
                 done += w
@@ -752,6 +931,32 @@ class FileStore(BackingStore):
             kind, kh = self.layout.locate(offset_in_page + done)
             raise StoreIOError(layer, page, kind, kh, f"write failed after {done} of {n} bytes at offset {off} "
                                f"of {self.path(layer)}: {exc.strerror or exc}", exc.errno) from exc
+        finally:       # (a traceback may keep the views: released, the staging buffer can still be closed)
+            if chunk is not None:
+                chunk.release()
+            src.release()
+
+    def _read_back(self, layer: int, page: int, offset: int, nbytes: int) -> np.ndarray | None:
+        fd = self._fds[layer]
+        off = page * self.layout.block_bytes + offset
+        got = 0
+        whole = memoryview(self._back)
+        chunk: memoryview | None = None
+        try:
+            while got < nbytes:
+                chunk = whole[got:nbytes]
+                r = os.preadv(fd, [chunk], off + got)
+                chunk.release()
+                if r <= 0 or (self.direct and got + r < nbytes):   # (O_DIRECT: short only at the end of the file)
+                    return None
+                got += r
+        except OSError:
+            return None
+        finally:       # (released as in _write)
+            if chunk is not None:
+                chunk.release()
+            whole.release()
+        return np.frombuffer(self._back, np.uint8, nbytes).copy()
 
     # -- reads -----------------------------------------------------------------------------------
     def _prepared(self, reads: PreparedReads, slots: tuple[cm.PointerTable, np.ndarray] | None,
@@ -936,3 +1141,4 @@ class FileStore(BackingStore):
             self._files.close()
             self.bounce.close()
             self._stage.close()
+            self._back.close()

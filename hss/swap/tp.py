@@ -1,4 +1,4 @@
-"""Tensor parallelism over KV heads (issue 17): a layer's kv heads split across ranks (one device each), q heads
+"""Tensor parallelism over KV heads: a layer's kv heads split across ranks (one device each), q heads
 following their kv heads, one :class:`~hss.swap.HighSpeedSwap` (or :class:`~hss.attention.TiledAttention`) per
 rank over that rank's heads.
 
