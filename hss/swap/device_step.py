@@ -29,6 +29,7 @@ from the residency (:meth:`reset` of its row) before a step reads it.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,18 @@ from hss._launch import launcher
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.errors import HssError
 from hss.kernels import sparse_step as ks
-from hss.kernels.predictor import PREDICTOR_SCORE_TABLE, Q_LOWRANK_PROJECT_ROWS, q_rows_geometry, score_warps
+from hss.kernels.predictor import (
+    HEAD_THREADS,
+    PREDICTOR_HEAD_COMBINE_ROWS,
+    PREDICTOR_HEAD_MAX_ROWS,
+    PREDICTOR_SCORE_HEADS_TABLE,
+    PREDICTOR_SCORE_TABLE,
+    Q_LOWRANK_PROJECT_ROWS,
+    q_rows_geometry,
+    score_warps,
+)
 from hss.ptx import load_module
+from hss.swap._checks import StreamCheck, same_device
 
 __all__ = ["DeviceSparseStep", "DeviceStepCounters"]
 
@@ -81,9 +92,6 @@ class DeviceSparseStep:
             raise HssError("DeviceSparseStep reads the pages straight from pinned host memory: the swap needs "
                            "store='host' (HighSpeedSwapConfig.store)")
         pred = swap.predictor
-        if pred.head_temperature is not None:
-            raise HssError("DeviceSparseStep scores pages by the max over heads: construct the swap without "
-                           "head_temperature (the per-head normalised scores run on the host step only)")
         m = swap.model
         self.max_seqs = _args.as_int("max_seqs", max_seqs, 1, 65535, why="sequences per step (grid.y of the scores)")
         self.budget = _args.as_count("budget_pages", budget_pages)
@@ -108,9 +116,11 @@ class DeviceSparseStep:
         if geo.shared > 227 * 1024:
             raise HssError(f"max_pages ({self.max_pages}) and slots ({C}) need {geo.shared} bytes of shared memory "
                            "for the selection; at most 232448 fit: lower max_pages or slots")
-        s0 = _args.stream(stream)
         if ctx is not None and not isinstance(ctx, cm.CudaCtx):
             raise TypeError(f"ctx must be a CudaCtx or None (the current context), not {type(ctx).__name__}")
+        self._streams = StreamCheck(ctx, "this DeviceSparseStep")    # ctx None: the current context
+        same_device("DeviceSparseStep", self._streams.device, **{"its HighSpeedSwap": swap.device})
+        s0 = self._streams(stream)
         self.ctx = ctx
         self._parts = contextlib.ExitStack()
         own = self._parts.enter_context
@@ -130,6 +140,10 @@ class DeviceSparseStep:
             self.attend_counts = alloc(4 * R)
             self.fetch = alloc(8 * R * self.sel_cap)
             self.fetch_counts = alloc(4 * R)
+            self._temperature = pred.head_temperature   # per-head normalised scores (SPEC §17.5) when not None
+            heads = m.num_q_heads if self._temperature is not None else 0
+            self.head_scores = alloc(4 * R * self.max_pages * heads)
+            self.head_max = alloc(4 * R * heads)
             self.page_counts = alloc(4 * R)     # begin_step(token_counts=): complete pages, then the newest page's
             self.tail_counts = alloc(4 * R)     # tokens (sparse_counts)
             self.attention = own(TiledAttention(ctx, TiledAttentionDims(R, m.num_q_heads, m.num_kv_heads,
@@ -141,10 +155,12 @@ class DeviceSparseStep:
         self._closed = False
         self._mine = _args.OwnedRanges()
         for name in ("pool", "page_slot", "slot_page", "slot_stamp", "stats", "step_no", "rows_dev", "q_proj",
-                     "scores", "attend", "attend_counts", "fetch", "fetch_counts", "page_counts", "tail_counts"):
+                     "scores", "attend", "attend_counts", "fetch", "fetch_counts", "page_counts", "tail_counts",
+                     "head_scores", "head_max"):
             buf = getattr(self, name)
             self._mine.add(buf.ptr, buf.bytes, f"the DeviceSparseStep's {name}")
         self._tables = self._counts = 0
+        self._io_checked: tuple[int, int, int] = (-1, -1, -1)
         self._begun = False
         self.reset(s0)
 
@@ -173,12 +189,34 @@ class DeviceSparseStep:
         self._a_g_layer = d.max_blocks * d.slot_bytes()
         w = score_warps()
         self._score_grid = (-(-self.max_pages // w), R, 1)
-        self._score_pack = PREDICTOR_SCORE_TABLE.pack(q_proj=self.q_proj.ptr, scores=self.scores.ptr,
-                                                      rows=self.rows_dev.ptr, num_q_heads=nq, num_kv_heads=nkv,
-                                                      block_size=m.block_size, r=r, gqa_ratio=d.gqa_ratio(),
-                                                      table_stride=self.max_pages, max_blocks=d.max_blocks)
-        self._sc_k, self._sc_table, self._sc_counts = (self._score_pack.slot(n) for n in ("k_lr", "table", "counts"))
-        self._run_score = launcher(f_score, (32 * w, 1, 1), 0, self._score_pack)
+        if geo.shared > _SHARED_DEFAULT:
+            f_sel.set_max_dynamic_shared(geo.shared)
+        # one prepared score and select launch per layer (its A_g, state and slot offsets filled once; the step's
+        # tables and counts refilled by begin_step only when they change)
+        self._layer_runs: list[tuple[Any, Any]] = []
+        self._layer_packs: list[tuple[Any, Any]] = []
+        C = self.slots
+        for layer in range(m.num_layers):
+            score = PREDICTOR_SCORE_TABLE.pack(
+                q_proj=self.q_proj.ptr, k_lr=self._a_g + layer * self._a_g_layer, scores=self.scores.ptr,
+                rows=self.rows_dev.ptr, num_q_heads=nq, num_kv_heads=nkv, block_size=m.block_size, r=r,
+                gqa_ratio=d.gqa_ratio(), table_stride=self.max_pages, max_blocks=d.max_blocks)
+            sel = ks.SPARSE_SELECT.pack(
+                scores=self.scores.ptr, rows=self.rows_dev.ptr, step=self.step_no.ptr, attend=self.attend.ptr,
+                attend_counts=self.attend_counts.ptr, fetch=self.fetch.ptr, fetch_counts=self.fetch_counts.ptr,
+                page_slot=self.page_slot.ptr + 4 * layer * R * self.max_pages,
+                slot_page=self.slot_page.ptr + 4 * layer * R * C, slot_stamp=self.slot_stamp.ptr + 4 * layer * R * C,
+                stats=self.stats.ptr + 16 * layer * R, stride=self.max_pages, slots=C, sel_cap=self.sel_cap,
+                budget=self.budget, keep_first=self.keep_first, keep_recent=self.keep_recent,
+                slot_base=layer * R * C, src_base=layer * self.layout.num_blocks)
+            self._layer_packs.append((score, sel))
+            self._layer_runs.append((launcher(f_score, (32 * w, 1, 1), 0, score),
+                                     launcher(f_sel, geo.block, geo.shared, sel)))
+        if self._temperature is not None:
+            self._prepare_heads(m, d, w)
+        packs = [p for pair in self._layer_packs for p in pair]
+        self._table_slots = [p.slot("table") for p in packs if "table" in p.names]
+        self._count_slots = [p.slot("counts") for p in packs if "counts" in p.names]
         self._adv_pack = ks.SPARSE_ADVANCE.pack(step=self.step_no.ptr, rows=self.rows_dev.ptr, R=R)
         self._run_adv = launcher(f_adv, ks.advance_geometry(R).block, 0, self._adv_pack)
         self._adv_grid = ks.advance_geometry(R).grid
@@ -186,16 +224,6 @@ class DeviceSparseStep:
                                                page_counts=self.page_counts.ptr, tail_counts=self.tail_counts.ptr)
         self._cnt_visible = self._cnt_pack.slot("visible")
         self._run_cnt = launcher(f_cnt, ks.advance_geometry(R).block, 0, self._cnt_pack)
-        if geo.shared > _SHARED_DEFAULT:
-            f_sel.set_max_dynamic_shared(geo.shared)
-        self._sel_pack = ks.SPARSE_SELECT.pack(
-            scores=self.scores.ptr, rows=self.rows_dev.ptr, step=self.step_no.ptr, attend=self.attend.ptr,
-            attend_counts=self.attend_counts.ptr, fetch=self.fetch.ptr, fetch_counts=self.fetch_counts.ptr,
-            stride=self.max_pages, slots=self.slots, sel_cap=self.sel_cap, budget=self.budget,
-            keep_first=self.keep_first, keep_recent=self.keep_recent)
-        self._sel_slots = tuple(self._sel_pack.slot(n) for n in ("counts", "table", "page_slot", "slot_page",
-                                                                 "slot_stamp", "stats", "slot_base", "src_base"))
-        self._run_sel = launcher(f_sel, geo.block, geo.shared, self._sel_pack)
         page_vecs = self.layout.block_bytes // 16
         store = self.swap.store
         self._src = store.buffer.device_ptr()
@@ -221,6 +249,38 @@ class DeviceSparseStep:
         self._counts_arg = _args.pointer_arg("page_counts", 4 * R, 4, "i32",
                                              what=f"i32 [max_seqs] = [{R}] complete pages per sequence", device=dev)
         self._rows_arg = _args.pointer_arg("rows", 4, 4, "i32", what="an i32 [1] real row count", device=dev)
+
+    def _prepare_heads(self, m: Any, d: Any, w: int) -> None:
+        """Per-head normalised scores (the predictor's head_temperature): per layer, the heads' maxima of every
+        page, each row's head max, then the normalised sum (the predictor's kernels' arithmetic, row by row)."""
+        ctx, R, P, nq = self.ctx, self.max_seqs, self.max_pages, m.num_q_heads
+        mod = self._parts.enter_context(load_module("predictor_score", ctx))
+        f_heads, f_max, f_comb = (mod.function(n) for n in ("predictor_score_heads_table", "predictor_head_max_rows",
+                                                            "predictor_head_combine_rows"))
+        hs, hm = self.head_scores.ptr, self.head_max.ptr
+        max_pack = PREDICTOR_HEAD_MAX_ROWS.pack(head_scores=hs, rows=self.rows_dev.ptr, head_max=hm, num_q_heads=nq,
+                                                table_stride=P)
+        comb_pack = PREDICTOR_HEAD_COMBINE_ROWS.pack(
+            head_scores=hs, head_max=hm, rows=self.rows_dev.ptr, scores=self.scores.ptr, num_q_heads=nq,
+            table_stride=P, max_blocks=d.max_blocks, exp2_scale=math.log2(math.e) / self._temperature)
+        run_max = launcher(f_max, (HEAD_THREADS, 1, 1), 0, max_pack)
+        run_comb = launcher(f_comb, (HEAD_THREADS, 1, 1), 0, comb_pack)
+        max_grid, comb_grid = (nq, R, 1), (-(-P // HEAD_THREADS), R, 1)
+        shared = [max_pack, comb_pack]
+        for layer, (_, sel) in enumerate(self._layer_packs):
+            heads = PREDICTOR_SCORE_HEADS_TABLE.pack(
+                q_proj=self.q_proj.ptr, k_lr=self._a_g + layer * self._a_g_layer, rows=self.rows_dev.ptr,
+                head_scores=hs, num_q_heads=nq, num_kv_heads=m.num_kv_heads, block_size=m.block_size, r=d.r,
+                gqa_ratio=d.gqa_ratio(), table_stride=P, max_blocks=d.max_blocks)
+            run_heads = launcher(f_heads, (32 * w, 1, 1), 0, heads)
+
+            def score(s: int, *grid: int, run_heads: Any = run_heads) -> None:
+                run_heads(s, *grid)
+                run_max(s, *max_grid)
+                run_comb(s, *comb_grid)
+            self._layer_runs[layer] = (score, self._layer_runs[layer][1])
+            self._layer_packs[layer] = (heads, sel)
+        self._layer_packs.append(tuple(shared))   # (their tables and counts are refilled with the layers')
 
     # -- lifetime ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -252,8 +312,14 @@ class DeviceSparseStep:
         """Make every slot of ``rows`` (a row index, a sequence of them, or None: every row) free, its step number and
         counters 0, on ``stream`` (capturable memsets): a new sequence in those rows."""
         self._live("reset")
-        s = _args.stream(stream)
+        s = self._streams(stream)
         R, L, C, P = self.max_seqs, self.num_layers, self.slots, self.max_pages
+        if rows is not None and not isinstance(rows, (int, np.integer)):
+            try:
+                rows = list(rows)
+            except TypeError:
+                raise TypeError(f"rows must be a row index, a sequence of them or None (every row), not "
+                                f"{type(rows).__name__}") from None
         picked = range(R) if rows is None else sorted({_args.as_index("rows", r, R, "rows (max_seqs)") for r in
                                                        ([rows] if isinstance(rows, (int, np.integer)) else rows)})
         spans = _spans(list(picked))
@@ -278,23 +344,24 @@ class DeviceSparseStep:
         for the tail tile: :meth:`TiledAttention.step_tile_tokens`). Advances each real row's step number (on
         ``stream``)."""
         self._live("begin_step")
-        s = _args.stream(stream)
+        s = self._streams(stream)
         if (page_counts is None) == (token_counts is None):
             raise HssError("DeviceSparseStep.begin_step: pass page_counts (complete pages) or token_counts= (visible "
                            "tokens, the newest on an open page), one of the two")
         with _args.deferred_joins():
             tables = self._table_arg(block_tables, s)
             counts = self._counts_arg(page_counts if token_counts is None else token_counts, s)
-            for name, p, n in (("block_tables", tables, 4 * self.max_seqs * self.max_pages),
-                               ("page_counts" if token_counts is None else "token_counts", counts,
-                                4 * self.max_seqs)):
-                self._mine.check(p, n, name, "this DeviceSparseStep")
+            read = [("block_tables", tables, 4 * self.max_seqs * self.max_pages),
+                    ("page_counts" if token_counts is None else "token_counts", counts, 4 * self.max_seqs)]
             if isinstance(rows, (int, np.integer)) and not isinstance(rows, (bool, np.bool_)):
                 real = _args.as_int("rows", rows, 1, self.max_seqs, why="the real row count of this step")
                 src = None
             else:
                 real, src = None, self._rows_arg(rows, s)
-                self._mine.check(src, 4, "rows", "this DeviceSparseStep")
+                read.append(("rows", src, 4))
+            for name, p, n in read:   # read by every layer's step: memory the step or the swap writes is refused
+                self._mine.check(p, n, name, "this DeviceSparseStep")
+                self.swap._refuse_owned(p, n, name)
         if real is not None:
             cm.memset_d32_async(self.rows_dev.ptr, real, 1, s)
         else:
@@ -303,7 +370,12 @@ class DeviceSparseStep:
             self._cnt_visible.value = counts
             self._run_cnt(s, *self._adv_grid)
             counts = self.page_counts.ptr
-        self._tables, self._counts = tables, counts
+        if (tables, counts) != (self._tables, self._counts):
+            for slot in self._table_slots:
+                slot.value = tables
+            for slot in self._count_slots:
+                slot.value = counts
+            self._tables, self._counts = tables, counts
         self._run_adv(s, *self._adv_grid)
         self._begun = True
 
@@ -313,50 +385,53 @@ class DeviceSparseStep:
         head_dim]`` (rows past the real count ignored); ``out`` (optional) bf16 of the same shape, written (rows past
         the real count: zeros). Without ``out`` the attention's state is kept for another tile of
         :attr:`attention` (e.g. the newest, still-open page) that writes the output."""
-        if self._closed or not self._begun:
+        if self._closed or not self._begun or self.swap.closed:   # (a closed swap's P, A_g and pages are freed)
             self._live("attend_layer")
             raise HssError("DeviceSparseStep.attend_layer: call begin_step first (it names the step's block tables)")
-        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+        s = self._streams(stream)
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             layer = _args.as_index("layer", layer, self.num_layers, "layers")
-        with _args.deferred_joins():
-            qp = self._q_arg(q, s)
-            op = 0 if out is None else self._out_arg(out, s)
-        row = 2 * self.max_seqs * self.swap.model.num_q_heads * self.swap.model.head_dim
-        if self._mine.overlap(qp, row) or (op and self._mine.overlap(op, row)):
-            self._mine.check(qp, row, "q", "this DeviceSparseStep")
-            self._mine.check(op, row, "out", "this DeviceSparseStep")
-        if op:
-            _args.disjoint("DeviceSparseStep.attend_layer", ("out", op, row, True), ("q", qp, row, False))
-            self.swap._mine.check(op, row, "out", "its HighSpeedSwap")
-        R, C = self.max_seqs, self.slots
+        if type(q) is int and (out is None or type(out) is int):   # addresses: no producer stream to join
+            qp, op = self._q_arg(q, s), (0 if out is None else self._out_arg(out, s))
+        else:
+            with _args.deferred_joins():
+                qp = self._q_arg(q, s)
+                op = 0 if out is None else self._out_arg(out, s)
+        if (qp, op, _args.RANGES.generation) != self._io_checked:
+            self._check_io(qp, op)
+        R = self.max_seqs
         self._q_in.value = qp
         if self._layered:
             self._q_p.value = self._p_base + layer * self._p_layer
         self._run_q(s, *self._q_grid)
-        self._sc_k.value = self._a_g + layer * self._a_g_layer
-        self._sc_table.value, self._sc_counts.value = self._tables, self._counts
-        self._run_score(s, *self._score_grid)
-        counts, table, page_slot, slot_page, stamp, stats, slot_base, src_base = self._sel_slots
-        counts.value, table.value = self._counts, self._tables
-        page_slot.value = self.page_slot.ptr + 4 * layer * R * self.max_pages
-        slot_page.value = self.slot_page.ptr + 4 * layer * R * C
-        stamp.value = self.slot_stamp.ptr + 4 * layer * R * C
-        stats.value = self.stats.ptr + 16 * layer * R
-        slot_base.value = layer * R * C
-        src_base.value = layer * self.layout.num_blocks
-        self._run_sel(s, R)
+        run_score, run_sel = self._layer_runs[layer]
+        run_score(s, *self._score_grid)
+        run_sel(s, R)
         self._run_fetch(s, *self._fetch_grid)
         attn = self.attention
         attn.begin_step(s, R)
-        attn.step_tile(s, qp, self._k_pool, self._v_pool, self.attend.ptr, self.attend_counts.ptr, R,
-                       *self._strides, self.swap.model.block_size, output=(op or None))
+        attn.queue_checked_tile(s, R, qp, self._k_pool, self._v_pool, *self._strides, self.attend.ptr,
+                                self.attend_counts.ptr, self.swap.model.block_size, op)
+
+    def _check_io(self, qp: int, op: int) -> None:
+        """q and out (addresses) against this step's and its swap's memory and each other; remembered while the live
+        buffers stay as they are (a decode loop passes the same q and out every layer)."""
+        row = 2 * self.max_seqs * self.swap.model.num_q_heads * self.swap.model.head_dim
+        self._mine.check(qp, row, "q", "this DeviceSparseStep")
+        own_attention = self.attention._own   # (step_tile's check of its output, which queue_checked_tile skips)
+        own_attention.check(qp, row, "q", "this DeviceSparseStep's attention")
+        if op:
+            self._mine.check(op, row, "out", "this DeviceSparseStep")
+            own_attention.check(op, row, "out", "this DeviceSparseStep's attention")
+            _args.disjoint("DeviceSparseStep.attend_layer", ("out", op, row, True), ("q", qp, row, False))
+            self.swap._refuse_owned(op, row, "out")     # (the swap's P, A_g and store pages are read here)
+        self._io_checked = (qp, op, _args.RANGES.generation)
 
     # -- reading the state (outside a step) -----------------------------------------------------------------
     def counters(self, stream: Any) -> DeviceStepCounters:
         """Hits, misses and bytes read per (row, layer) since each row's last reset; waits for ``stream``."""
         self._live("counters")
-        s = _args.stream(stream)
+        s = self._streams(stream)
         host = np.empty((self.num_layers, self.max_seqs, 2), np.int64)
         cm.copy_d_to_h_async(host, self.stats.ptr, host.nbytes, s)
         cm.stream_sync(s)
@@ -367,7 +442,7 @@ class DeviceSparseStep:
         """(page_slot ``[max_pages]``, slot_page ``[slots]``, slot_stamp ``[slots]``, step number) of one (layer, row);
         waits for ``stream``."""
         self._live("residency")
-        s = _args.stream(stream)
+        s = self._streams(stream)
         layer = _args.as_index("layer", layer, self.num_layers, "layers")
         row = _args.as_index("row", row, self.max_seqs, "rows (max_seqs)")
         R, C, P = self.max_seqs, self.slots, self.max_pages
@@ -383,7 +458,7 @@ class DeviceSparseStep:
     def selection(self, stream: Any) -> tuple[np.ndarray, np.ndarray]:
         """The last layer step's attend lists (i32 ``[max_seqs, sel_cap]`` global slot indices) and counts; waits."""
         self._live("selection")
-        s = _args.stream(stream)
+        s = self._streams(stream)
         att, cnt = np.empty((self.max_seqs, self.sel_cap), np.int32), np.empty(self.max_seqs, np.int32)
         cm.copy_d_to_h_async(att, self.attend.ptr, att.nbytes, s)
         cm.copy_d_to_h_async(cnt, self.attend_counts.ptr, cnt.nbytes, s)
