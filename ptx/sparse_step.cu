@@ -44,10 +44,12 @@
 #define SELECT_THREADS 1024
 #define SELECT_WARPS (SELECT_THREADS / 32)
 
-// An order-preserving u32 key of a score: higher score, higher key; every NaN 0 (below -inf, whose key is 0x007fffff).
+// An order-preserving u32 key of a score: higher score, higher key; every NaN 0 (below -inf, whose key is 0x007fffff);
+// -0.0 and 0.0 one key (equal scores tie, as SPEC §17.1 and the host mode rank them).
 __device__ __forceinline__ unsigned hss_score_key(float v) {
-    const unsigned b = __float_as_uint(v);
     if (v != v) return 0u;
+    if (v == 0.0f) return 0x80000000u;
+    const unsigned b = __float_as_uint(v);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 

@@ -11,8 +11,9 @@ __all__ = ["score_keys", "select", "residency_step"]
 
 
 def score_keys(scores: np.ndarray) -> np.ndarray:
-    """uint32 keys ordering scores (float32) as SPEC §17.1 ranks them: a higher score a higher key, NaN lowest."""
-    s = np.asarray(scores, dtype=np.float32)
+    """uint32 keys ordering scores (float32) as SPEC §17.1 ranks them: a higher score a higher key, NaN lowest, -0.0
+    and 0.0 one key (equal scores)."""
+    s = np.asarray(scores, dtype=np.float32) + np.float32(0.0)   # -0.0 becomes 0.0: the two scores tie
     b = s.view(np.uint32)
     keys = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
     keys[np.isnan(s)] = 0
