@@ -963,7 +963,8 @@ def test_bad_arguments_raise_before_any_device_work_and_change_nothing(ctx, tmp_
     for i in range(2):
         model_step(hn, w.query(2), 2, what=f"step {i}")
     before = hn.state()
-    small, both = cm.DeviceBuffer(64), cm.DeviceBuffer(4096)
+    row = 2 * 2 * DIMS["num_q_heads"] * DIMS["head_dim"]   # bytes of q (and out): bf16 [max_seqs = 2, nq, hd]
+    small, both = cm.DeviceBuffer(64), cm.DeviceBuffer(2 * row)
     i32 = hn.counts.view(np.float32)
     two = cm.device_count() >= 2     # the emulator offers two devices (tests/conftest.py)
     c1 = cm.CudaCtx(1) if two else None
@@ -1002,7 +1003,7 @@ def test_bad_arguments_raise_before_any_device_work_and_change_nothing(ctx, tmp_
         (lambda: attend(q=hn.q.view(np.float32)), HssError, "q holds f32 but bf16 is needed"),
         (lambda: attend(out=hn.outs[1].view(np.int16)), HssError, "out holds i16 but bf16 is needed"),
         (lambda: attend(out=hn.q), HssError, "out overlaps q"),
-        (lambda: attend(q=both.ptr, out=both.ptr + 2048 - 16), HssError, "out overlaps q"),
+        (lambda: attend(q=both.ptr, out=both.ptr + row - 16), HssError, "out overlaps q"),
         (lambda: attend(out=hn.outs[1].ptr + 2), HssError, "out .* must be 16-byte aligned"),
         (lambda: attend(out=step.pool), HssError, "out .* overlaps the DeviceSparseStep's pool"),
         (lambda: attend(out=step.attention.o), HssError, "out .* overlaps its o, memory that this DeviceSparseStep's "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,7 +116,8 @@ class QsaMachine(RuleBasedStateMachine):
         self.gpu.close()
         gc.collect()
         assert live_buffers() == self.live0, "an hss buffer (device or pinned) was not freed"
-        assert cm.mem_info()[0] == self.free0, "device memory was not given back"
+        if os.environ.get("HSS_HYPOTHESIS_PROFILE") != "sanitize":   # compute-sanitizer's own device allocations
+            assert cm.mem_info()[0] == self.free0, "device memory was not given back"   # move the free count
         self.ctx.close()
 
     # -- helpers -------------------------------------------------------------------------------------------
