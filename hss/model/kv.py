@@ -116,23 +116,6 @@ class HbmKV:
             tiles.tile_tokens_rope(table, counts, qkv, cos, sin, max_pos, 0, output=out)
         return "attention", run
 
-    def _device_sparse_op(self, layer: int, q: int, out: int, counts: int) -> Op:
-        """The device sparse step of ``layer`` (capturable): the first layer begins the token's step (its complete
-        pages and tail length from the device count ``counts``), then the selected pages' tile and the tail's
-        token-count tile, which writes ``out``."""
-        step, table = self.sparse_step, self._dev_table.ptr
-        kt, vt = self.decode_cache(layer)[:2]
-        attn = step.attention
-        strides = attn.paged_strides()
-        tail_table, tail_counts = self._tail_table.ptr, step.tail_counts.ptr
-
-        def run(s: int) -> None:
-            if layer == 0:
-                step.begin_step(s, table, None, 1, token_counts=counts)
-            step.attend_layer(s, layer, q)
-            attn.step_tile_tokens(s, q, kt, vt, tail_table, tail_counts, 1, *strides, 0, output=out)
-        return "attention", run
-
     def after_step(self, stream: int, pos: int) -> None:
         pass
 
