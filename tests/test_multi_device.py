@@ -1,4 +1,4 @@
-"""Several devices in one process (issue 17): every component on any ordinal, objects of two devices used
+"""Several devices in one process: every component on any ordinal, objects of two devices used
 interleaved on one thread and from one thread per device, graphs on either device, and memory or a stream of one
 device handed to an object of another refused before any work, naming both devices.
 

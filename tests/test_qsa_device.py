@@ -1,4 +1,4 @@
-"""The batched device decode (issue 12; SPEC §17.2-§17.4): ``QsaIndexer.decode_select_batch`` and
+"""The batched device decode (SPEC §17.2-§17.4): ``QsaIndexer.decode_select_batch`` and
 ``sparse_decode_attention`` against the single-sequence host path and the float64 references, graph capture and
 replay (``begin_capture`` / ``end_capture``; ``torch.cuda.graph`` on a GPU), the device positions behind every host
 path, and every argument error (raised before any device work).

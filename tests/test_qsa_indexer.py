@@ -554,7 +554,7 @@ def test_numpy_integer_arguments(gpu, stream, rng, layer):
     assert all(np.array_equal(a, b) for a, b in zip(t_np, t_int)) and np.array_equal(raw_np, raw_int)
 
 
-# -- all or nothing (issue 14) ----------------------------------------------------------------------------
+# -- all or nothing ----------------------------------------------------------------------------
 DEVICE_CALLS = ("cuLaunchKernel", "cuMemcpyDtoDAsync", "cuMemcpy2DAsync", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
                 "cuMemsetD32Async", "cuMemsetD8Async", "cuStreamSynchronize", "cuMemAlloc", "cuEventRecord",
                 "cuStreamWaitEvent", "cuEventSynchronize", "cuMemcpyBatchAsync")
@@ -599,8 +599,8 @@ def snapshot_state(idx, st, stream) -> tuple:
 def test_a_failed_decode_step_changes_nothing_and_is_retried(gpu, stream, rng, layer):
     """Every driver call of a selective decode step fails in turn (and an interrupt lands in the scores' wait): the
     sequence keeps its counters, device position and keys, and the retried step selects and gathers exactly what a
-    twin sequence that never failed does. Before issue 14 the token was ingested before the scores' wait, so the
-    retry failed with 'lost sync'."""
+    twin sequence that never failed does (a token ingested before the scores' wait would make the
+    retry fail with 'lost sync')."""
     n = 20
     d_hidden = upload(hidden_states(rng, n + 4), stream)
     pool = kv_pool(rng, n + 4, stream)
@@ -681,7 +681,7 @@ def test_a_failed_prefill_ingest_changes_nothing(gpu, stream, rng, layer, restar
         assert snapshot_state(idx, st, stream)[3:] == want[3:]
 
 
-# -- own memory, ownership, finalizers (issue 14) ----------------------------------------------------------
+# -- own memory, ownership, finalizers ----------------------------------------------------------
 def test_caller_pointers_into_the_indexers_memory_are_refused(gpu, stream, rng, layer):
     """No argument may point into memory the indexer owns (it would be read while being written, or written over the
     indexer's own state): refused before any device work, the sequence unchanged."""

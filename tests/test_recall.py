@@ -101,7 +101,7 @@ def test_attention_mass_recall_by_rank(ctx, stream, record_property) -> None:
     assert means[64] >= means[8]
 
 
-# -- python -m hss.bench recall (issue 15): page selection on a real model's keys ---------------------------------
+# -- python -m hss.bench recall: page selection on a real model's keys ---------------------------------
 def _check_rows(rows: list[dict]) -> None:
     """Every recall is a share in [0, 1]; the oracle keeps at least what any method keeps (per item, so its mean and
     worst decile too), with and without first/recent pages; a larger budget never keeps less."""

@@ -1,4 +1,4 @@
-"""QSA decode on the device (issue 12): ``decode_select_batch`` + ``sparse_decode_attention`` at 8K, 32K, 128K and
+"""QSA decode on the device: ``decode_select_batch`` + ``sparse_decode_attention`` at 8K, 32K, 128K and
 512K visible tokens, batch 1, 8, 32 and 64, against the host path and PyTorch, in the same run.
 
     python -m hss.bench.qsa_device [--contexts 8192,32768,131072,524288] [--batches 1,8,32,64] [--layers 12]

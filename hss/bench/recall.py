@@ -1,4 +1,4 @@
-"""Recall of page selection on a real model (issue 15): ``python -m hss.bench recall [--smoke]``, or with options
+"""Recall of page selection on a real model: ``python -m hss.bench recall [--smoke]``, or with options
 ``python -m hss.bench.recall [--texts 3] [--tokens 4096] [--queries 64] [--layers 0-29] [--ranks 8 16 32] ...``.
 
 What it measures: SmolLM2-135M (``hss.realmodel``, numpy float32 forward) reads each text; every layer's post-RoPE
@@ -20,7 +20,7 @@ at head_dim 64, as r = 8; score = sum_i max(q_i min_i, q_i max_i), max over head
 normalisation) and ``recency`` (the newest pages). The current page's future tokens are NaN for the predictor (its
 kernels skip NaN dots) and absent for the baselines, so no method sees a key after its query.
 
-The sparse swap section (SPEC §17.6, issue 15): per text, every measured layer (``--swap-layers``) in a
+The sparse swap section (SPEC §17.6): per text, every measured layer (``--swap-layers``) in a
 :class:`~hss.swap.HighSpeedSwap` (HostStore, one shared resident set of ``--swap-resident`` of the pages, the original
 P at ``--swap-rank``) runs the ``--queries`` positions as consecutive decode steps, the page being written offloaded
 again at each, in the sparse mode (budget ``--swap-budget`` of the visible pages with the same +F/R pages) beside a

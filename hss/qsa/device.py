@@ -1,4 +1,4 @@
-"""Device-resident batched QSA decode (issue 12; SPEC §17.2-§17.4): the host side of ``decode_select_batch`` and
+"""Device-resident batched QSA decode (SPEC §17.2-§17.4): the host side of ``decode_select_batch`` and
 ``sparse_decode_attention``.
 
 Each :class:`~hss.qsa.QsaSeqState` owns a *slot* ``0 .. max_seqs - 1`` of its indexer's device arrays:

@@ -10,7 +10,7 @@ ordinary paged decode attention reads through an identity block table. ``prefill
 :mod:`hss.qsa.prefill`) rewrites the selective rows of a prefill chunk's attention output;
 ``snapshot_aux`` / ``restore_aux`` (in :mod:`hss.qsa.snapshot`) save and restore a sequence.
 
-The device-resident batched decode (issue 12, SPEC §17.2-§17.4; host code in :mod:`hss.qsa.device`):
+The device-resident batched decode (SPEC §17.2-§17.4; host code in :mod:`hss.qsa.device`):
 ``decode_select_batch`` runs ingest and selection for R sequences with the positions on the device (no host sync,
 graph-capturable) and ``sparse_decode_attention`` attends each sequence's selected tokens through its page table.
 Every state holds a slot of the indexer's device arrays; every host path keeps ``pos_dev[slot]`` equal to
@@ -783,7 +783,7 @@ class QsaIndexer:
         st.table_len = max(st.table_len, sel.max_blocks)
         return sel
 
-    # -- batched device decode (issue 12; SPEC §17.2-§17.4) ------------------------------------------------
+    # -- batched device decode (SPEC §17.2-§17.4) ------------------------------------------------
     def decode_select_batch(self, states: list[QsaSeqState] | tuple[QsaSeqState, ...], normed: Any, block_tables: Any,
                             block_size: int, stream: Any, *, max_pages: int | None = None) -> QsaDeviceSelection:
         """One decode step of R sequences on the device: ingest each one's token at its device position, pool a
