@@ -341,8 +341,8 @@ def test_swap_steps_through_the_gather_equal_the_batched_copies(ctx, tmp_path, m
         assert "cuMemcpyBatchAsync" not in calls, what
         launched += streamed
         if "budget_pages" in kw and kw["budget_pages"] < 40:
-            check_sparse(a, 0, ids, q, qa, ra, got_a, 7, (kw["budget_pages"], kw.get("keep_first", 0),
-                                                         kw.get("keep_recent", 0)), what)
+            check_sparse(a, 0, ids, q, qa, ra, got_a, 7, (kw["budget_pages"], kw.get("keep_first", 1),
+                                                         kw.get("keep_recent", 4)), what)
         else:
             check_step(a, 0, ids, q, qa, ra, got_a, 7, what)
         resident_bytes_match(a)
@@ -514,11 +514,11 @@ def test_a_step_whose_end_cannot_be_recorded_keeps_the_pool_honest(ctx, tmp_path
             raise KeyboardInterrupt("interrupted at the step's end")
         monkeypatch.setattr(s.h._ev_step_done, "record", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            s.h.attend_layer(ctx, 0, ids, q_bad, s.out, budget_pages=3, keep_recent=1)
+            s.h.attend_layer(ctx, 0, ids, q_bad, s.out, budget_pages=3, keep_first=0, keep_recent=1)
         monkeypatch.undo()
         moved += s.h.pool.residents() != before
         resident_bytes_match(s)
-        rec, got = s.step(0, ids, q_dev, budget_pages=3, keep_recent=1)
+        rec, got = s.step(0, ids, q_dev, budget_pages=3, keep_first=0, keep_recent=1)
         check_sparse(s, 0, ids, q, q_dev, rec, got, 16, (3, 0, 1), f"step {n}")
         resident_bytes_match(s)
         q_bad.close()

@@ -882,18 +882,18 @@ def test_sparse_edge_cases(ctx, tmp_path, rng) -> None:
     ids = [3, 0, 7, 5, 1, 8]
     s.offload(0, ids)
     q, q_dev = s.query()
-    rec, got = s.step(0, ids, q_dev, budget_pages=0)
+    rec, got = s.step(0, ids, q_dev, budget_pages=0, keep_first=0, keep_recent=0)
     assert rec.tiles == () and rec.skipped == tuple(ids) and rec.attended == () and not got.view(np.uint16).any()
     rec, got = s.step(0, ids, q_dev, q_pos=5, budget_pages=0, keep_first=4, keep_recent=4)
     assert rec.skipped == () and rec.attended == tuple(ids)
     check_step(s, 0, ids, q, q_dev, rec, got, 6, "F + R past the end")
-    rec, got = s.step(0, [], q_dev, budget_pages=2, keep_recent=1)
+    rec, got = s.step(0, [], q_dev, budget_pages=2, keep_first=0, keep_recent=1)
     assert rec.tiles == () and rec.skipped == () and not got.view(np.uint16).any()
-    rec, got = s.step(0, ids, q_dev, q_pos=9, budget_pages=2, keep_first=1)     # the last page only if it scores
+    rec, got = s.step(0, ids, q_dev, q_pos=9, budget_pages=2, keep_first=1, keep_recent=0)     # the last page only if it scores
     check_sparse(s, 0, ids, q, q_dev, rec, got, 10, (2, 1, 0), "no recent page")
     # a page whose keys are all NaN scores -inf (the predictor skips NaN dots) and is the one left out
     s.offload(0, [7], k=np.full((16, 2, 64), np.nan, BF16))
-    rec, got = s.step(0, [3, 0, 7, 5], q_dev, budget_pages=3)
+    rec, got = s.step(0, [3, 0, 7, 5], q_dev, budget_pages=3, keep_first=0, keep_recent=0)
     assert rec.scores[7] == -np.inf and rec.skipped == (7,)
     check_sparse(s, 0, [3, 0, 7, 5], q, q_dev, rec, got, 16, (3, 0, 0), "a -inf page")
     q_dev.close()
@@ -939,7 +939,7 @@ def test_sparse_arguments_are_checked_before_any_device_work(ctx, tmp_path, rng,
         (dict(budget_pages=2, keep_first=False), TypeError, "keep_first must be an int, got bool"),
         (dict(budget_pages=2, keep_recent=0.5), TypeError, "keep_recent must be an int, got float"),
         (dict(budget_pages=2, keep_recent=-3), HssError, "keep_recent = -3 must be >= 0"),
-        (dict(budget_pages=2, keep_recent=None), TypeError, "keep_recent must be an int, got NoneType"),
+        (dict(budget_pages=2, keep_recent="4"), TypeError, "keep_recent must be an int, got str"),
         (dict(keep_first=1), HssError, r"keep_first \(1\) and keep_recent \(0\) choose pages of the sparse mode: "
                                        "pass budget_pages too"),
         (dict(keep_recent=2), HssError, "pass budget_pages too"),

@@ -495,7 +495,7 @@ class HighSpeedSwap:
         self._done_on = -1       # the stream step_done was last recorded on
         self._pending_touch: np.ndarray | None = None    # a sparse step's hits, touched once its reads are queued
         self._read_mark: Any = None     # the store's fences known run once the next step's scores are (_wait_scores)
-        self._last_sparse: SparseBudget | None = None
+        self._last_sparse: tuple[tuple[Any, Any, Any], SparseBudget | None] | None = None
         self._last_ids = (np.zeros(0, dtype=np.int64), -1, False)    # the last seq_block_ids checked (_seq_ids):
         #                                                                   (ids, largest, whether 0..n-1 in order)
         self._last_bytes = b""
@@ -571,11 +571,12 @@ class HighSpeedSwap:
     def _sparse_args(self, budget_pages: Any, keep_first: Any, keep_recent: Any) -> SparseBudget | None:
         """:func:`~hss.swap.sparse.sparse_budget` of the arguments, the last step's answer where they are the same
         ints (a decode loop passes the same budget step after step)."""
+        key = (budget_pages, keep_first, keep_recent)
         last = self._last_sparse
-        if (type(budget_pages) is int and type(keep_first) is int and type(keep_recent) is int and last is not None
-                and last == (budget_pages, keep_first, keep_recent)):
-            return last
-        sparse = self._last_sparse = sparse_budget(budget_pages, keep_first, keep_recent)
+        if last is not None and all(v is None or type(v) is int for v in key) and last[0] == key:
+            return last[1]
+        sparse = sparse_budget(budget_pages, keep_first, keep_recent)
+        self._last_sparse = (key, sparse)
         return sparse
 
     def _lbvs(self, lbvs: Any, q_pos: Any) -> int:
@@ -691,7 +692,8 @@ class HighSpeedSwap:
     # -- attention -------------------------------------------------------------------------------
     def attend_layer(self, ctx: cm.CudaCtx, layer: int, seq_block_ids: Any, q_dev: Any, out_dev: Any,
                      last_block_valid_slots: int | None = None, *, q_pos: int | None = None,
-                     budget_pages: int | None = None, keep_first: int = 0, keep_recent: int = 0) -> StepRecord:
+                     budget_pages: int | None = None, keep_first: int | None = None,
+                     keep_recent: int | None = None) -> StepRecord:
         """:meth:`attend_layer_on_stream` on ``ctx.stream``."""
         return self.attend_layer_on_stream(self._streams(ctx, "ctx"), layer, seq_block_ids, q_dev, out_dev,
                                            last_block_valid_slots, q_pos=q_pos, budget_pages=budget_pages,
@@ -704,8 +706,8 @@ class HighSpeedSwap:
 
     def attend_layer_on_stream(self, stream: Any, layer: int, seq_block_ids: Any, q_dev: Any, out_dev: Any,
                                last_block_valid_slots: int | None = None, *, q_pos: int | None = None,
-                               budget_pages: int | None = None, keep_first: int = 0,
-                               keep_recent: int = 0) -> StepRecord:
+                               budget_pages: int | None = None, keep_first: int | None = None,
+                               keep_recent: int | None = None) -> StepRecord:
         """Exact attention of one decode query over the pages ``seq_block_ids`` of ``layer`` (see the module
         docstring for the queue order); returns (and keeps as :attr:`last_step`) the step's record.
 
@@ -721,7 +723,8 @@ class HighSpeedSwap:
         queued, and the next step is exact.
 
         The sparse mode (SPEC §17.6; opt in with ``budget_pages``, an int >= 0): the step attends the first
-        ``keep_first`` and the last ``keep_recent`` pages of ``seq_block_ids`` plus the ``budget_pages`` others with
+        ``keep_first`` (None: 1) and the last ``keep_recent`` (None: 4; the sparse mode's one set of defaults, the
+        recall bench's best, :data:`hss.swap.sparse.KEEP_FIRST` / ``KEEP_RECENT``; 0 / 0 is the plain top-K) pages of ``seq_block_ids`` plus the ``budget_pages`` others with
         the highest predictor scores (ties to the earlier page, NaN last), in sequence order, and reads only those
         of them that are not resident: exact attention over exactly those pages (the last page keeps its valid
         slots if attended). It waits for the scores before queueing any read; the record says what it skipped. A

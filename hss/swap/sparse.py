@@ -35,17 +35,24 @@ class SparseBudget(NamedTuple):
         return self.budget_pages >= n - self.forced(n)
 
 
-def sparse_budget(budget_pages: Any, keep_first: Any, keep_recent: Any) -> SparseBudget | None:
+#: The sparse mode's defaults (the recall bench's best setting): the first page and the last four are always attended.
+KEEP_FIRST, KEEP_RECENT = 1, 4
+
+
+def sparse_budget(budget_pages: Any, keep_first: Any = None, keep_recent: Any = None) -> SparseBudget | None:
     """The sparse arguments of ``attend_layer`` checked: ``None`` for the exact mode (``budget_pages`` None, the
-    others 0), else a :class:`SparseBudget`. ``TypeError`` for a non-int (bool included), :class:`HssError` for a
+    others None or 0), else a :class:`SparseBudget` (``keep_first`` / ``keep_recent`` None: the sparse mode's defaults
+    :data:`KEEP_FIRST` / :data:`KEEP_RECENT`). ``TypeError`` for a non-int (bool included), :class:`HssError` for a
     negative count or ``keep_first`` / ``keep_recent`` without ``budget_pages``, each naming the parameter."""
-    first, recent = _args.as_count("keep_first", keep_first), _args.as_count("keep_recent", keep_recent)
+    first = 0 if keep_first is None else _args.as_count("keep_first", keep_first)
+    recent = 0 if keep_recent is None else _args.as_count("keep_recent", keep_recent)
     if budget_pages is None:
         if first or recent:
             raise HssError(f"keep_first ({first}) and keep_recent ({recent}) choose pages of the sparse mode: pass "
                            "budget_pages too (None attends every page)")
         return None
-    return SparseBudget(_args.as_count("budget_pages", budget_pages), first, recent)
+    return SparseBudget(_args.as_count("budget_pages", budget_pages), KEEP_FIRST if keep_first is None else first,
+                        KEEP_RECENT if keep_recent is None else recent)
 
 
 def select_pages(scores: np.ndarray, budget: SparseBudget) -> np.ndarray:
