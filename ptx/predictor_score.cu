@@ -57,6 +57,7 @@
 //   (HSS_PRED_HEAD_THREADS, 1, 1), grid (ceil(num_blocks / HSS_PRED_HEAD_THREADS), 1, 1).
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
+#include "hss_headscore.cuh"
 
 #define HSS_PRED_HEAD_THREADS 256   // predictor_head_max and predictor_head_combine: threads per CTA
 
@@ -213,17 +214,6 @@ __device__ __forceinline__ float hss_head_max(const float* __restrict__ head_sco
     __syncthreads();
     for (int w = 1; w < HSS_PRED_HEAD_THREADS / 32; ++w) best = fmaxf(best, warp_best[w]);
     return best;   // (thread 0's is the CTA's: warp_best[0] is its own warp's)
-}
-
-// One block's normalised score from its per-head maxima.
-__device__ __forceinline__ float hss_head_combine(const float* __restrict__ row, const float* __restrict__ head_max,
-                                                  int num_q_heads, float exp2_scale) {
-    float acc = 0.0f;
-    for (int qh = 0; qh < num_q_heads; ++qh) {
-        const float x = (row[qh] - head_max[qh]) * exp2_scale;
-        if (!isnan(x)) acc += exp2f(x);
-    }
-    return acc;
 }
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -20,15 +20,21 @@
 // sparse_select(scores f32 [R, stride], counts i32 [R], table i32 [R, stride], rows i32 [1], page_slot, slot_page,
 //               slot_stamp, step, attend i32 [R, sel_cap], attend_counts i32 [R], fetch i32 [R, sel_cap, 2],
 //               fetch_counts i32 [R], stats, stride, slots, sel_cap, budget, keep_first, keep_recent, slot_base i64,
-//               src_base i64)
+//               src_base i64, head_scores f32 [R, stride, num_heads], num_heads, max_blocks, exp2_scale)
 //   CTA s (< rows[0]; the others write attend_counts[s] = fetch_counts[s] = 0 and stop) with n = clamp(counts[s], 0,
 //   stride) pages:
 //   * S: every page if n <= keep_first + keep_recent + budget (= sel_cap); else pages 0..F-1, n-Rk..n-1 and the
 //     `budget` best of the others by (score descending, page ascending), NaN below every number (SPEC §17.1).
+//   * the scores: scores[s, i] as given (num_heads 0), or (num_heads > 0: the per-head normalised scores, SPEC
+//     §17.5, folded in here so the step needs no head-max and combine launches) computed from predictor_score_heads_
+//     table's head_scores: each head's max over the row's n pages, then predictor_head_combine_rows's sum
+//     (hss_headscore.cuh: the same bits), NaN for a table id outside 0..max_blocks-1, written to scores[s, i] for
+//     every i < n when not every page is selected (nothing is scored then).
 //   * hits: pages of S with page_slot >= 0; misses: the others, ascending. Miss j takes the j-th slot of the order:
 //     free slots by slot ascending, then slots holding a page outside S by (stamp, slot) ascending; the page it held
 //     is dropped (page_slot = -1). fetch[s, j] = (src_base + table[s, page], slot_base + s * slots + slot): the store
-//     page to read and the global slot to read it into; fetch_counts[s] = misses.
+//     page to read and the global slot to read it into (a table id outside 0..max_blocks-1: source -1, read by
+//     nobody: the slot keeps what it held, and no other layer's page is read); fetch_counts[s] = misses.
 //   * every slot holding a page of S gets stamp = step[s]; attend[s, k] = slot_base + s * slots + slot of the k-th
 //     page of S (ascending), attend_counts[s] = |S|; stats[s] += (hits, misses).
 //   Needs slots >= sel_cap (the host checks); page_slot entries must name slots < slots (the state's invariant).
@@ -40,9 +46,11 @@
 //   (page_gather's copy); a pair outside src_pages / dst_pages (a block id the table got wrong) copies nothing. Launch: grid (sel_cap, ceil(page_vecs / GATHER_CHUNK), R), block (GATHER_THREADS, 1, 1).
 #include "hss_common.cuh"
 #include "hss_copy.cuh"
+#include "hss_headscore.cuh"
 
 #define SELECT_THREADS 1024
 #define SELECT_WARPS (SELECT_THREADS / 32)
+#define SELECT_MAX_HEADS 256   // num_heads of the folded per-head scores, at most
 
 // An order-preserving u32 key of a score: higher score, higher key; every NaN 0 (below -inf, whose key is 0x007fffff);
 // -0.0 and 0.0 one key (equal scores tie, as SPEC §17.1 and the host mode rank them).
@@ -101,12 +109,13 @@ extern "C" __global__ void __launch_bounds__(256) sparse_counts(const int* __res
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
-sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, const int* __restrict__ table,
+sparse_select(float* __restrict__ scores, const int* __restrict__ counts, const int* __restrict__ table,
               const int* __restrict__ rows, int* __restrict__ page_slot, int* __restrict__ slot_page,
               int* __restrict__ slot_stamp, const int* __restrict__ step, int* __restrict__ attend,
               int* __restrict__ attend_counts, int2* __restrict__ fetch, int* __restrict__ fetch_counts,
               long long* __restrict__ stats, int stride, int slots, int sel_cap, int budget, int keep_first,
-              int keep_recent, long long slot_base, long long src_base) {
+              int keep_recent, long long slot_base, long long src_base, const float* __restrict__ head_scores,
+              int num_heads, int max_blocks, float exp2_scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     // [keys u32 | order u64 (pow2 >= slots) | misses i32 (sel_cap) | chosen u8 (stride) | in_s u8 (slots)]
     int cap = 1;
@@ -119,6 +128,8 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
     __shared__ int red[SELECT_WARPS + 1];
     __shared__ unsigned hist[256];
     __shared__ unsigned prefix_s, want_s;
+    __shared__ unsigned head_key[SELECT_MAX_HEADS];
+    __shared__ float head_max[SELECT_MAX_HEADS];
 
     const int s = blockIdx.x, tid = threadIdx.x;
     if (s >= rows[0]) {   // a padded row: nothing to attend or read
@@ -126,7 +137,7 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
         return;
     }
     const int n = min(max(counts[s], 0), stride);
-    const float* sc = scores + (size_t)s * stride;
+    float* sc = scores + (size_t)s * stride;   // (read, or with num_heads > 0 written first)
     int* ps = page_slot + (size_t)s * stride;
     int* sp = slot_page + (size_t)s * slots;
     int* st = slot_stamp + (size_t)s * slots;
@@ -136,6 +147,29 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
     // 1. the selection S (chosen[i] = 1)
     const bool all = n <= keep_first + keep_recent + budget;
     const int lo = keep_first, hi = n - keep_recent;   // the scored pages, when not all
+    const int heads = min(max(num_heads, 0), SELECT_MAX_HEADS);
+    if (!all && heads > 0) {   // each head's max over the n pages (NaN skipped; none: -inf), as an ordered key
+        const float* hs = head_scores + (size_t)s * stride * heads;
+        for (int h = tid; h < heads; h += SELECT_THREADS) head_key[h] = hss_score_key(hss_neg_inf());
+        __syncthreads();
+        for (long long j = tid; j < (long long)n * heads; j += SELECT_THREADS) {
+            const float v = hs[j];
+            if (v == v) atomicMax(&head_key[(int)(j % heads)], hss_score_key(v));
+        }
+        __syncthreads();
+        for (int h = tid; h < heads; h += SELECT_THREADS) {
+            const unsigned k = head_key[h];   // back to the float (+-0 and subnormals: the combine flushes them)
+            head_max[h] = __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
+        }
+        __syncthreads();
+        for (int i = tid; i < n; i += SELECT_THREADS) {
+            const int b = table[(size_t)s * stride + i];
+            sc[i] = (b < 0 || b >= max_blocks) ? __int_as_float(0x7fffffff)
+                                                : hss_head_combine(hs + (size_t)i * heads, head_max, heads,
+                                                                   exp2_scale);
+        }
+        __syncthreads();
+    }
     for (int i = tid; i < n; i += SELECT_THREADS) {
         chosen[i] = all || i < lo || i >= hi;
         if (!all && i >= lo && i < hi) keys[i] = hss_score_key(sc[i]);
@@ -250,7 +284,9 @@ sparse_select(const float* __restrict__ scores, const int* __restrict__ counts, 
         ps[page] = slot;
         sp[slot] = page;
         in_s[slot] = 1;
-        fetch[(size_t)s * sel_cap + j] = make_int2((int)(src_base + tb[page]), (int)(base + slot));
+        const int id = tb[page];
+        fetch[(size_t)s * sel_cap + j] = make_int2(0 <= id && id < max_blocks ? (int)(src_base + id) : -1,
+                                                   (int)(base + slot));
     }
     __syncthreads();
     }

@@ -310,11 +310,18 @@ def run_select(ctx, stream, case: SelectCase) -> None:
     state = select_state(case, rng)
     scores = draw_scores(rng, (R, P), case.special)
     table = rng.integers(0, 1000, (R, P)).astype(np.int32)
+    max_blocks = int(rng.integers(900, 1001))   # ids at or past it: NaN (folded scores) and read from nowhere
     counts = np.array(case.counts, np.int32)
     stats = rng.integers(0, 1 << 40, (R, 2)).astype(np.int64)
+    heads = case.extra.get("heads", 0)
+    scale = float(np.float32(rng.uniform(0.05, 2.0)))
+    per_head = (rng.standard_normal((R, P, max(heads, 1))) * 4).astype(np.float32)
+    per_head[rng.random(per_head.shape) < 0.1] = -np.inf
+    per_head[rng.random(per_head.shape) < 0.05] = np.nan
     slot_base, src_base = int(rng.integers(0, 1 << 20)), int(rng.integers(0, 1 << 20))
     dev = {k: upload(v, stream) for k, v in dict(scores=scores, table=table, counts=counts, stats=stats,
-                                                 rows=np.array([case.real], np.int32), **state).items()}
+                                                 rows=np.array([case.real], np.int32), head_scores=per_head,
+                                                 **state).items()}
     outs = dict(attend=poisoned(4 * R * cap, stream), attend_counts=poisoned(4 * R, stream),
                 fetch=poisoned(8 * R * cap, stream), fetch_counts=poisoned(4 * R, stream))
     geo = ks.select_geometry(R, P, C, cap)
@@ -324,9 +331,13 @@ def run_select(ctx, stream, case: SelectCase) -> None:
             fn.set_max_dynamic_shared(geo.shared)
         pack = ks.SPARSE_SELECT.pack(**{k: b.ptr for k, b in (dev | outs).items()}, stride=P, slots=C, sel_cap=cap,
                                      budget=case.budget, keep_first=case.keep_first, keep_recent=case.keep_recent,
-                                     slot_base=slot_base, src_base=src_base)
+                                     slot_base=slot_base, src_base=src_base, num_heads=heads,
+                                     max_blocks=max_blocks, exp2_scale=scale)
+        if not heads:
+            pack.slot("head_scores").value = 0
         cm.launch_kernel(fn, geo.grid, geo.block, geo.shared, stream, pack)
         got = {k: download(dev[k], v.shape, v.dtype, stream) for k, v in (state | dict(stats=stats)).items()}
+        got_scores = download(dev["scores"], (R, P), np.float32, stream)
         got["attend"] = download(outs["attend"], (R, cap), np.int32, stream)
         got["fetch"] = download(outs["fetch"], (R, cap, 2), np.int32, stream)
         got["attend_counts"] = download(outs["attend_counts"], (R,), np.int32, stream)
@@ -334,20 +345,34 @@ def run_select(ctx, stream, case: SelectCase) -> None:
     want = {k: v.copy() for k, v in (state | dict(stats=stats)).items()}
     want |= dict(attend=np.full((R, cap), -1, np.int32), fetch=np.full((R, cap, 2), -1, np.int32),
                  attend_counts=np.zeros(R, np.int32), fetch_counts=np.zeros(R, np.int32))
+    want_scores = scores.copy()
     for s in range(min(max(case.real, 0), R)):
         n = min(max(int(counts[s]), 0), P)
-        chosen = ref.select(scores[s, :n], n, case.budget, case.keep_first, case.keep_recent)
-        assert np.flatnonzero(chosen).tolist() == model_select(scores[s], n, case.budget, case.keep_first,
+        if heads and n > cap:   # the folded per-head scores: the reference's within SPEC §0's f32 rule (exact on
+            folded = ref.head_scores(per_head[s, :n, :heads], table[s, :n], max_blocks, scale)  # the emulator)
+            nan = np.isnan(folded)
+            assert np.array_equal(np.isnan(got_scores[s, :n]), nan), f"row {s}: NaN scores; {case}"
+            if ON_GPU:
+                assert_close(got_scores[s, :n][~nan], folded[~nan].astype(np.float64), "f32", (0,), "folded scores")
+            else:
+                assert np.array_equal(got_scores[s, :n][~nan].view(np.uint32), folded[~nan].view(np.uint32))
+            want_scores[s, :n] = got_scores[s, :n]   # (the selection is exact integer logic over these)
+        chosen = ref.select(want_scores[s, :n], n, case.budget, case.keep_first, case.keep_recent)
+        assert np.flatnonzero(chosen).tolist() == model_select(want_scores[s], n, case.budget, case.keep_first,
                                                                case.keep_recent)
         slots_of, misses, into = ref.residency_step(chosen, want["page_slot"][s], want["slot_page"][s],
                                                     want["slot_stamp"][s], int(state["step"][s]))
         base = slot_base + s * C
         k, m = slots_of.size, misses.size
         want["attend"][s, :k] = base + slots_of
-        want["fetch"][s, :m, 0] = src_base + table[s, misses]
+        ids = table[s, misses]
+        want["fetch"][s, :m, 0] = np.where(ids < max_blocks, src_base + ids, -1)
         want["fetch"][s, :m, 1] = base + into
         want["attend_counts"][s], want["fetch_counts"][s] = k, m
         want["stats"][s] += (k - m, m)
+    nan = np.isnan(want_scores)   # scores of rows not folded stay as they were
+    assert np.array_equal(np.isnan(got_scores), nan)
+    assert np.array_equal(got_scores[~nan].view(np.uint32), want_scores[~nan].view(np.uint32)), "scores"
     for k in want:
         bad = np.argwhere(got[k] != want[k])
         assert not bad.size, f"{k}: {len(bad)} entries differ, first at {bad[0].tolist()} (got " \
@@ -376,6 +401,22 @@ SELECT_CASES = [
 @pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"P{c.stride}-K{c.budget}F{c.keep_first}"
                          f"R{c.keep_recent}-C{c.slots}-n{c.counts}-rows{c.real}"[:60])
 def test_sparse_select_edge_cases(ctx, stream, rng, case: SelectCase) -> None:
+    case.seed = int(rng.integers(2**32))
+    run_select(ctx, stream, case)
+
+
+HEAD_CASES = [SelectCase(12, 3, 1, 2, 6, [12, 9, 4], 3, extra=dict(heads=3)),
+              SelectCase(40, 5, 1, 4, 12, [40, 33], 2, extra=dict(heads=8)),
+              SelectCase(300, 16, 1, 4, 21, [300, 250, 22], 3, extra=dict(heads=9)),
+              SelectCase(2500, 200, 1, 4, 300, [2500, 2001], 2, warmup=2, extra=dict(heads=32)),
+              SelectCase(9, 3, 1, 1, 5, [9, 9, 9], 1, extra=dict(heads=256))]
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: f"P{c.stride}-K{c.budget}-heads{c.extra['heads']}")
+def test_sparse_select_folds_the_per_head_scores(ctx, stream, rng, case: SelectCase) -> None:
+    """With num_heads > 0 the selection first computes each row's per-head normalised scores from the per-head
+    maxima (NaN and -inf holes, ids at or past max_blocks NaN), writes them to scores (rows not every page of which
+    is selected), and selects over them; the rest is the integer reference's."""
     case.seed = int(rng.integers(2**32))
     run_select(ctx, stream, case)
 

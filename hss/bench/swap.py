@@ -104,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "large number: none)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA comparison")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and no PyTorch: a code-path check")
+    p.add_argument("--device-step", default="32768", metavar="TOKENS", help="also the device sparse step "
+                   "(hss.bench.sparse_step: same / new query, batch 1 / 8 / 32, eager and in a graph, beside the host "
+                   "sparse and exact steps and the floors) at this length; 'off': not")
+    p.add_argument("--device-step-batches", default="1,8,32", help="the device step's batch sizes")
     p.add_argument("--tp", type=int, default=1, help="N > 1: only the step split over N devices by kv heads against "
                    "one device (hss.bench._swap_tp)")
     args = p.parse_args(argv)
@@ -129,7 +133,21 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows += _one_length(args, ctx, tokens)
     finally:
         ctx.close()
+    if args.device_step != "off":
+        rows += [dict(r, part="device step") for r in _device_step_rows(args)]
     return rows
+
+
+def _device_step_rows(args: argparse.Namespace) -> list[dict]:
+    """hss.bench.sparse_step's rows with this run's dims and sparse settings (its budget: --budget of the pages)."""
+    from hss.bench import sparse_step
+    tokens = int(args.device_step)
+    budget = max(1, round(args.budget * (tokens // args.block_size)))
+    argv = ["--tokens", str(tokens), "--batches", args.device_step_batches, "--budget", str(budget),
+            "--keep-first", str(args.keep_first), "--keep-recent", str(args.keep_recent),
+            "--num-q-heads", str(args.num_q_heads), "--num-kv-heads", str(args.num_kv_heads),
+            "--head-dim", str(args.head_dim), "--block-size", str(args.block_size)]
+    return sparse_step.run(sparse_step.parse_args(argv + (["--smoke"] if args.smoke else [])))
 
 
 def _data(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -618,6 +636,8 @@ def table(rows: list[dict]) -> str:
     if rows and rows[0].get("tp"):
         from hss.bench import _swap_tp
         return _swap_tp.table(rows)
+    device = [r for r in rows if r.get("part") == "device step"]
+    rows = [r for r in rows if r.get("part") != "device step"]
     lines = ["| tokens | variant | µs | GB/s | note |", "|---|---|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['variant']} | {r['us']:.1f} | {r['GB/s']:.1f} | {r['note']} |")
@@ -645,6 +665,10 @@ def table(rows: list[dict]) -> str:
                                                                             " (the target is set at 32K)"))
     if any(r.get("replay_equal") is False for r in rows):
         lines.append("- CHECK FAILED: a streamed step differs from its in-HBM replay")
+    if device:
+        from hss.bench import sparse_step
+        lines += ["", "The device sparse step (hss.bench.sparse_step, same swap settings):", "",
+                  sparse_step.table([{k: v for k, v in r.items() if k != "part"} for r in device])]
     return "\n".join(lines)
 
 

@@ -19,12 +19,15 @@ from hss.reference import gather as gref
 from hss.reference import sparse_step as ref
 
 __all__ = ["MODULE", "SELECT_THREADS", "SPARSE_ADVANCE", "SPARSE_COUNTS", "SPARSE_SELECT", "SPARSE_FETCH",
-           "select_shared_bytes", "select_geometry", "fetch_geometry", "advance_geometry", "MAX_SLOTS"]
+           "select_shared_bytes", "select_geometry", "fetch_geometry", "advance_geometry", "MAX_SLOTS", "MAX_HEADS",
+           "SELECT_STATIC_SHARED"]
 
 MODULE = "sparse_step"
 SELECT_THREADS = 1024      # SELECT_THREADS: sparse_select's block
 ADVANCE_THREADS = 256
 MAX_SLOTS = 1 << 24        # a slot index fits the 24 bits of the sort key
+MAX_HEADS = 256            # SELECT_MAX_HEADS: q heads of sparse_select's folded per-head scores
+SELECT_STATIC_SHARED = 4 * (SELECT_THREADS // 32 + 1 + 256 + 2 + 2 * MAX_HEADS)   # its static shared memory
 
 
 def select_shared_bytes(stride: int, slots: int, sel_cap: int) -> int:
@@ -101,8 +104,13 @@ def _emulate_select(a: SimpleNamespace, launch: Launch) -> None:
     stats = a.stats[:16 * R].view(np.int64).reshape(R, 2)
     attend_counts[n_rows:] = 0
     fetch_counts[n_rows:] = 0
+    heads = min(max(a.num_heads, 0), MAX_HEADS)
+    if heads:
+        head_scores = a.head_scores[:4 * R * stride * heads].view(np.float32).reshape(R, stride, heads)
     for s in range(n_rows):
         n = min(max(int(counts[s]), 0), stride)
+        if heads and n > a.budget + a.keep_first + a.keep_recent:   # the folded per-head scores (SPEC §17.5)
+            scores[s, :n] = ref.head_scores(head_scores[s, :n], table[s, :n], a.max_blocks, a.exp2_scale)
         chosen = ref.select(scores[s, :n], n, a.budget, a.keep_first, a.keep_recent)
         if np.any(page_slot[s, :n][chosen] >= slots):
             raise MemoryFault(f"sparse_select: row {s}'s page_slot names a slot past slots ({slots}): corrupt state")
@@ -110,7 +118,8 @@ def _emulate_select(a: SimpleNamespace, launch: Launch) -> None:
         base = a.slot_base + s * slots
         k, m = slots_of.size, misses.size
         attend[s, :k] = base + slots_of
-        fetch[s, :m, 0] = a.src_base + table[s, misses]
+        ids = table[s, misses].astype(np.int64)
+        fetch[s, :m, 0] = np.where((ids >= 0) & (ids < a.max_blocks), a.src_base + ids, -1)
         fetch[s, :m, 1] = base + into
         attend_counts[s], fetch_counts[s] = k, m
         stats[s] += (k - m, m)
@@ -123,6 +132,8 @@ def _check_select(a: SimpleNamespace, launch: Launch) -> str | None:
         return f"needs 0 < sel_cap ({a.sel_cap}) <= slots ({a.slots}) < 2^24 and stride >= 1"
     if a.sel_cap != a.budget + a.keep_first + a.keep_recent:
         return "sel_cap must be budget + keep_first + keep_recent"
+    if not 0 <= a.num_heads <= MAX_HEADS:
+        return f"num_heads ({a.num_heads}) must be 0..{MAX_HEADS}"
     if launch.shared < select_shared_bytes(a.stride, a.slots, a.sel_cap):
         return f"needs {select_shared_bytes(a.stride, a.slots, a.sel_cap)} bytes of dynamic shared memory"
     return None
@@ -134,11 +145,13 @@ SPARSE_SELECT = declare(
     MODULE, "sparse_select",
     "ptr scores, ptr counts, ptr table, ptr rows, ptr page_slot, ptr slot_page, ptr slot_stamp, ptr step, "
     "ptr attend, ptr attend_counts, ptr fetch, ptr fetch_counts, ptr stats, i32 stride, i32 slots, i32 sel_cap, "
-    "i32 budget, i32 keep_first, i32 keep_recent, i64 slot_base, i64 src_base",
+    "i32 budget, i32 keep_first, i32 keep_recent, i64 slot_base, i64 src_base, ptr head_scores, i32 num_heads, "
+    "i32 max_blocks, f32 exp2_scale",
     reads={n: _ROW_STATE for n in ("scores", "counts", "table", "page_slot", "slot_page", "slot_stamp", "step",
-                                   "stats")} | {"rows": lambda a: 4},
+                                   "stats")} | {"rows": lambda a: 4,
+                                                "head_scores": lambda a: None if a.num_heads > 0 else 0},
     writes={n: _ROW_STATE for n in ("page_slot", "slot_page", "slot_stamp", "attend", "attend_counts", "fetch",
-                                    "fetch_counts", "stats")},
+                                    "fetch_counts", "stats", "scores")},
     emulate=_emulate_select, check=_check_select)
 
 

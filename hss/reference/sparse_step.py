@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["score_keys", "select", "residency_step"]
+from hss.reference import predictor as pref
+
+__all__ = ["score_keys", "head_scores", "select", "residency_step"]
 
 
 def score_keys(scores: np.ndarray) -> np.ndarray:
@@ -18,6 +20,18 @@ def score_keys(scores: np.ndarray) -> np.ndarray:
     keys = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
     keys[np.isnan(s)] = 0
     return keys
+
+
+def head_scores(per_head: np.ndarray, table: np.ndarray, max_blocks: int, exp2_scale: float) -> np.ndarray:
+    """float32 ``[n]``: the per-head normalised scores sparse_select folds in (SPEC §17.5) from the ``[n, heads]``
+    per-head scores of one row's pages (block ids ``table[:n]``): each head's max over the n pages (NaN skipped), then
+    the sum over heads of 2^((score - max) * exp2_scale) (a NaN exponent left out), each rounded to float32 as the
+    kernels store them; NaN for a block id outside 0..max_blocks-1."""
+    best = pref.head_max(per_head).astype(np.float32) if per_head.shape[0] else np.full(per_head.shape[1], -np.inf)
+    got = pref.head_combine(per_head, best, exp2_scale).astype(np.float32)
+    ids = np.asarray(table)
+    got[(ids < 0) | (ids >= max_blocks)] = np.nan
+    return got
 
 
 def select(scores: np.ndarray, n: int, budget: int, keep_first: int, keep_recent: int) -> np.ndarray:

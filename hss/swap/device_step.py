@@ -10,7 +10,9 @@ memory), a decode step of one layer is five launches on the caller's stream and 
 3. ``sparse_select``: one CTA per sequence picks S (the first ``keep_first`` and last ``keep_recent`` pages plus the
    ``budget_pages`` best others, SPEC §17.1's order), finds its hits among the sequence's ``slots`` HBM slots of the
    layer, gives each miss a slot (free slots first, then the least recently selected), lists the misses' reads and
-   S's slots in page order, and counts hits and misses;
+   S's slots in page order, and counts hits and misses; with the predictor's ``head_temperature`` the scores of 2.
+   are per head (``predictor_score_heads_table``) and this launch folds in each head's max and the normalised sum
+   (SPEC §17.5, the predictor's arithmetic and bits) first;
 4. ``sparse_fetch``: the misses read straight from the store's mapped pinned memory into their slots (16-byte loads,
    many in flight);
 5. the tiled attention over exactly S's slots (one tile; ``output=`` ends the step, or the caller adds the newest,
@@ -42,9 +44,6 @@ from hss.attention import TiledAttention, TiledAttentionDims
 from hss.errors import HssError
 from hss.kernels import sparse_step as ks
 from hss.kernels.predictor import (
-    HEAD_THREADS,
-    PREDICTOR_HEAD_COMBINE_ROWS,
-    PREDICTOR_HEAD_MAX_ROWS,
     PREDICTOR_SCORE_HEADS_TABLE,
     PREDICTOR_SCORE_TABLE,
     Q_LOWRANK_PROJECT_ROWS,
@@ -113,9 +112,12 @@ class DeviceSparseStep:
         if L * R * C >= _I32_MAX:
             raise HssError(f"num_layers * max_seqs * slots ({L} * {R} * {C}) must be < 2^31 (slot indices are int32)")
         geo = ks.select_geometry(R, self.max_pages, C, self.sel_cap)
-        if geo.shared > 227 * 1024:
+        if pred.head_temperature is not None and m.num_q_heads > ks.MAX_HEADS:
+            raise HssError(f"the per-head normalised scores (head_temperature) of the device step take at most "
+                           f"{ks.MAX_HEADS} q heads, not {m.num_q_heads}: use head_temperature=None")
+        if geo.shared > 227 * 1024 - ks.SELECT_STATIC_SHARED:
             raise HssError(f"max_pages ({self.max_pages}) and slots ({C}) need {geo.shared} bytes of shared memory "
-                           "for the selection; at most 232448 fit: lower max_pages or slots")
+                           f"for the selection; at most {227 * 1024 - ks.SELECT_STATIC_SHARED} fit: lower max_pages or slots")
         if ctx is not None and not isinstance(ctx, cm.CudaCtx):
             raise TypeError(f"ctx must be a CudaCtx or None (the current context), not {type(ctx).__name__}")
         self._streams = StreamCheck(ctx, "this DeviceSparseStep")    # ctx None: the current context
@@ -143,7 +145,6 @@ class DeviceSparseStep:
             self._temperature = pred.head_temperature   # per-head normalised scores (SPEC §17.5) when not None
             heads = m.num_q_heads if self._temperature is not None else 0
             self.head_scores = alloc(4 * R * self.max_pages * heads)
-            self.head_max = alloc(4 * R * heads)
             self.page_counts = alloc(4 * R)     # begin_step(token_counts=): complete pages, then the newest page's
             self.tail_counts = alloc(4 * R)     # tokens (sparse_counts)
             self.attention = own(TiledAttention(ctx, TiledAttentionDims(R, m.num_q_heads, m.num_kv_heads,
@@ -156,7 +157,7 @@ class DeviceSparseStep:
         self._mine = _args.OwnedRanges()
         for name in ("pool", "page_slot", "slot_page", "slot_stamp", "stats", "step_no", "rows_dev", "q_proj",
                      "scores", "attend", "attend_counts", "fetch", "fetch_counts", "page_counts", "tail_counts",
-                     "head_scores", "head_max"):
+                     "head_scores"):
             buf = getattr(self, name)
             self._mine.add(buf.ptr, buf.bytes, f"the DeviceSparseStep's {name}")
         self._tables = self._counts = 0
@@ -208,7 +209,8 @@ class DeviceSparseStep:
                 slot_page=self.slot_page.ptr + 4 * layer * R * C, slot_stamp=self.slot_stamp.ptr + 4 * layer * R * C,
                 stats=self.stats.ptr + 16 * layer * R, stride=self.max_pages, slots=C, sel_cap=self.sel_cap,
                 budget=self.budget, keep_first=self.keep_first, keep_recent=self.keep_recent,
-                slot_base=layer * R * C, src_base=layer * self.layout.num_blocks)
+                slot_base=layer * R * C, src_base=layer * self.layout.num_blocks, head_scores=0, num_heads=0,
+                max_blocks=min(self.layout.num_blocks, d.max_blocks), exp2_scale=0.0)
             self._layer_packs.append((score, sel))
             self._layer_runs.append((launcher(f_score, (32 * w, 1, 1), 0, score),
                                      launcher(f_sel, geo.block, geo.shared, sel)))
@@ -252,35 +254,22 @@ class DeviceSparseStep:
 
     def _prepare_heads(self, m: Any, d: Any, w: int) -> None:
         """Per-head normalised scores (the predictor's head_temperature): per layer, the heads' maxima of every
-        page, each row's head max, then the normalised sum (the predictor's kernels' arithmetic, row by row)."""
-        ctx, R, P, nq = self.ctx, self.max_seqs, self.max_pages, m.num_q_heads
-        mod = self._parts.enter_context(load_module("predictor_score", ctx))
-        f_heads, f_max, f_comb = (mod.function(n) for n in ("predictor_score_heads_table", "predictor_head_max_rows",
-                                                            "predictor_head_combine_rows"))
-        hs, hm = self.head_scores.ptr, self.head_max.ptr
-        max_pack = PREDICTOR_HEAD_MAX_ROWS.pack(head_scores=hs, rows=self.rows_dev.ptr, head_max=hm, num_q_heads=nq,
-                                                table_stride=P)
-        comb_pack = PREDICTOR_HEAD_COMBINE_ROWS.pack(
-            head_scores=hs, head_max=hm, rows=self.rows_dev.ptr, scores=self.scores.ptr, num_q_heads=nq,
-            table_stride=P, max_blocks=d.max_blocks, exp2_scale=math.log2(math.e) / self._temperature)
-        run_max = launcher(f_max, (HEAD_THREADS, 1, 1), 0, max_pack)
-        run_comb = launcher(f_comb, (HEAD_THREADS, 1, 1), 0, comb_pack)
-        max_grid, comb_grid = (nq, R, 1), (-(-P // HEAD_THREADS), R, 1)
-        shared = [max_pack, comb_pack]
+        page (``predictor_score_heads_table``); the selection folds in each row's head max and the normalised sum
+        (the predictor's arithmetic, the same bits: one launch a layer instead of three)."""
+        ctx, P, nq = self.ctx, self.max_pages, m.num_q_heads
+        f_heads = self._parts.enter_context(load_module("predictor_score", ctx)).function(
+            "predictor_score_heads_table")
+        hs = self.head_scores.ptr
         for layer, (_, sel) in enumerate(self._layer_packs):
             heads = PREDICTOR_SCORE_HEADS_TABLE.pack(
                 q_proj=self.q_proj.ptr, k_lr=self._a_g + layer * self._a_g_layer, rows=self.rows_dev.ptr,
                 head_scores=hs, num_q_heads=nq, num_kv_heads=m.num_kv_heads, block_size=m.block_size, r=d.r,
                 gqa_ratio=d.gqa_ratio(), table_stride=P, max_blocks=d.max_blocks)
-            run_heads = launcher(f_heads, (32 * w, 1, 1), 0, heads)
-
-            def score(s: int, *grid: int, run_heads: Any = run_heads) -> None:
-                run_heads(s, *grid)
-                run_max(s, *max_grid)
-                run_comb(s, *comb_grid)
-            self._layer_runs[layer] = (score, self._layer_runs[layer][1])
+            sel.slot("head_scores").value = hs
+            sel.slot("num_heads").value = nq
+            sel.slot("exp2_scale").value = math.log2(math.e) / self._temperature
+            self._layer_runs[layer] = (launcher(f_heads, (32 * w, 1, 1), 0, heads), self._layer_runs[layer][1])
             self._layer_packs[layer] = (heads, sel)
-        self._layer_packs.append(tuple(shared))   # (their tables and counts are refilled with the layers')
 
     # -- lifetime ----------------------------------------------------------------------------------------------
     def close(self) -> None:
