@@ -889,7 +889,8 @@ def test_sparse_edge_cases(ctx, tmp_path, rng) -> None:
     check_step(s, 0, ids, q, q_dev, rec, got, 6, "F + R past the end")
     rec, got = s.step(0, [], q_dev, budget_pages=2, keep_first=0, keep_recent=1)
     assert rec.tiles == () and rec.skipped == () and not got.view(np.uint16).any()
-    rec, got = s.step(0, ids, q_dev, q_pos=9, budget_pages=2, keep_first=1, keep_recent=0)     # the last page only if it scores
+    # the last page only if it scores
+    rec, got = s.step(0, ids, q_dev, q_pos=9, budget_pages=2, keep_first=1, keep_recent=0)
     check_sparse(s, 0, ids, q, q_dev, rec, got, 10, (2, 1, 0), "no recent page")
     # a page whose keys are all NaN scores -inf (the predictor skips NaN dots) and is the one left out
     s.offload(0, [7], k=np.full((16, 2, 64), np.nan, BF16))

@@ -117,7 +117,8 @@ class DeviceSparseStep:
                            f"{ks.MAX_HEADS} q heads, not {m.num_q_heads}: use head_temperature=None")
         if geo.shared > 227 * 1024 - ks.SELECT_STATIC_SHARED:
             raise HssError(f"max_pages ({self.max_pages}) and slots ({C}) need {geo.shared} bytes of shared memory "
-                           f"for the selection; at most {227 * 1024 - ks.SELECT_STATIC_SHARED} fit: lower max_pages or slots")
+                           f"for the selection; at most {227 * 1024 - ks.SELECT_STATIC_SHARED} fit: lower max_pages or "
+                           "slots")
         if ctx is not None and not isinstance(ctx, cm.CudaCtx):
             raise TypeError(f"ctx must be a CudaCtx or None (the current context), not {type(ctx).__name__}")
         self._streams = StreamCheck(ctx, "this DeviceSparseStep")    # ctx None: the current context
