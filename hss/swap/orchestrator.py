@@ -724,11 +724,12 @@ class HighSpeedSwap:
 
         The sparse mode (SPEC §17.6; opt in with ``budget_pages``, an int >= 0): the step attends the first
         ``keep_first`` (None: 1) and the last ``keep_recent`` (None: 4; the sparse mode's one set of defaults, the
-        recall bench's best, :data:`hss.swap.sparse.KEEP_FIRST` / ``KEEP_RECENT``; 0 / 0 is the plain top-K) pages of ``seq_block_ids`` plus the ``budget_pages`` others with
-        the highest predictor scores (ties to the earlier page, NaN last), in sequence order, and reads only those
-        of them that are not resident: exact attention over exactly those pages (the last page keeps its valid
-        slots if attended). It waits for the scores before queueing any read; the record says what it skipped. A
-        budget covering every other page is the exact step, bits included.
+        recall bench's best, :data:`hss.swap.sparse.KEEP_FIRST` / ``KEEP_RECENT``; 0 / 0 is the plain top-K) pages
+        of ``seq_block_ids`` plus the ``budget_pages`` others with the highest predictor scores (ties to the earlier
+        page, NaN last), in sequence order, and reads only those of them that are not resident: exact attention over
+        exactly those pages (the last page keeps its valid slots if attended). It waits for the scores before
+        queueing any read; the record says what it skipped. A budget covering every other page is the exact step,
+        bits included.
         """
         t0 = time.perf_counter()
         self._live()
