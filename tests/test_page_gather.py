@@ -168,7 +168,7 @@ def test_host_store_gathers_scattered_groups_and_copies_the_others(ctx, stream, 
     for min_runs in (NEVER, 0, 4):
         store.gather_min_runs = min_runs
         cm.memset_d8_async(pool.ptr, 0, pool.buffer.bytes, stream)
-        reads = store._plan_reads(1, pages, pool.ptr + bb * slots, bounds, bounds.tolist(), (pool._slot_ptrs, slots))
+        reads = store.plan_reads(1, pages, pool.ptr + bb * slots, bounds, bounds.tolist(), (pool.slot_table, slots))
         runs = np.diff(reads.run_bounds)
         for i in (2, 0, 1, 2):
             calls = count_calls(monkeypatch, CALLS)
@@ -210,8 +210,8 @@ def plan_singles(store: HostStore, pool: ScratchPool, layer: int, pages: list[in
     out = []
     for p, s in zip(pages, slots):
         sl = np.array([s], dtype=np.int64)
-        out.append(store._plan_reads(layer, np.array([p], dtype=np.int64), pool.ptr + bb * sl, np.array([0, 1]),
-                                     [0, 1], (pool._slot_ptrs, sl)))
+        out.append(store.plan_reads(layer, np.array([p], dtype=np.int64), pool.ptr + bb * sl, np.array([0, 1]),
+                                    [0, 1], (pool.slot_table, sl)))
     return out
 
 
@@ -274,8 +274,8 @@ def test_the_index_ring_grows_to_the_widest_group(ctx, stream, rng) -> None:
     pages = rng.permutation(600)[:520].astype(np.int64)
     slots = rng.permutation(600)[:520].astype(np.int64)
     cap = store._gather.capacity
-    reads = store._plan_reads(0, pages, pool.ptr + layout.block_bytes * slots, np.array([0, 520]), [0, 520],
-                              (pool._slot_ptrs, slots))
+    reads = store.plan_reads(0, pages, pool.ptr + layout.block_bytes * slots, np.array([0, 520]), [0, 520],
+                             (pool.slot_table, slots))
     assert cap < 520 <= store._gather.capacity and reads.gather is not None and reads.gather.kernel == [True]
     reads.issue(0, stream)
     got = download(pool.ptr, (600, layout.block_bytes), np.uint8, stream)
@@ -389,13 +389,13 @@ def test_by_default_only_a_sparse_steps_scattered_tiles_go_through_the_kernel(ct
     assert SPARSE_GATHER_MIN_RUNS == 1
     ids = [int(b) for b in rng.permutation(36)]
     s.offload(0, ids)
-    real = s.h.store._plan_reads
+    real = s.h.store.plan_reads
     kinds = set()
     for n in range(10):
         q, q_dev = s.query()
         kw = dict(budget_pages=7, keep_first=1, keep_recent=1) if n % 2 else {}
         plans: list = []
-        monkeypatch.setattr(s.h.store, "_plan_reads", lambda *a: plans.append(real(*a)) or plans[-1])
+        monkeypatch.setattr(s.h.store, "plan_reads", lambda *a: plans.append(real(*a)) or plans[-1])
         calls = count_calls(monkeypatch, ("cuMemcpyBatchAsync",))
         rec, got = s.step(0, ids, q_dev, q_pos=35 * 16 + 4, **kw)
         monkeypatch.undo()
@@ -449,14 +449,14 @@ def test_the_next_steps_reads_wait_for_the_last_tiles(ctx, tmp_path, rng, monkey
     s.offload(0, ids)
     out1 = cm.DeviceBuffer(s.out.bytes)
     c = s.h.copy_stream.handle
-    real_wait, real_sync = cm.stream_wait_event, s.h._ev_scores.synchronize
+    real_wait, real_sync = cm.stream_wait_event, s.h._step.ev_scores.synchronize
     for broken in (False, True, False):
         (_, q1), (_, q2) = s.query(), s.query()
         rec1 = s.h.attend_layer(s.ctx, 0, ids, q1, out1)
-        monkeypatch.setattr(s.h._ev_scores, "synchronize", lambda: (s.h.copy_stream.synchronize(), real_sync())[1])
+        monkeypatch.setattr(s.h._step.ev_scores, "synchronize", lambda: (s.h.copy_stream.synchronize(), real_sync())[1])
         if broken:
             monkeypatch.setattr(cm, "stream_wait_event", lambda st, ev: None if st == c and
-                                ev is s.h._ev_step_done else real_wait(st, ev))
+                                ev is s.h._step.ev_step_done else real_wait(st, ev))
         s.h.attend_layer(s.ctx, 0, ids[8:] + ids[:8], q2, s.out)
         monkeypatch.undo()
         got = download(out1, (SMALL["num_q_heads"], SMALL["head_dim"]), np.uint16, s.stream)
@@ -483,7 +483,7 @@ def test_an_exact_step_after_a_sparse_one_waits_for_its_table_upload(ctx, tmp_pa
         (_, q1), (_, q2) = s.query(), s.query()
         rec1 = s.h.attend_layer(s.ctx, 0, ids, q1, out1, budget_pages=9, keep_first=1, keep_recent=1)
         if broken:
-            monkeypatch.setattr(s.h, "_tables_fence", s.h._ev_scores)
+            monkeypatch.setattr(s.h._step, "tables_fence", s.h._step.ev_scores)
         s.h.attend_layer(s.ctx, 0, ids, q2, s.out)
         monkeypatch.undo()
         got = download(out1, (SMALL["num_q_heads"], SMALL["head_dim"]), np.uint16, s.stream)
@@ -512,7 +512,7 @@ def test_a_step_whose_end_cannot_be_recorded_keeps_the_pool_honest(ctx, tmp_path
 
         def interrupted(stream):
             raise KeyboardInterrupt("interrupted at the step's end")
-        monkeypatch.setattr(s.h._ev_step_done, "record", interrupted)
+        monkeypatch.setattr(s.h._step.ev_step_done, "record", interrupted)
         with pytest.raises(KeyboardInterrupt):
             s.h.attend_layer(ctx, 0, ids, q_bad, s.out, budget_pages=3, keep_first=0, keep_recent=1)
         monkeypatch.undo()

@@ -227,7 +227,7 @@ def test_a_projection_failing_after_the_write_puts_the_old_page_back(ctx, tmp_pa
             with pytest.raises(CudaError, match="CUDA_ERROR_LAUNCH_FAILED"):
                 offload(h, ctx, layer, b, *new_page(rng), predict=True)
         assert_same(before, state(h, ctx), f"a failed projection of page {(layer, b)}")
-    monkeypatch.setattr(h.store, "_undo", lambda saved: None)     # the mutation: no undo
+    monkeypatch.setattr(h.store, "undo_write", lambda saved: None)     # the mutation: no undo
     with inject_fault("cuLaunchKernel", "CUDA_ERROR_LAUNCH_FAILED"):
         with pytest.raises(CudaError):
             offload(h, ctx, 0, 2, *new_page(rng), predict=True)
@@ -320,8 +320,8 @@ def test_invalidate_block_invalidates_prepared_reads(ctx, stream, rng, tmp_path,
                     for layer in range(2)]
         if kind == "host-gather":
             table = cm.PointerTable(dev.ptr, bb, 4)
-            prepared.append(store._plan_reads(0, np.array([3, 1], np.int64), dev.ptr + bb * np.array([0, 2]),
-                                              np.array([0, 2]), [0, 2], (table, np.array([0, 2])), 0))
+            prepared.append(store.plan_reads(0, np.array([3, 1], np.int64), dev.ptr + bb * np.array([0, 2]),
+                                             np.array([0, 2]), [0, 2], (table, np.array([0, 2])), 0))
             assert prepared[-1].gather is not None
         store.invalidate_block(3)
         for reads in prepared:

@@ -346,7 +346,7 @@ def test_queue_order_reads_first_host_waits_late(ctx, tmp_path, rng, monkeypatch
 
     trace(s.h.attn, "step_tile", "attend")
     trace(s.h.attn, "_next_tile", "attend")
-    trace(s.h._ev_scores, "synchronize", "wait")
+    trace(s.h._step.ev_scores, "synchronize", "wait")
     trace(PreparedReads, "issue", "read")
     rec, got = s.step(0, ids, q_dev)
     assert [t.streamed for t in rec.tiles] == [False, True, True, True, True]
@@ -370,11 +370,11 @@ def test_a_step_failing_before_its_score_wait_leaves_the_next_exact(ctx, tmp_pat
     def broken(stream) -> None:
         raise HssError("injected")
 
-    monkeypatch.setattr(s.h._timer, "begin", broken)          # fails at tile 0, after the resident tile
+    monkeypatch.setattr(s.h._step.timer, "begin", broken)    # fails at tile 0, after the resident tile
     with pytest.raises(HssError, match="injected"):
         s.step(0, ids, q_dev)
     monkeypatch.undo()
-    assert s.h._tables_pending
+    assert s.h._step.tables_pending
     for _ in range(2):
         rec, got = s.step(0, ids[::-1], q_dev)
         check_step(s, 0, ids[::-1], q, q_dev, rec, got, 16, "after a failed step")
@@ -761,12 +761,12 @@ def count_reads(monkeypatch, s: Setup) -> list[int]:
     """Every page the swap's store is asked to read (its planned reads, the checked prepare_reads' core), in
     order."""
     pages: list[int] = []
-    real = s.h.store._plan_reads
+    real = s.h.store.plan_reads
 
     def prepare(layer, p, *rest, **kw):
         pages.extend(np.asarray(p).tolist())
         return real(layer, p, *rest, **kw)
-    monkeypatch.setattr(s.h.store, "_plan_reads", prepare)
+    monkeypatch.setattr(s.h.store, "plan_reads", prepare)
     return pages
 
 
@@ -970,13 +970,13 @@ def test_a_sparse_step_failing_after_its_score_wait_leaves_the_next_exact(ctx, t
     ids = list(range(10))
     s.offload(0, ids)
     q, q_dev = s.query()
-    from hss.swap import orchestrator
+    from hss.swap import plans
 
     def broken(*a, **kw):
         raise HssError("injected")
 
     s.h.time_sparse_stalls = True     # (its stall timer is where the tiles fail)
-    for obj, name in ((orchestrator, "select_mask"), (s.h._timer, "begin")):
+    for obj, name in ((plans, "select_mask"), (s.h._step.timer, "begin")):
         monkeypatch.setattr(obj, name, broken)
         with pytest.raises(HssError, match="injected"):
             s.step(0, ids, q_dev, budget_pages=4, keep_first=1, keep_recent=1)
@@ -1098,7 +1098,7 @@ def test_a_missing_wait_for_the_resident_tile_changes_results(ctx, tmp_path, rng
         real = cm.stream_wait_event
         if drop:
             monkeypatch.setattr(cm, "stream_wait_event",
-                                lambda st, ev: None if ev is s.h._ev_resident else real(st, ev))
+                                lambda st, ev: None if ev is s.h._step.ev_resident else real(st, ev))
         rec = s.h.attend_layer(ctx, 0, ids, q_dev, s.out, budget_pages=7, keep_first=1, keep_recent=1)
         monkeypatch.undo()
         s.h.copy_stream.synchronize()          # the reads run before the attention stream's work
@@ -1226,7 +1226,7 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
     s.offload(0, ids)
     s.h.store.gather_min_runs = s.h.sparse_gather_min_runs = 1 << 30 if path == "dma" else 0   # every tile one way
     gather = s.h.store._gather
-    real_batch, real_launch, real_put = _driver.api.cuMemcpyBatchAsync, gather.launch, s.h._put_promotions
+    real_batch, real_launch, real_put = _driver.api.cuMemcpyBatchAsync, gather.launch, s.h._step.promoter.put
     seen = swapped = 0
     for n in range(120):
         q, q_dev = s.query()
@@ -1247,7 +1247,7 @@ def test_a_sparse_step_failing_in_a_later_tile_keeps_the_earlier_tiles_promotion
             monkeypatch.setattr(_driver.api, "cuMemcpyBatchAsync", batch)
         else:
             monkeypatch.setattr(gather, "launch", launch)
-        monkeypatch.setattr(s.h, "_put_promotions", lambda *a: (puts.append(a), real_put(*a))[1])
+        monkeypatch.setattr(s.h._step.promoter, "put", lambda *a: (puts.append(a), real_put(*a))[1])
         try:
             s.step(0, ids, q_dev, budget_pages=7, keep_first=1, keep_recent=1)
             failed = False
@@ -1339,14 +1339,13 @@ def scalar_promotions(policy, held: np.ndarray, free: list[int], miss: np.ndarra
 
 
 def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
-    """``_plan_promotions`` (its vectorized paths: free slots, a full resident set by sorted values, NaN by the
+    """``Promoter.plan`` (its vectorized paths: free slots, a full resident set by sorted values, NaN by the
     ranking) against the rule applied one miss at a time, over scores with many ties (-0.0 and 0.0, infinities,
     NaN sometimes) and without ties, full and partly free resident sets, one or several tiles; ``wait_tile`` against
     its definition. Half the trials leave the hits' touch pending (as a sparse step does until its reads are queued):
     the answer is the rule's after that touch, and touching them afterwards leaves the recency of touching first."""
-    from types import SimpleNamespace
-
     from hss.swap import EvictionPolicy, GroupLayout, ScratchPool
+    from hss.swap.promotion import Promoter
     paths = set()
     for seed in range(40):
         rng = np.random.default_rng(seed)
@@ -1369,23 +1368,20 @@ def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
                 ns = -(-m // T)
                 hits = rng.permutation(held_slots)[:int(rng.integers(0, n_held + 1))].astype(np.int64)
                 pending = trial % 2 == 1 and hits.size > 0
-                fake = SimpleNamespace(resident_capacity=R, pool=pool, eviction=ev, tile_blocks=T,
-                                       _tile_bounds=np.arange(0, (ns + 2) * T, T, dtype=np.int64),
-                                       _pending_touch=hits if pending else None)
-                for name in ("_promote_into_free", "_promote_ranked", "_promote_by_value", "_pick_promotions",
-                             "_promotions", "_touch_hits"):
-                    setattr(fake, name, getattr(HighSpeedSwap, name).__get__(fake))
+                promoter = Promoter(pool, ev, T, np.arange(0, (ns + 2) * T, T, dtype=np.int64))
+                if pending:
+                    promoter.defer_touch(hits)
                 scores = np.concatenate([miss, rng.choice(values, 3)])     # the misses at positions 0..m-1
                 if pending:         # the rule's answer is after the touch
                     touched = EvictionPolicy(R)
                     touched.last_score[:], touched.last_access[:], touched.epoch = ev.last_score, ev.last_access, 9
                     ev.epoch = 9
                     touched.touch_many(hits)
-                got = HighSpeedSwap._plan_promotions(fake, scores, np.arange(m), ns, hits)
+                got = promoter.plan(scores, np.arange(m), ns, hits)
                 if pending:
-                    fake._touch_hits()
+                    promoter.touch_hits()
                     assert np.array_equal(ev.last_access, touched.last_access) and ev.epoch == touched.epoch
-                    assert fake._pending_touch is None
+                    assert promoter.pending_touch is None
                     paths.add("pending")
                 held = pool._layer_of >= 0
                 take, into, rank = scalar_promotions(ev, held, pool.free_slots()[:m], miss)

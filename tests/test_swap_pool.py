@@ -148,19 +148,19 @@ def test_touch_record_reset_and_epoch_wrap() -> None:
 
 
 def test_planned_touches_are_touch_many_across_every_epoch() -> None:
-    """``_touch_planned`` (one arange while the epochs stay below 2^63) gives ``touch_many``'s accesses and epoch at any
+    """``touch_planned`` (one arange while the epochs stay below 2^63) gives ``touch_many``'s accesses and epoch at any
     epoch: small, around 2^63, and wrapping at 2^64."""
     for epoch in (1, 2**53 - 1, 2**63 - 3, 2**63 + 7, 2**64 - 2):
         a, b = EvictionPolicy(6), EvictionPolicy(6)
         a.epoch = b.epoch = epoch
         slots = np.array([4, 0, 5, 2], dtype=np.int64)
         a.touch_many(slots.tolist())
-        b._touch_planned(slots)
+        b.touch_planned(slots)
         assert a.last_access.tolist() == b.last_access.tolist() and a.epoch == b.epoch, epoch
 
 
 def test_scoring_every_slot_at_once_is_record_scores() -> None:
-    """``_score_all_planned`` (one gather into the scores, a sparse step whose pages fill every slot) records what
+    """``score_all_planned`` (one gather into the scores, a sparse step whose pages fill every slot) records what
     ``record_scores`` of each slot's page would, NaN and infinities included; recency is untouched."""
     rng = np.random.default_rng(4)
     for _ in range(20):
@@ -171,7 +171,7 @@ def test_scoring_every_slot_at_once_is_record_scores() -> None:
         a.touch_many(rng.permutation(n).tolist())
         b.last_access[:], b.epoch = a.last_access, a.epoch
         a.record_scores(np.arange(n), scores[where])
-        b._score_all_planned(scores, where)
+        b.score_all_planned(scores, where)
         assert np.array_equal(a.last_score, b.last_score, equal_nan=True)
         assert a.last_score.dtype == b.last_score.dtype == np.float32
         assert a.last_access.tolist() == b.last_access.tolist()

@@ -608,7 +608,7 @@ def test_read_ahead_serves_only_current_bytes_where_they_belong(ctx, stream, rng
 
 def test_host_store_waits_only_for_fences_not_known_run(ctx, stream, rng, monkeypatch) -> None:
     """A HostStore takes a fence again FENCES groups after recording it: the host waits for that record, unless the
-    caller said the reads up to a mark (``_read_mark``) have run (``_reads_ran``: it waited for work ordered after
+    caller said the reads up to a mark (``read_mark``) have run (``reads_ran``: it waited for work ordered after
     them). Such a mark covers neither later reads nor another stream's; a write waits only for reads not known run."""
     from hss.swap.gather import FENCES
     img = images(rng, 1)[0]
@@ -626,17 +626,17 @@ def test_host_store_waits_only_for_fences_not_known_run(ctx, stream, rng, monkey
             return len(syncs) - before
         assert reads(FENCES) == 0            # every fence free
         assert reads(1) == 1                 # fence 0 again: its record was not known run
-        mark = store._read_mark()
+        mark = store.read_mark()
         cm.stream_sync(stream)
-        store._reads_ran(mark)
+        store.reads_ran(mark)
         assert reads(FENCES) == 0            # every record up to the mark ran
         assert reads(1) == 1                 # the first after the mark: not covered
         cm.stream_sync(stream)
-        store._reads_ran((other.handle, 1 << 40))      # another stream's reads: says nothing of these
+        store.reads_ran((other.handle, 1 << 40))      # another stream's reads: says nothing of these
         assert reads(1) == 1
-        mark = store._read_mark()
+        mark = store.read_mark()
         cm.stream_sync(stream)
-        store._reads_ran(mark)
+        store.reads_ran(mark)
         before = len(syncs)
         store.write_page(0, 1, img)          # every queued read known run: no wait
         assert len(syncs) == before

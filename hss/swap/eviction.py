@@ -6,7 +6,8 @@ lists the slots that may be overwritten, first choice first: lowest score first,
 recently touched, then the lower slot. A NaN score compares equal to every score (the original's
 ``partial_cmp(..).unwrap_or(Equal)``), so recency places it: the (score, access)-ordered non-NaN slots
 are merged with the recency-ordered NaN slots by last access. Scores are advisory: they choose what to
-overwrite, never what attention reads. Pure host bookkeeping.
+overwrite, never what attention reads. Pure host bookkeeping. :meth:`EvictionPolicy.rank_all` and the
+``*_planned`` calls are internal API of the swap step (:mod:`hss.swap.step`): the checked calls' work, unchecked.
 """
 from __future__ import annotations
 
@@ -85,25 +86,27 @@ class EvictionPolicy:
             raise HssError(f"{arr.size} slots but {sc.size} scores")
         self.last_score[arr] = sc.astype(np.float32, copy=False).reshape(-1)
 
-    def _record_planned(self, slots: np.ndarray, scores: np.ndarray) -> None:
+    def record_planned(self, slots: np.ndarray, scores: np.ndarray) -> None:
         """:meth:`record_scores` then :meth:`touch_many` of ``slots`` without the argument checks, for slots the
-        caller computed (int64, distinct, in 0..num_slots-1) and f32 ``scores``: the swap's promotions."""
-        self._score_planned(slots, scores)
-        self._touch_planned(slots)
+        caller computed (int64, distinct, in 0..num_slots-1) and f32 ``scores``. Internal API: the swap step's
+        promotions."""
+        self.score_planned(slots, scores)
+        self.touch_planned(slots)
 
-    def _score_planned(self, slots: np.ndarray, scores: np.ndarray) -> None:
+    def score_planned(self, slots: np.ndarray, scores: np.ndarray) -> None:
         """:meth:`record_scores` without the argument checks (``slots``: int64, in 0..num_slots-1, computed by the
-        caller; ``scores``: f32, one each)."""
+        caller; ``scores``: f32, one each). Internal API: the swap step's hits."""
         self.last_score[slots] = scores
 
-    def _score_all_planned(self, scores: np.ndarray, index: np.ndarray) -> None:
-        """:meth:`_score_planned` of every slot at once: slot i scores ``scores[index[i]]`` (``index``: int64
-        ``[num_slots]``, in range, computed by the caller; ``scores``: f32)."""
+    def score_all_planned(self, scores: np.ndarray, index: np.ndarray) -> None:
+        """:meth:`score_planned` of every slot at once: slot i scores ``scores[index[i]]`` (``index``: int64
+        ``[num_slots]``, in range, computed by the caller; ``scores``: f32). Internal API: a sparse swap step whose
+        pages fill every slot."""
         scores.take(index, out=self.last_score, mode="clip")     # (in range: "clip" writes straight into out)
 
-    def _touch_planned(self, slots: np.ndarray) -> None:
+    def touch_planned(self, slots: np.ndarray) -> None:
         """:meth:`touch_many` without the argument checks (``slots``: int64, in 0..num_slots-1, computed by the
-        caller)."""
+        caller). Internal API: the swap step's hits."""
         e, n = self.epoch, slots.size
         if e + n <= 2**63:        # (no wrap, and within arange's int64 reach: one op)
             self.last_access[slots] = np.arange(e, e + n, dtype=np.uint64)
@@ -143,9 +146,9 @@ class EvictionPolicy:
                 i += 1
         return np.concatenate([np.asarray(out, dtype=np.int64), a[i:], b[j:]]).astype(np.int64)
 
-    def _rank_all(self, low: float | None = None) -> np.ndarray:
+    def rank_all(self, low: float | None = None) -> np.ndarray:
         """:meth:`rank` of every slot (nothing pinned): the swap's steady state, every slot holding a page. ``low``:
-        ``last_score.min()`` if the caller has it (NaN where any score is)."""
+        ``last_score.min()`` if the caller has it (NaN where any score is). Internal API: the swap step's promotions."""
         score = self.last_score
         top = (score.min() if low is None else low) if score.size else 0.0
         if top != top:      # a NaN (min propagates it): the merge by recency

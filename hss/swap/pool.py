@@ -11,6 +11,9 @@ int arrays), a lookup table, and a FIFO free list (initially 0, 1, ...). :meth:`
 pages at once, vectorized (a decode step's promotions). The last ``reserved_slots`` slots are never
 assigned: the orchestrator streams pages through them. Bookkeeping is host-only and immediate; the
 device contents change only through copies the caller orders on its streams.
+
+:attr:`ScratchPool.slot_table` and the ``*_planned`` calls are internal API of the swap step
+(:mod:`hss.swap.step`): the checked calls' work, unchecked, for values the step planned from this pool's own state.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ class ScratchPool:
         self.layout, self.num_slots, self.reserved_slots, self.num_layers = layout, n, r, nl
         self.slot_bytes = layout.block_bytes
         self.buffer = cm.DeviceBuffer(n * self.slot_bytes, ctx)
-        self._slot_ptrs = cm.PointerTable(self.buffer.ptr, self.slot_bytes, n)    # reads into slots (hss.swap)
+        #: the slots' device addresses as a pointer table (internal API: the swap step's reads into slots)
+        self.slot_table = cm.PointerTable(self.buffer.ptr, self.slot_bytes, n)
         self._slot_of = np.full((nl, layout.num_blocks), -1, dtype=np.int32)
         self._layer_of = np.full(n - r, -1, dtype=np.int64)      # residents[slot] = (layer, page); -1: free
         self._page_of = np.full(n - r, -1, dtype=np.int64)
@@ -69,6 +73,11 @@ class ScratchPool:
     def poolable_slots(self) -> int:
         """Slots the bookkeeping hands out: num_slots - reserved_slots."""
         return self.num_slots - self.reserved_slots
+
+    @property
+    def _slot_ptrs(self) -> cm.PointerTable:
+        """:attr:`slot_table` under the name :mod:`hss.bench.swap` still uses."""
+        return self.slot_table
 
     def slot_ptr(self, slot: int) -> int:
         """Device address of ``slot`` (any slot, reserved ones included)."""
@@ -114,8 +123,9 @@ class ScratchPool:
             raise HssError(f"layer {layer} is out of range 0..{self.num_layers - 1}")
         return self._slot_of[layer, self._ints("pages", pages, self.layout.num_blocks)]   # fancy indexing: a copy
 
-    def _lookup_planned(self, layer: int, pages: np.ndarray) -> np.ndarray:
-        """:meth:`lookup_many` of values the caller checked (``layer`` in range; ``pages`` int64, in range)."""
+    def lookup_planned(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """:meth:`lookup_many` of values the caller checked (``layer`` in range; ``pages`` int64, in range). Internal
+        API: the swap step's hit lookup."""
         return self._slot_of[layer].take(pages)     # (a row, then a 1-D take: a third of the 2-D fancy index's time)
 
     def key_of(self, slot: int) -> Key | None:
@@ -129,8 +139,9 @@ class ScratchPool:
         arr = self._ints("slots", slots, self.poolable_slots)
         return self._layer_of[arr], self._page_of[arr]
 
-    def _keys_planned(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`keys_of` without the checks, for poolable slots (int64) the caller computed."""
+    def keys_planned(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`keys_of` without the checks, for poolable slots (int64) the caller computed. Internal API: the swap
+        step's promotions (what each slot they take holds)."""
         return self._layer_of[slots], self._page_of[slots]
 
     def holds(self, slots: Any) -> np.ndarray:
@@ -239,14 +250,15 @@ class ScratchPool:
             bad = pages[self._slot_of[layer, pages] >= 0]
             raise HssError(f"pages {bad[:8].tolist()} of layer {layer} are already resident")
         old_layer, old_page = self._layer_of[slots], self._page_of[slots]
-        self._put_planned(layer, pages, slots, old_layer, old_page)
+        self.put_planned(layer, pages, slots, old_layer, old_page)
         return old_layer, old_page
 
-    def _put_planned(self, layer: int, pages: np.ndarray, slots: np.ndarray, old_layer: np.ndarray,
+    def put_planned(self, layer: int, pages: np.ndarray, slots: np.ndarray, old_layer: np.ndarray,
                      old_page: np.ndarray) -> int:
         """:meth:`put_many` without its checks, for a placement the caller planned from this pool's own state:
         ``pages`` (int64) distinct and not resident in ``layer``, ``slots`` (int64) distinct poolable slots holding
-        (``old_layer``, ``old_page``) now (-1 where free). Returns how many pages it evicted."""
+        (``old_layer``, ``old_page``) now (-1 where free). Returns how many pages it evicted. Internal API: the swap
+        step's promotions, placed at once."""
         held = old_layer >= 0
         evicted = int(np.count_nonzero(held))
         if evicted != held.size:
