@@ -1,9 +1,10 @@
 """The one place argument rules live: integers, device pointers, streams and host buffers.
 
 Every hss component converts its arguments here, so a rule is said once and every error names the
-parameter and the fix. The module sits low in the layers (it imports only :mod:`hss.errors`): the owner
-classes above it (buffers, streams, contexts) register how they are read (:func:`register_pointer_type`,
-:func:`register_stream_type`) and how two streams are ordered (:func:`set_stream_join`).
+parameter and the fix. The module sits low in the layers (it imports only :mod:`hss.errors` and
+:mod:`hss._interop`, which reads foreign arrays and streams): the owner classes above it (buffers, streams,
+contexts) register how they are read (:func:`register_pointer_type`, :func:`register_stream_type`) and how two
+streams are ordered (:func:`set_stream_join`).
 
 **Integers** (:func:`as_int`): Python or numpy integers, converted to a Python ``int`` before any arithmetic;
 ``bool``, ``float`` (NaN too), ``str`` and anything else are a ``TypeError`` naming the parameter.
@@ -12,12 +13,11 @@ classes above it (buffers, streams, contexts) register how they are read (:func:
 - ``int`` / :class:`~hss.gpu.DevicePtr`: an address. Inside a live hss-owned buffer it is bounds-checked against
   that buffer; elsewhere hss cannot know the size and trusts it.
 - hss buffers and their typed views: a closed one is refused ("closed"); size and dtype are checked.
-- torch tensors (fast path: no protocol dictionary): CUDA, contiguous, size, dtype.
-- ``__cuda_array_interface__`` (v3): size, C-contiguity, dtype and read-only checked where the callee knows them;
-  its ``stream`` is honoured: the callee's stream is ordered after it (inside :class:`deferred_joins`, the callee's
+- foreign arrays, read by :mod:`hss._interop`: torch tensors (CUDA, contiguous, size, dtype), CuPy arrays,
+  ``__cuda_array_interface__`` (v3) objects (size, C-contiguity, dtype and read-only checked where the callee knows
+  them) and ``__dlpack__`` producers (JAX, CuPy, ...; handed the callee's stream as the protocol says). A CAI
+  ``stream`` is honoured: the callee's stream is ordered after it (inside :class:`deferred_joins`, the callee's
   check phase, only once every check of the call has passed: a call that fails queues nothing).
-- ``__dlpack__`` producers (JAX, CuPy, ...), read with cuda.core's ``StridedMemoryView``, which hands the callee's
-  stream to the producer as the protocol says.
 Byte arrays (``u8``) are raw memory and match any dtype; other dtypes must match the callee's.
 
 **Streams** (:func:`stream`): ``int`` handles (0 is the legacy default stream), :class:`~hss.cuda_min.CudaStream`,
@@ -30,6 +30,11 @@ they say; an ``int`` is an address (0 refused), bounds-checked inside a live pin
 **Own memory** (:class:`OwnedRanges`, :func:`disjoint`): a component that owns device memory (scratch, tables, key
 buffers, running state) refuses a caller's pointer into it, and a call refuses a written argument that overlaps
 another argument of the same call, so no object can be made to overwrite itself.
+
+Why one module of some 630 lines: it is the single place these rules live, and its parts lean on each other
+inline for speed (the prepared pointer check reads the live ranges' snapshot, the registered readers, the device
+check and the join state directly); cut further, the rules would be spread over modules importing each other's
+internals. What reads foreign objects, the part that stands alone, is :mod:`hss._interop`.
 """
 from __future__ import annotations
 
@@ -38,13 +43,14 @@ import dataclasses
 import itertools
 import math
 import operator
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from hss import _interop
+from hss._interop import DeviceArg, Reader, StreamReader
 from hss.errors import HssError
 
 __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", "pointer", "pointer_arg",
@@ -121,16 +127,14 @@ def dims3(name: str, value: Any) -> tuple[int, int, int]:
 # -- dtypes -----------------------------------------------------------------------------------
 DTYPE_SIZES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4,
                "u32": 4, "i64": 8, "u64": 8}
-_TYPESTR = {"<f2": "f16", "<f4": "f32", "<f8": "f64", "|i1": "i8", "|u1": "u8", "<i2": "i16", "<u2": "u16",
-            "<i4": "i32", "<u4": "u32", "<i8": "i64", "<u8": "u64", "|b1": "u8"}
-_DLPACK_CODES = {0: "i", 1: "u", 2: "f", 4: "bf"}
+_TYPESTR = _interop.TYPESTR   # numpy / CAI typestr -> short name (hss._memory reads it here)
 
 
 def dtype_name(dtype: Any) -> str:
     """hss's short name ('bf16', 'f32', 'i32', ...) of a short name, numpy / ml_dtypes dtype or torch dtype."""
     if isinstance(dtype, str) and dtype in DTYPE_SIZES:
         return dtype
-    torch_names = _torch_dtypes()
+    torch_names = _interop.torch_dtypes()
     if torch_names and dtype in torch_names:
         return torch_names[dtype]
     try:
@@ -243,7 +247,7 @@ def device_of(obj: Any, ptr: int) -> int | None:
     buf = getattr(obj, "buffer", None)
     if buf is not None and type(getattr(buf, "device", None)) is int:
         return buf.device   # DeviceView
-    if _READERS.get(type(obj)) is _read_torch and obj.is_cuda:
+    if _READERS.get(type(obj)) is _interop.read_torch and obj.is_cuda:
         return obj.get_device()
     return RANGES.device_of(ptr)
 
@@ -328,7 +332,7 @@ def extent(obj: Any, ptr: int, min_bytes: int) -> int:
     if cls in _QUICK:
         got = _QUICK[cls](obj)
         n = got[1] if got is not None else None
-    elif _READERS.get(cls) is _read_torch:
+    elif _READERS.get(cls) is _interop.read_torch:
         n = obj.nbytes
     elif not isinstance(obj, (int, np.integer)):
         n = device_arg(obj, "extent").nbytes
@@ -339,19 +343,8 @@ def extent(obj: Any, ptr: int, min_bytes: int) -> int:
 
 
 # -- device pointers --------------------------------------------------------------------------
-class DeviceArg:
-    """What a device-array argument says about itself: address, bytes (None: unknown), dtype name (None:
-    unknown or untyped), read-only, the producer's stream (CAI; None: no ordering asked)."""
-
-    __slots__ = ("ptr", "nbytes", "dtype", "readonly", "stream")
-
-    def __init__(self, ptr: int, nbytes: int | None, dtype: str | None = None, readonly: bool = False,
-                 stream: int | None = None) -> None:
-        self.ptr, self.nbytes, self.dtype, self.readonly, self.stream = ptr, nbytes, dtype, readonly, stream
-
-
-# A reader turns an object of one type into a DeviceArg (raising HssError/TypeError naming `name`).
-Reader = Callable[[Any, str, "int | None"], DeviceArg]
+# A reader turns an object of one type into a DeviceArg (raising HssError/TypeError naming `name`); the foreign
+# types' readers are hss._interop's, found once per type
 _READERS: dict[type, Reader] = {}
 # hss's own array types: obj -> (address, bytes, dtype name or None), or None when closed (then the reader
 # raises); what pointer_arg decides without building a DeviceArg
@@ -518,7 +511,7 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
                     if many.many:
                         check_device(obj, p, name, device)   # type: ignore[arg-type]
                     return p
-        elif _READERS.get(cls) is _read_torch:
+        elif _READERS.get(cls) is _interop.read_torch:
             if not torch_dtypes:
                 torch_dtypes.update(_torch_matching(dtype))
             if obj.is_cuda and obj.dtype in torch_dtypes and obj.is_contiguous() and obj.nbytes >= need:
@@ -536,7 +529,7 @@ def pointer_arg(name: str, nbytes: int | None, align: int = 1, dtype: str | None
 
 
 def _torch_matching(dtype: str | None) -> list[Any]:
-    names = _torch_dtypes() or {}
+    names = _interop.torch_dtypes() or {}
     return [t for t, n in names.items() if _matches(n, dtype)]
 
 
@@ -549,219 +542,22 @@ def device_ptr(obj: Any, name: str = "pointer") -> int:
 
 def _reader_for(cls: type, obj: Any, name: str) -> Reader:
     """Find (and cache) the reader of a type not seen before."""
-    reader: Reader | None = None
-    if issubclass(cls, int) and not issubclass(cls, bool):
+    reader: Reader | None
+    if (issubclass(cls, int) and not issubclass(cls, bool)) or issubclass(cls, np.integer):
         reader = _read_int
-    elif issubclass(cls, np.integer):
-        reader = _read_int
-    elif _is_torch_tensor(cls):
-        reader = _read_torch
-    elif cls.__name__ == "ndarray" and cls.__module__.startswith("cupy") and hasattr(obj, "data"):
-        reader = _read_cupy
-    elif issubclass(cls, np.ndarray):
-        reader = _refuse
-    elif hasattr(obj, "__cuda_array_interface__"):   # an instance attribute counts too
-        reader = _read_cai
-    elif hasattr(obj, "__dlpack__"):
-        reader = _read_dlpack
+    else:
+        reader = _interop.reader_for(cls, obj)
     if reader is None:
-        return _refuse
+        return _interop.refuse
     _READERS[cls] = reader
     return reader
-
-
-def _refuse(obj: Any, name: str, stream: int | None) -> DeviceArg:
-    if isinstance(obj, np.ndarray):
-        raise HssError(f"{name} is a host numpy array; pass device memory (a DeviceBuffer, a CUDA tensor or an "
-                       "address)")
-    raise TypeError(f"{name}: cannot use {type(obj).__name__} {obj!r:.60} as a device pointer; pass an int address, "
-                    "a DeviceBuffer, a torch / CuPy / JAX array, or an object with __cuda_array_interface__ or "
-                    "__dlpack__")
 
 
 def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
     return DeviceArg(operator.index(obj), None)
 
 
-def _is_torch_tensor(cls: type) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and issubclass(cls, torch.Tensor)
-
-
-_TORCH: dict[Any, str] | None = None
-
-
-def _torch_dtypes() -> dict[Any, str] | None:
-    global _TORCH
-    if _TORCH is None:
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return None
-        names = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "int8": "i8",
-                 "uint8": "u8", "int16": "i16", "uint16": "u16", "int32": "i32", "uint32": "u32", "int64": "i64",
-                 "uint64": "u64", "bool": "u8"}
-        _TORCH = {getattr(torch, k): v for k, v in names.items() if hasattr(torch, k)}
-    return _TORCH
-
-
-def _read_torch(t: Any, name: str, stream: int | None) -> DeviceArg:
-    if not t.is_cuda:
-        raise HssError(f"{name} is a torch tensor on {t.device}; pass a CUDA tensor (.cuda())")
-    if not t.is_contiguous():
-        raise HssError(f"{name} is a non-contiguous torch tensor; pass .contiguous()")
-    names = _TORCH if _TORCH is not None else _torch_dtypes()
-    return DeviceArg(t.data_ptr(), t.nbytes, names.get(t.dtype))   # type: ignore[union-attr]
-
-
-_cupy_stream: Callable[[], int | None] | None = None
-
-
-def _read_cupy(a: Any, name: str, stream: int | None) -> DeviceArg:
-    """A CuPy array read as its ``__cuda_array_interface__`` says, without building the dictionary: the address,
-    C-contiguity, size and dtype, and CuPy's current stream as the producer (unless CUPY_CUDA_ARRAY_INTERFACE_SYNC
-    is 0, where CuPy names none)."""
-    global _cupy_stream
-    if not a.flags.c_contiguous:
-        raise HssError(f"{name} is a non-contiguous CuPy array; pass cupy.ascontiguousarray(...)")
-    if _cupy_stream is None:
-        import os
-        cupy = sys.modules["cupy"]
-        if os.environ.get("CUPY_CUDA_ARRAY_INTERFACE_SYNC", "1") == "0":
-            _cupy_stream = lambda: None   # noqa: E731
-        else:
-            current = cupy.cuda.get_current_stream
-            _cupy_stream = lambda: current().ptr or 1   # noqa: E731  (the null stream is the legacy one: 1)
-    return DeviceArg(a.data.ptr, a.nbytes, _TYPESTR.get(a.dtype.str), False, _cupy_stream())
-
-
-def _contiguous_bytes(shape: tuple, strides: tuple | None, itemsize: int, name: str) -> int:
-    """Bytes of a C-contiguous array (strides in bytes, None meaning C-contiguous); raises otherwise."""
-    n = math.prod(shape)
-    if strides is not None and n > 1:
-        expect = itemsize
-        for dim, stride in zip(reversed(shape), reversed(strides)):
-            if dim > 1 and stride != expect:
-                raise HssError(f"{name} is not C-contiguous (shape {tuple(shape)}, strides {tuple(strides)}); pass a "
-                               "contiguous copy")
-            expect *= dim
-    return n * itemsize
-
-
-def _read_cai(obj: Any, name: str, stream: int | None) -> DeviceArg:
-    try:
-        cai = obj.__cuda_array_interface__
-    except AttributeError:
-        if hasattr(obj, "__dlpack__"):
-            return _read_dlpack(obj, name, stream)
-        return _refuse(obj, name, stream)
-    except Exception as exc:   # e.g. a dtype the interface cannot describe
-        if hasattr(obj, "__dlpack__"):
-            return _read_dlpack(obj, name, stream)
-        raise HssError(f"{name}: its __cuda_array_interface__ failed ({exc})") from None
-    try:
-        version = int(cai.get("version", 0))
-        shape = tuple(int(d) for d in cai["shape"])
-        typestr = str(cai["typestr"])
-        ptr, readonly = cai["data"]
-        strides = cai.get("strides")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise HssError(f"{name}: malformed __cuda_array_interface__ ({exc!r})") from None
-    if version < 2 or cai.get("mask") is not None:
-        raise HssError(f"{name}: __cuda_array_interface__ version {version} with a mask is not supported (v3 needed)")
-    itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 0
-    if itemsize <= 0:
-        raise HssError(f"{name}: __cuda_array_interface__ typestr {typestr!r} has no item size")
-    nbytes = _contiguous_bytes(shape, tuple(strides) if strides is not None else None, itemsize, name)
-    producer = cai.get("stream") if version >= 3 else None
-    if producer is not None:
-        producer = int(producer)
-        if producer == 0:
-            raise HssError(f"{name}: __cuda_array_interface__ stream 0 is disallowed by the protocol (use 1 or 2 for "
-                           "the default streams)")
-    return DeviceArg(int(ptr or 0), nbytes, _TYPESTR.get(typestr), bool(readonly), producer)
-
-
-_StridedMemoryView: Any = None
-
-
-def _strided_memory_view() -> Any:
-    global _StridedMemoryView
-    if _StridedMemoryView is None:
-        try:
-            from cuda.core.utils import StridedMemoryView  # cuda.core >= 0.4
-        except ImportError:
-            try:
-                from cuda.core.experimental.utils import StridedMemoryView
-            except ImportError:
-                StridedMemoryView = False
-        _StridedMemoryView = StridedMemoryView
-    return _StridedMemoryView
-
-
-def _read_dlpack(obj: Any, name: str, stream: int | None) -> DeviceArg:
-    view_cls = _strided_memory_view()
-    if not view_cls:
-        raise HssError(f"{name}: reading a __dlpack__ producer needs cuda.core (pip install cuda-core), or pass "
-                       "its device address")
-    from_dlpack = getattr(view_cls, "from_dlpack", None) or view_cls   # cuda.core >= 0.5; older: the constructor
-    # The protocol: ask the producer where its data lives first; a CPU producer takes no stream (numpy refuses one)
-    # and is host memory, which no device call can use.
-    where = _dlpack_device(obj, name)
-    if where[0] in _DLPACK_HOST:
-        raise HssError(f"{name} is host memory (DLPack device type {where[0]}, {_DLPACK_HOST[where[0]]}); pass device "
-                       "memory (a DeviceBuffer, a CUDA tensor or an address)")
-    try:
-        try:
-            view = from_dlpack(obj, -1 if stream is None else stream)   # -1: the protocol's "no ordering"
-        except BufferError:
-            raise
-        except Exception:
-            if stream is not None:
-                raise
-            view = from_dlpack(obj, 1)   # producers that cannot take -1 (JAX): order before the legacy stream
-    except Exception as exc:   # BufferError, or whatever a broken producer or capsule makes the reader raise
-        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        raise HssError(f"{name}: its DLPack export failed ({why}); pass a CUDA array whose __dlpack__ returns a "
-                       "DLPack capsule, or its device address") from None
-    if not view.is_device_accessible or view.device_id < 0:
-        raise HssError(f"{name} is host memory (DLPack device {view.device_id}); pass device memory")
-    shape = tuple(view.shape)
-    dtype, itemsize = _view_dtype(view)
-    strides = view.strides
-    nbytes = _contiguous_bytes(shape, None if strides is None else tuple(s * itemsize for s in strides), itemsize,
-                               name)
-    return DeviceArg(int(view.ptr), nbytes, dtype, bool(view.readonly))
-
-
-_DLPACK_HOST = {1: "CPU", 7: "Vulkan", 8: "Metal", 9: "VPI"}   # DLPack device types no CUDA kernel can read
-
-
-def _dlpack_device(obj: Any, name: str) -> tuple[int, int]:
-    """``obj.__dlpack_device__()`` as ``(device type, device id)``; (-1, -1) when the producer has none (the
-    reader then decides); :class:`HssError` when it fails or answers something else."""
-    query = getattr(obj, "__dlpack_device__", None)
-    if query is None:
-        return (-1, -1)
-    try:
-        kind, ident = query()
-        return int(kind), int(ident)
-    except Exception as exc:
-        raise HssError(f"{name}: its __dlpack_device__() failed or did not return (device type, id) ({exc!r}); pass "
-                       "a CUDA array or its device address") from None
-
-
-def _view_dtype(view: Any) -> tuple[str | None, int]:
-    try:
-        dt = np.dtype(view.dtype)
-    except Exception:   # a dtype numpy cannot name without ml_dtypes' help (bf16 in older cuda.core)
-        raise HssError("a DLPack array's dtype could not be read; pass its device address") from None
-    if dt.name == "bfloat16":
-        return "bf16", 2
-    return _TYPESTR.get(dt.str), dt.itemsize
-
-
 # -- streams ----------------------------------------------------------------------------------
-StreamReader = Callable[[Any], int]
 _STREAMS: dict[type, StreamReader] = {}
 
 
@@ -788,25 +584,14 @@ def _stream_reader_for(cls: type, obj: Any, name: str) -> StreamReader:
         pass
     elif issubclass(cls, (int, np.integer)):
         reader = operator.index
-    elif hasattr(cls, "__cuda_stream__"):
-        reader = _read_stream_protocol
-    elif cls.__name__ == "CUstream" and cls.__module__.startswith("cuda."):
-        reader = int
-    elif cls.__module__.startswith("torch") and hasattr(cls, "cuda_stream"):
-        reader = operator.attrgetter("cuda_stream")
-    elif cls.__module__.startswith("cupy") and hasattr(cls, "ptr"):
-        reader = operator.attrgetter("ptr")
+    else:
+        reader = _interop.stream_reader_for(cls)
     if reader is None:
         raise TypeError(f"{name}: a stream is required: pass an int handle (0 = the legacy default stream), a "
                         f"CudaStream, a CudaCtx, a CUstream, a torch / CuPy stream or an object with __cuda_stream__; "
                         f"got {type(obj).__name__}")
     _STREAMS[cls] = reader
     return reader
-
-
-def _read_stream_protocol(obj: Any) -> int:
-    version, handle = obj.__cuda_stream__()
-    return int(handle)
 
 
 # -- host buffers -----------------------------------------------------------------------------
@@ -835,13 +620,9 @@ def host_buffer(obj: Any, nbytes: int, write: bool, name: str) -> int:
         arr = obj
         if not arr.flags.c_contiguous:
             raise HssError(f"{name} must be C-contiguous; pass np.ascontiguousarray(...)")
-    elif _is_torch_tensor(type(obj)) and not obj.is_cuda:   # a CPU torch tensor is host memory
-        if not obj.is_contiguous():
-            raise HssError(f"{name} is a non-contiguous torch tensor; pass .contiguous()")
-        if obj.nbytes < nbytes:
-            raise HssError(f"{name} holds {obj.nbytes} bytes but {nbytes} are to be copied")
-        return obj.data_ptr()
-    elif _READERS.get(type(obj), _refuse) is not _refuse or _is_torch_tensor(type(obj)) or \
+    elif _interop.is_torch_tensor(type(obj)) and not obj.is_cuda:   # a CPU torch tensor is host memory
+        return _interop.read_host_torch(obj, nbytes, name)
+    elif _READERS.get(type(obj), _interop.refuse) is not _interop.refuse or _interop.is_torch_tensor(type(obj)) or \
             hasattr(obj, "__cuda_array_interface__"):
         raise HssError(f"{name} is device memory; a host buffer (numpy array, bytes-like or PinnedBuffer) is needed")
     else:

@@ -322,7 +322,8 @@ class QsaMachine(RuleBasedStateMachine):
         idx, s, pos = self.idx, self.stream, len(m.rows)
         k, v, t = self.d_k, self.d_v, self.d_table
         blob = self.snaps[r % len(self.snaps)][0] if self.snaps else None
-        starts, ends = idx._mine._starts, idx._mine._ends   # an address inside memory the indexer owns
+        owned = idx.resources.ranges
+        starts, ends = owned._starts, owned._ends   # an address inside memory the indexer owns
         j = r % len(starts)
         mine = starts[j] + (r * 16) % (ends[j] - starts[j]) // 16 * 16
         group = self.group([i, i + 1, i + 2])

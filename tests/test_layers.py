@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hss.errors", "hss._version"),                    # every exception; the version
     ("hss.reference",),                                # float64 numpy references (numpy and ml_dtypes only)
     ("hss.realmodel",),                                # SmolLM2 from its GGUF: loader, tokenizer, numpy forward
+    ("hss._interop",),                                 # reading foreign arrays and streams (torch, CuPy, CAI, DLPack)
     ("hss._args",),                                    # the argument rules
     ("hss._dlpack", "hss._params"),                    # DLPack export, parameter packing
     ("hss.kernels",),                                  # kernel declarations
@@ -148,7 +149,8 @@ def test_reference_imports_only_numpy():
                              "functools", "itertools"}, f"{name} imports {roots}"
 
 
-@pytest.mark.parametrize("bad", [("hss._args", "hss._context"), ("hss.kernels", "hss.cuda_min")])
+@pytest.mark.parametrize("bad", [("hss._args", "hss._context"), ("hss._interop", "hss._args"),
+                                 ("hss.kernels", "hss.cuda_min")])
 def test_the_checker_sees_an_upward_import(bad):
     a, b = bad
     assert layer_of(b) > layer_of(a)

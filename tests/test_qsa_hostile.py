@@ -177,7 +177,8 @@ def test_an_address_inside_the_indexers_memory_is_refused(world, call, data):
     need, align = world.need(call, name), ALIGN.get(name, 16)
     idx = world.idx
     owned = {(b.ptr, b.ptr + b.bytes): "pinned staging" for b in (idx._pinned, idx._dev.pinned)}
-    owned.update({(a, b): label for a, b, label in zip(idx._mine._starts, idx._mine._ends, idx._mine._labels)})
+    mine = idx.resources.ranges
+    owned.update({(a, b): label for a, b, label in zip(mine._starts, mine._ends, mine._labels)})
     assert len(owned) > 20 and all(any(int(k) == a for a, _ in owned) for st_ in world.states
                                    for k in (st_.raw_keys, st_.block_keys))
     before = world.observed()

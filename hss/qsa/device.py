@@ -1,5 +1,6 @@
 """Device-resident batched QSA decode (SPEC §17.2-§17.4): the host side of ``decode_select_batch`` and
-``sparse_decode_attention``.
+``sparse_decode_attention``. A :class:`DeviceState` owns everything below (buffers, pinned pool, prepared launches,
+cached compositions) and runs both calls; each indexer holds one and delegates to it.
 
 Each :class:`~hss.qsa.QsaSeqState` owns a *slot* ``0 .. max_seqs - 1`` of its indexer's device arrays:
 
@@ -25,7 +26,6 @@ advanced by one") is registered with :func:`hss._launch.on_replay`, which runs i
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -38,9 +38,12 @@ from hss import cuda_min as cm
 from hss.errors import CudaError, HssError
 from hss.gpu import DevicePtr, launcher
 from hss.kernels import qsa_device as kd
+from hss.qsa.settings import block_size_arg, f32_arg
 
 if TYPE_CHECKING:
-    from hss.qsa.indexer import QsaIndexer, QsaSeqState
+    from hss.qsa.indexer import QsaIndexer
+    from hss.qsa.resources import IndexerResources
+    from hss.qsa.state import QsaSeqState
 
 __all__ = ["QsaDeviceSelection", "DeviceState", "MAX_SEQS", "DEFAULT_MAX_SEQS", "COMPOSITIONS"]
 
@@ -101,11 +104,16 @@ def _advance_fn(states: tuple, max_tokens: int, ratio: int) -> Any:
 
 class DeviceState:
     """The device-resident part of one :class:`QsaIndexer`: slots, positions, descriptors, the batched step's
-    buffers and prepared launches. Its buffers are the indexer's (freed by ``QsaIndexer.close``)."""
+    buffers and prepared launches, and the two batched calls (:meth:`select_batch`, :meth:`sparse_attention`).
+    Its device buffers come from the indexer's ``resources`` (freed by ``QsaIndexer.close``); ``gemm`` is the
+    indexer's qk projection (m rows of attention inputs into its qk scratch)."""
 
-    def __init__(self, idx: QsaIndexer, max_seqs: int, nq_attn: int | None) -> None:
+    def __init__(self, idx: QsaIndexer, resources: IndexerResources, gemm: Any, max_seqs: int,
+                 nq_attn: int | None) -> None:
         self.idx = weakref.proxy(idx)
         self.idx_ref = weakref.ref(idx)   # what a selection names as its owner
+        self.resources = resources
+        self.gemm = gemm
         gpu = idx.gpu
         self.gpu = gpu
         self.max_seqs = max_seqs
@@ -113,7 +121,7 @@ class DeviceState:
         self.splits = kd.splits(idx.sel_cap)
         self.free_slots = list(range(max_seqs - 1, -1, -1))   # pop() hands out the lowest slot first
         self.generation = 0
-        alloc = idx._alloc
+        alloc = resources.alloc
         self.pos_dev = alloc(max_seqs * 4)
         self.desc_dev = alloc(max_seqs * 16)
         self.slots_dev = alloc(max_seqs * 4)
@@ -130,7 +138,7 @@ class DeviceState:
         self.pool_host = self.pinned.array[desc_bytes:desc_bytes + pool_bytes].view(np.int32).reshape(
             COMPOSITIONS, max_seqs)
         self.sync_host = self.pinned.array[desc_bytes + pool_bytes:].view(np.int32)[:1]
-        idx._mine.add(self.pinned.ptr, self.pinned.bytes, "the indexer's pinned slot lists")   # a step's copy reads it
+        resources.own(self.pinned.ptr, self.pinned.bytes, "the indexer's pinned slot lists")   # a step's copy reads it
         # the arguments of the last batched step and attention whose memory passed every check, and what it gave
         self.batch_key: tuple | None = None
         self.attn_key: tuple | None = None
@@ -148,16 +156,16 @@ class DeviceState:
             raise
 
     def _prepare(self, idx: QsaIndexer, nq_attn: int | None) -> None:
-        ptr_arg = functools.partial(_args.pointer_arg, device=idx._device)   # refuses other devices' memory
+        ptr_arg = self.resources.pointer_arg   # refuses other devices' memory
         self.normed_arg = ptr_arg("normed", None, 2, "bf16",
-                                            what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
+                                  what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
         # the sparse attention loads q and K/V rows in 16-byte vectors
-        self.q_arg = ptr_arg("q", None, 16, "bf16", what=f"the queries [R, nq, hd_attn] = [R, nq, "
-                                                                   f"{idx.hd_attn}] bf16, 16-byte aligned")
+        self.q_arg = ptr_arg("q", None, 16, "bf16",
+                             what=f"the queries [R, nq, hd_attn] = [R, nq, {idx.hd_attn}] bf16, 16-byte aligned")
         self.out_arg = ptr_arg("out", None, 2, "bf16", write=True,
-                                         what=f"the output [R, nq, hd_attn] = [R, nq, {idx.hd_attn}] bf16")
+                               what=f"the output [R, nq, hd_attn] = [R, nq, {idx.hd_attn}] bf16")
         self.table_arg = ptr_arg("block_tables", None, 4, "i32",
-                                           what="the batch's i32 page tables [R, max_pages]")
+                                 what="the batch's i32 page tables [R, max_pages]")
         pool = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16, 16-byte aligned: at least one page"
         self.k_pool_arg = ptr_arg("k_pool", None, 16, "bf16", what=pool)
         self.v_pool_arg = ptr_arg("v_pool", None, 16, "bf16", what=pool)
@@ -244,11 +252,11 @@ class DeviceState:
 
     def store_pos(self, st: QsaSeqState, s: int) -> None:
         """Make ``pos_dev[st's slot]`` equal the host mirror ``st.ingested``, in stream order on ``s``."""
-        cm.memset_d32_async(self.pos_addr + 4 * st._slot, st.ingested, 1, s)
+        cm.memset_d32_async(self.pos_addr + 4 * st.slot, st.ingested, 1, s)
 
     def read_pos(self, st: QsaSeqState, s: int) -> int:
         """Blocking: ``pos_dev[st's slot]`` after the work queued on ``s``."""
-        self.gpu.copy_d2h_on_stream(self.pos_addr + 4 * st._slot, self.sync_host, s)
+        self.gpu.copy_d2h_on_stream(self.pos_addr + 4 * st.slot, self.sync_host, s)
         return int(self.sync_host[0])
 
     # -- compositions -----------------------------------------------------------------------------------
@@ -267,7 +275,7 @@ class DeviceState:
                            "captures (or cached); capture fewer distinct batches per indexer")
         entry = self.free_entries.pop()
         host = self.pool_host[entry, :len(key)]
-        host[:] = [st._slot for st in key]
+        host[:] = [st.slot for st in key]
         comp = _Composition(key, entry, host, _advance_fn(key, idx.max_tokens, idx.ratio))
         self.compositions[key] = comp
         return comp
@@ -296,14 +304,15 @@ class DeviceState:
         """decode_select_batch's arrays checked: (normed, block_tables, max_pages); neither may overlap the indexer's
         memory. ``fixed``: both are of :data:`_FIXED` types, and the same objects as the last call's pass at once
         while no hss buffer was made or freed."""
-        key = (normed, block_tables, R, max_pages, _args.RANGES.generation, self.idx._owned_gen) if fixed else None
+        key = (normed, block_tables, R, max_pages, _args.RANGES.generation,
+               self.resources.generation) if fixed else None
         if key is not None and key == self.batch_key:
             return self.batch_checked
         nx = R * self.idx.hidden * 2
         x = self.normed_arg(normed, s, nx)
         table, pages = _table_arg(self.table_arg, block_tables, R, max_pages, s, "block_tables")
-        self.idx._check_caller("decode_select_batch", (("normed", x, nx, False),
-                                                       ("block_tables", table, 4 * R * pages, False)))
+        self.resources.check_caller("decode_select_batch", (("normed", x, nx, False),
+                                                            ("block_tables", table, 4 * R * pages, False)))
         self.batch_key, self.batch_checked = key, (x, table, pages)
         return x, table, pages
 
@@ -315,16 +324,16 @@ class DeviceState:
         :data:`_FIXED` type, and the same objects as the last call's pass at once while no hss buffer was made or
         freed."""
         key = (q, k_pool, v_pool, block_tables, out, sel.block_tables, sel.max_pages, sel.block_size, sel.R, row,
-               _args.RANGES.generation, self.idx._owned_gen) if fixed else None
+               _args.RANGES.generation, self.resources.generation) if fixed else None
         if key is not None and key == self.attn_key:
             return self.attn_checked
-        page, pages = sel.block_size * self.idx._kv_row, sel.max_pages
+        page, pages = sel.block_size * self.idx.kv_row, sel.max_pages
         qp = self.q_arg(q, s, row)
         op = self.out_arg(out, s, row)
         kp = self.k_pool_arg(k_pool, s, page)
         vp = self.v_pool_arg(v_pool, s, page)
         table = sel.block_tables if block_tables is None else self.table_arg(block_tables, s, 4 * sel.R * pages)
-        self.idx._check_caller("sparse_decode_attention", (
+        self.resources.check_caller("sparse_decode_attention", (
             ("out", op, row, True), ("q", qp, row, False), ("k_pool", kp, _args.extent(k_pool, kp, page), False),
             ("v_pool", vp, _args.extent(v_pool, vp, page), False), ("block_tables", table, 4 * sel.R * pages, False)))
         self.attn_key, self.attn_checked = key, (qp, kp, vp, table, op)
@@ -339,22 +348,155 @@ class DeviceState:
             raise HssError(f"QsaIndexer.sparse_decode_attention: the first call with nq = {nq} is being captured, "
                            "but its split partials must be allocated first; run one step eagerly before the capture, "
                            f"or construct the indexer with nq_attn={nq}")
-        idx = self.idx
-        ml = idx._alloc(kd.part_ml_bytes(self.max_seqs, nq, idx.sel_cap))
+        idx, res = self.idx, self.resources
+        ml = res.alloc(kd.part_ml_bytes(self.max_seqs, nq, idx.sel_cap))
         try:
-            o = idx._alloc(kd.part_o_bytes(self.max_seqs, nq, idx.sel_cap, idx.hd_attn))
+            o = res.alloc(kd.part_o_bytes(self.max_seqs, nq, idx.sel_cap, idx.hd_attn))
         except BaseException:
-            idx._release(ml)
+            res.release(ml)
             raise
         for old in (self.part_ml, self.part_o):
             if old:
-                idx._release(old)
+                res.release(old)
         self.part_ml, self.part_o, self.part_nq = ml, o, nq
         if self.ready:
             self.attn_pack.set("part_ml", ml)
             self.attn_pack.set("part_o", o)
             self.merge_pack.set("part_ml", ml)
             self.merge_pack.set("part_o", o)
+
+    # -- the batched calls ------------------------------------------------------------------------------
+    def check_batch(self, states: Any) -> tuple:
+        """``states`` as a tuple of distinct live states of the indexer (1 .. max_seqs of them)."""
+        if not isinstance(states, (list, tuple)):
+            raise TypeError(f"QsaIndexer.decode_select_batch: states must be a list or tuple of QsaSeqState, not "
+                            f"{type(states).__name__}")
+        key = tuple(states)
+        if not 1 <= len(key) <= self.max_seqs:
+            raise HssError(f"QsaIndexer.decode_select_batch: {len(key)} states; a batch holds 1 .. max_seqs = "
+                           f"{self.max_seqs} (construct the indexer with a larger max_seqs=)")
+        for r, st in enumerate(key):
+            try:
+                self.idx.check_state(st, "decode_select_batch")
+            except (HssError, TypeError) as exc:
+                raise type(exc)(f"states[{r}]: {exc}") from None
+        if len({id(st) for st in key}) != len(key):
+            dup = next(r for r, st in enumerate(key) if any(x is st for x in key[:r]))
+            raise HssError(f"QsaIndexer.decode_select_batch: states[{dup}] appears twice; each sequence advances once "
+                           "per step: pass distinct states")
+        return key
+
+    def select_batch(self, states: Any, normed: Any, block_tables: Any, block_size: Any, stream: Any,
+                     max_pages: Any) -> QsaDeviceSelection:
+        """See :meth:`QsaIndexer.decode_select_batch`."""
+        idx = self.idx
+        key = states if type(states) is tuple else tuple(states) if type(states) is list else None
+        try:
+            comp = self.compositions.get(key)
+        except TypeError:   # unhashable items: check_batch names them
+            comp = None
+        if comp is None:
+            idx.check_open("decode_select_batch")
+            key = self.check_batch(states)
+        else:
+            key = comp.states
+        self.require("decode_select_batch")
+        R = len(key)
+        bs = block_size if type(block_size) is int and 8 <= block_size <= _I32 else block_size_arg(block_size)
+        s = self.resources.stream(stream, "decode_select_batch")
+        if type(normed) in _FIXED and type(block_tables) in _FIXED and (max_pages is None or type(max_pages) is int):
+            x, table, pages = self.batch_memory(normed, block_tables, R, max_pages, s, True)
+        else:
+            with _JOINS:   # a producer's stream is joined only once every argument passed
+                x, table, pages = self.batch_memory(normed, block_tables, R, max_pages, s, False)
+        limit = min(idx.max_tokens, pages * bs)   # visible = ingested + 1 must fit the table and max_tokens
+        ratio = idx.ratio
+        for st in key:
+            n = st.ingested
+            if n >= limit or st.pooled != n // ratio or st.slot < 0:
+                fix = self._slow_states(key, pages, bs)
+                break
+        else:
+            fix = None
+        # every check passed: device work from here on
+        if comp is None:
+            comp = self.composition(key, s)
+        if fix:
+            for st in fix:
+                # blocks a partial restore left unpooled (a capture re-pools them: same bits)
+                idx.pool_new_blocks(st, s)
+        comp.stream = s
+        cm.copy_h_to_d_async(self.slots_addr, comp.addr, comp.nbytes, s)
+        self.gemm(x, R, s)
+        self.run_prep(s, R, idx.n_heads + 2)
+        self.run_score(s, self.score_gx, R)
+        self.run_topk(s, R)
+        if _launch.on_replay(s, comp.advance):
+            comp.captured = True
+        self.generation += 1
+        return QsaDeviceSelection(self.tokens_dev, self.counts_dev, R, idx.sel_cap, pages, table, bs, self.idx_ref,
+                                  self.generation)
+
+    def _slow_states(self, key: tuple, pages: int, bs: int) -> list:
+        """The per-state checks behind the hot loop (raising the first problem), and the states needing fix-ups."""
+        idx, fix = self.idx, []
+        for r, st in enumerate(key):
+            if st.slot < 0 or not (st.raw_keys and st.block_keys):
+                raise HssError(f"QsaIndexer.decode_select_batch: states[{r}] was released; make a new one with "
+                               "new_seq_state()")
+            n = st.ingested
+            if n >= idx.max_tokens:
+                raise HssError(f"QSA: states[{r}] holds {n} tokens = max_tokens = {idx.max_tokens}: no room for the "
+                               "next; construct the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
+            if n + 1 > pages * bs:
+                raise HssError(f"block_tables: states[{r}] decodes position {n} (visible {n + 1}) but a row holds "
+                               f"max_pages = {pages} pages of {bs} tokens = {pages * bs}; pass wider page tables")
+            if st.pooled != n // idx.ratio:
+                fix.append(st)
+        return fix
+
+    def sparse_attention(self, q: Any, k_pool: Any, v_pool: Any, block_tables: Any, selection: QsaDeviceSelection,
+                         out: Any, stream: Any, scale: Any, nq: Any) -> None:
+        """See :meth:`QsaIndexer.sparse_decode_attention`."""
+        idx = self.idx
+        if type(selection) is not QsaDeviceSelection:
+            raise TypeError(f"QsaIndexer.sparse_decode_attention: selection must be the QsaDeviceSelection that "
+                            f"decode_select_batch returned, not {type(selection).__name__}")
+        if selection._owner is not self.idx_ref:
+            idx.check_open("sparse_decode_attention")
+            raise HssError("QsaIndexer.sparse_decode_attention: the selection comes from another indexer; pass this "
+                           "indexer's decode_select_batch result")
+        if selection._generation != self.generation:
+            raise HssError("QsaIndexer.sparse_decode_attention: the selection is stale (a later decode_select_batch "
+                           "overwrote its buffers); attend right after the step that made it")
+        idx.check_open("sparse_decode_attention")
+        self.require("sparse_decode_attention")
+        R, hd, nkv = selection.R, idx.hd_attn, idx.nkv_attn
+        s = self.resources.stream(stream, "sparse_decode_attention")
+        if nq is None:
+            nq = _heads_from(q, R, hd)
+        else:
+            nq = _args.as_int("nq", nq, 1, _I32, why="the attention's query heads")
+        if not self.attn_ok:
+            raise HssError(f"QsaIndexer.sparse_decode_attention: hd_attn = {hd}: {kd.attn_hd_problem(hd)}")
+        if nq % nkv or nq // nkv > kd.ATTN_MAX_GROUP:
+            raise HssError(f"QsaIndexer.sparse_decode_attention: nq = {nq} must be a multiple of nkv_attn = {nkv}, at "
+                           f"most {kd.ATTN_MAX_GROUP} query heads per KV head")
+        arrays, row = (q, k_pool, v_pool, block_tables, out), R * nq * hd * 2
+        if type(q) in _FIXED and type(k_pool) in _FIXED and type(v_pool) in _FIXED and type(block_tables) in _FIXED \
+                and type(out) in _FIXED:
+            qp, kp, vp, table, op = self.attention_memory(selection, *arrays, row, s, True)
+        else:
+            with _JOINS:   # a producer's stream is joined only once every argument passed
+                qp, kp, vp, table, op = self.attention_memory(selection, *arrays, row, s, False)
+        sc = 1.0 / math.sqrt(hd) if scale is None else f32_arg("scale", scale, positive=True)
+        self.ensure_partials(nq, s)
+        q_slot, k_slot, v_slot, t_slot, p_slot, b_slot, n_slot, s_slot = self.attn_slots
+        q_slot.value, k_slot.value, v_slot.value, t_slot.value = qp, kp, vp, table
+        p_slot.value, b_slot.value, n_slot.value, s_slot.value = selection.max_pages, selection.block_size, nq, sc
+        self.merge_out.value, self.merge_nq.value = op, nq
+        self.run_attn(s, R, nkv, self.splits)
+        self.run_merge(s, R, nq)
 
     def close(self) -> None:
         self.compositions.clear()
@@ -372,29 +514,7 @@ def _opt_in(kernel: Any, shared: int) -> Any:
     return kernel
 
 
-# -- the batched step -------------------------------------------------------------------------------------
-def check_batch(idx: QsaIndexer, states: Any) -> tuple:
-    """``states`` as a tuple of distinct live states of ``idx`` (1 .. max_seqs of them)."""
-    if not isinstance(states, (list, tuple)):
-        raise TypeError(f"QsaIndexer.decode_select_batch: states must be a list or tuple of QsaSeqState, not "
-                        f"{type(states).__name__}")
-    key = tuple(states)
-    dev = idx._dev
-    if not 1 <= len(key) <= dev.max_seqs:
-        raise HssError(f"QsaIndexer.decode_select_batch: {len(key)} states; a batch holds 1 .. max_seqs = "
-                       f"{dev.max_seqs} (construct the indexer with a larger max_seqs=)")
-    for r, st in enumerate(key):
-        try:
-            idx._check_state(st, "decode_select_batch")
-        except (HssError, TypeError) as exc:
-            raise type(exc)(f"states[{r}]: {exc}") from None
-    if len({id(st) for st in key}) != len(key):
-        dup = next(r for r, st in enumerate(key) if any(x is st for x in key[:r]))
-        raise HssError(f"QsaIndexer.decode_select_batch: states[{dup}] appears twice; each sequence advances once "
-                       "per step: pass distinct states")
-    return key
-
-
+# -- shapes and page tables of the batched calls' arguments ---------------------------------------------
 def _shape(obj: Any) -> tuple | None:
     """The shape an array argument states (``.shape``, or its ``__cuda_array_interface__``); None if it states none."""
     shape = getattr(obj, "shape", None)
@@ -422,124 +542,6 @@ def _table_arg(check: Any, obj: Any, R: int, max_pages: Any, s: int, name: str) 
     else:
         max_pages = _args.as_int("max_pages", max_pages, 1, _I32 // max(R, 1), why="the page table's row length")
     return check(obj, s, 4 * R * max_pages), max_pages
-
-
-def select_batch(idx: QsaIndexer, states: Any, normed: Any, block_tables: Any, block_size: Any, stream: Any,
-                 max_pages: Any) -> QsaDeviceSelection:
-    """See :meth:`QsaIndexer.decode_select_batch`."""
-    dev = idx._dev
-    if dev is None:
-        idx._check_open("decode_select_batch")
-    key = states if type(states) is tuple else tuple(states) if type(states) is list else None
-    try:
-        comp = dev.compositions.get(key)
-    except TypeError:   # unhashable items: check_batch names them
-        comp = None
-    if comp is None:
-        idx._check_open("decode_select_batch")
-        key = check_batch(idx, states)
-    else:
-        key = comp.states
-    dev.require("decode_select_batch")
-    R = len(key)
-    bs = block_size if type(block_size) is int and 8 <= block_size <= _I32 else idx._block_size(block_size)
-    s = idx._stream(stream, "decode_select_batch")
-    if type(normed) in _FIXED and type(block_tables) in _FIXED and (max_pages is None or type(max_pages) is int):
-        x, table, pages = dev.batch_memory(normed, block_tables, R, max_pages, s, True)
-    else:
-        with _JOINS:   # a producer's stream is joined only once every argument passed
-            x, table, pages = dev.batch_memory(normed, block_tables, R, max_pages, s, False)
-    limit = min(idx.max_tokens, pages * bs)   # visible = ingested + 1 must fit the table and max_tokens
-    ratio = idx.ratio
-    for st in key:
-        n = st.ingested
-        if n >= limit or st.pooled != n // ratio or st._slot < 0:
-            fix = _slow_states(idx, key, pages, bs)
-            break
-    else:
-        fix = None
-    # every check passed: device work from here on
-    if comp is None:
-        comp = dev.composition(key, s)
-    if fix:
-        for st in fix:
-            idx._pool_new_blocks(st, s)   # blocks a partial restore left unpooled (a capture re-pools them: same bits)
-    comp.stream = s
-    cm.copy_h_to_d_async(dev.slots_addr, comp.addr, comp.nbytes, s)
-    idx._gemm(x, R, s)
-    dev.run_prep(s, R, idx.n_heads + 2)
-    dev.run_score(s, dev.score_gx, R)
-    dev.run_topk(s, R)
-    if _launch.on_replay(s, comp.advance):
-        comp.captured = True
-    dev.generation += 1
-    return QsaDeviceSelection(dev.tokens_dev, dev.counts_dev, R, idx.sel_cap, pages, table, bs, dev.idx_ref,
-                              dev.generation)
-
-
-def _slow_states(idx: QsaIndexer, key: tuple, pages: int, bs: int) -> list:
-    """The per-state checks behind the hot loop (raising the first problem), and the states needing fix-ups."""
-    fix = []
-    for r, st in enumerate(key):
-        if st._slot < 0 or not (st.raw_keys and st.block_keys):
-            raise HssError(f"QsaIndexer.decode_select_batch: states[{r}] was released; make a new one with "
-                           "new_seq_state()")
-        n = st.ingested
-        if n >= idx.max_tokens:
-            raise HssError(f"QSA: states[{r}] holds {n} tokens = max_tokens = {idx.max_tokens}: no room for the next; "
-                           "construct the indexer with a larger max_tokens= (or env HSS_QSA_MAX_TOKENS)")
-        if n + 1 > pages * bs:
-            raise HssError(f"block_tables: states[{r}] decodes position {n} (visible {n + 1}) but a row holds "
-                           f"max_pages = {pages} pages of {bs} tokens = {pages * bs}; pass wider page tables")
-        if st.pooled != n // idx.ratio:
-            fix.append(st)
-    return fix
-
-
-def sparse_attention(idx: QsaIndexer, q: Any, k_pool: Any, v_pool: Any, block_tables: Any,
-                     selection: QsaDeviceSelection, out: Any, stream: Any, scale: Any, nq: Any) -> None:
-    """See :meth:`QsaIndexer.sparse_decode_attention`."""
-    dev = idx._dev
-    if dev is None:
-        idx._check_open("sparse_decode_attention")
-    if type(selection) is not QsaDeviceSelection:
-        raise TypeError(f"QsaIndexer.sparse_decode_attention: selection must be the QsaDeviceSelection that "
-                        f"decode_select_batch returned, not {type(selection).__name__}")
-    if selection._owner is not dev.idx_ref:
-        idx._check_open("sparse_decode_attention")
-        raise HssError("QsaIndexer.sparse_decode_attention: the selection comes from another indexer; pass this "
-                       "indexer's decode_select_batch result")
-    if selection._generation != dev.generation:
-        raise HssError("QsaIndexer.sparse_decode_attention: the selection is stale (a later decode_select_batch "
-                       "overwrote its buffers); attend right after the step that made it")
-    idx._check_open("sparse_decode_attention")
-    dev.require("sparse_decode_attention")
-    R, hd, nkv = selection.R, idx.hd_attn, idx.nkv_attn
-    s = idx._stream(stream, "sparse_decode_attention")
-    if nq is None:
-        nq = _heads_from(q, R, hd)
-    else:
-        nq = _args.as_int("nq", nq, 1, _I32, why="the attention's query heads")
-    if not dev.attn_ok:
-        raise HssError(f"QsaIndexer.sparse_decode_attention: hd_attn = {hd}: {kd.attn_hd_problem(hd)}")
-    if nq % nkv or nq // nkv > kd.ATTN_MAX_GROUP:
-        raise HssError(f"QsaIndexer.sparse_decode_attention: nq = {nq} must be a multiple of nkv_attn = {nkv}, at "
-                       f"most {kd.ATTN_MAX_GROUP} query heads per KV head")
-    arrays, row = (q, k_pool, v_pool, block_tables, out), R * nq * hd * 2
-    if type(q) in _FIXED and type(k_pool) in _FIXED and type(v_pool) in _FIXED and type(block_tables) in _FIXED \
-            and type(out) in _FIXED:
-        qp, kp, vp, table, op = dev.attention_memory(selection, *arrays, row, s, True)
-    else:
-        with _JOINS:   # a producer's stream is joined only once every argument passed
-            qp, kp, vp, table, op = dev.attention_memory(selection, *arrays, row, s, False)
-    sc = 1.0 / math.sqrt(hd) if scale is None else idx._f32("scale", scale, positive=True)
-    dev.ensure_partials(nq, s)
-    q_slot, k_slot, v_slot, t_slot, p_slot, b_slot, n_slot, s_slot = dev.attn_slots
-    q_slot.value, k_slot.value, v_slot.value, t_slot.value = qp, kp, vp, table
-    p_slot.value, b_slot.value, n_slot.value, s_slot.value = selection.max_pages, selection.block_size, nq, sc
-    dev.merge_out.value, dev.merge_nq.value = op, nq
-    dev.run_attn(s, R, nkv, dev.splits)
-    dev.run_merge(s, R, nq)
 
 
 def _heads_from(q: Any, R: int, hd: int) -> int:

@@ -24,6 +24,7 @@ from hss import _args
 from hss.errors import HssError
 from hss.kernels import qsa_prefill as kp
 from hss.qsa.select import top_blocks
+from hss.qsa.settings import block_size_arg, f32_arg
 
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer, QsaSeqState
@@ -68,7 +69,8 @@ def prefill_scratch_bytes(total: int, qkw: int, n_heads: int, hd: int, ratio: in
 
 
 class PrefillKernels:
-    """The prefill kernels of one indexer and their prepared parameter packs (refilled per launch).
+    """The prefill kernels of one indexer, their prepared parameter packs (refilled per launch) and the host buffer
+    a slab's scores are read into (:meth:`scores_host`).
 
     ``score_tc`` / ``attn_tc`` are falsy handles where the backend lacks the optional kernels."""
 
@@ -86,6 +88,13 @@ class PrefillKernels:
         self.score_tc_pack = self.score_tc.pack(ratio=idx.ratio) if self.score_tc else None
         # qsa_prefill_attn_tc has the same signature: one pack serves both
         self.attn_pack = self.attn.pack(topk=idx.block_topk, ratio=idx.ratio, nkv=idx.nkv_attn, hd=idx.hd_attn)
+        self._scores = np.empty(0, dtype=np.float32)   # a slab's scores, grown on demand
+
+    def scores_host(self, n: int) -> np.ndarray:
+        """A reused host f32 buffer of at least ``n`` entries (grown on demand), its first ``n`` as a view."""
+        if self._scores.size < n:
+            self._scores = np.empty(n, dtype=np.float32)
+        return self._scores[:n]
 
 
 # -- argument checks (all before any device work) -----------------------------------------------------
@@ -147,7 +156,7 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
            seq_block_table: Any, seq_start: Any, num_tokens: Any, nq: Any, block_size: Any, inv_sqrt_d: Any,
            scratch: Any, stream: Any) -> _Checked:
     """Every argument of :func:`prefill_select`, in the documented forms and sizes, or an error naming it."""
-    idx._check_state(st, "prefill_select")
+    idx.check_state(st, "prefill_select")
     num_tokens = _args.as_int("num_tokens", num_tokens, 0, _I32)
     seq_start = _args.as_int("seq_start", seq_start, 0, _I32)
     total = seq_start + num_tokens
@@ -163,8 +172,8 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
     if hd_attn % 32 or hd_attn > 256:
         raise HssError(f"QsaIndexer: prefill_select needs hd_attn ({hd_attn}) a multiple of 32, at most 256 "
                        "(qsa_prefill_attn's lanes hold hd_attn / 32 dims each)")
-    block_size = idx._block_size(block_size)
-    inv = idx._f32("inv_sqrt_d", inv_sqrt_d, positive=True)
+    block_size = block_size_arg(block_size)
+    inv = f32_arg("inv_sqrt_d", inv_sqrt_d, positive=True)
     pages = -(-total // block_size)
     table = _host_table(seq_block_table, pages, total, block_size)
     layout = scratch_layout(total, idx.qk_width, idx.n_heads, idx.hd, idx.ratio, idx.block_topk)
@@ -172,7 +181,8 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
     rows_in, rows_attn = num_tokens * idx.hidden * 2, num_tokens * nq * hd_attn * 2
     pool = (int(table.max()) + 1) * block_size * nkv * hd_attn * 2 if num_tokens and table.size else 0
     al = _VEC
-    s = idx._stream(stream, "prefill_select")
+    res = idx.resources
+    s = res.stream(stream, "prefill_select")
     with _args.deferred_joins():   # a producer's stream is joined only once every argument passed
         base = _scratch(scratch, layout.nbytes, total, s)
         x = _args.pointer(normed, "normed", rows_in, 2, "bf16", stream=s,
@@ -189,27 +199,28 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
         if _args.DEVICES.many:   # another device's memory (the kernels and cuBLAS run on the indexer's)
             for name, obj, p in (("scratch", scratch, base), ("normed", normed, x), ("q_roped", q_roped, q),
                                  ("attn_ctx", attn_ctx, out), ("k_pool", k_pool, kc), ("v_pool", v_pool, vc)):
-                _args.check_device(obj, p, name, idx._device)
+                _args.check_device(obj, p, name, res.device)
         # the call writes scratch and attn_ctx: neither may overlap the indexer's memory or another argument
-        idx._check_caller("prefill_select", (("scratch", base, layout.nbytes, True),
-                                             ("attn_ctx", out, rows_attn, True), ("normed", x, rows_in, False),
-                                             ("q_roped", q, rows_attn, False),
-                                             ("k_pool", kc, _args.extent(k_pool, kc, pool), False),
-                                             ("v_pool", vc, _args.extent(v_pool, vc, pool), False)))
+        res.check_caller("prefill_select", (("scratch", base, layout.nbytes, True),
+                                            ("attn_ctx", out, rows_attn, True), ("normed", x, rows_in, False),
+                                            ("q_roped", q, rows_attn, False),
+                                            ("k_pool", kc, _args.extent(k_pool, kc, pool), False),
+                                            ("v_pool", vc, _args.extent(v_pool, vc, pool), False)))
     return _Checked(seq_start, total, max(idx.inert_bound(), seq_start), nq, block_size, inv, table, layout, base,
                     x, q, out, kc, vc, s)
 
 
 # -- the stage ------------------------------------------------------------------------------------
-def prefill_select(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx: Any, k_pool: Any,
-                   v_pool: Any, seq_block_table: Any, seq_start: int, num_tokens: int, nq: int, block_size: int,
-                   inv_sqrt_d: float, scratch: Any, stream: Any) -> int:
-    """See :meth:`QsaIndexer.prefill_select`; returns the number of rows rewritten."""
+def prefill_select(idx: QsaIndexer, k: PrefillKernels, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx: Any,
+                   k_pool: Any, v_pool: Any, seq_block_table: Any, seq_start: int, num_tokens: int, nq: int,
+                   block_size: int, inv_sqrt_d: float, scratch: Any, stream: Any) -> int:
+    """See :meth:`QsaIndexer.prefill_select` (``k``: the indexer's prefill kernels); returns the number of rows
+    rewritten."""
     c = _check(idx, st, normed, q_roped, attn_ctx, k_pool, v_pool, seq_block_table, seq_start, num_tokens, nq,
                block_size, inv_sqrt_d, scratch, stream)
     if c.total <= c.first_sel or not idx.prefill_select_enabled:
         return 0   # every row is inert (dense attention is exact), or selection is switched off
-    gpu, k, s, layout = idx.gpu, idx._prefill, c.stream, c.layout
+    gpu, s, layout = idx.gpu, c.stream, c.layout
     seq_start = c.seq_start
     gpu.copy_h2d_async(c.table, idx.prefill_table_dev, s)   # pageable: staged before the call returns
     qk_buf, qpost, scores, lists = (c.scratch + off for off in layout[1:5])
@@ -244,7 +255,7 @@ def prefill_select(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, 
             pack.set(name, v)
         gpu.launch(kernel, g.grid, g.block, g.shared, s, pack)
         # d. host top-k per row, lists in score-descending order
-        host = _host_scores(idx, rows * layout.stride)
+        host = k.scores_host(rows * layout.stride)
         gpu.copy_d2h_on_stream(scores, host, s)
         lists_host = row_lists(host.reshape(rows, layout.stride), first_pos, ratio, topk)
         gpu.copy_h2d_async(lists_host, lists, s)   # pageable: staged before the call returns
@@ -259,14 +270,6 @@ def prefill_select(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, 
             g = kp.prefill_attn_geometry(rows, c.nq, nkv, hd_attn)
             gpu.launch(k.attn, g.grid, g.block, g.shared, s, attn)
     return c.total - c.first_sel
-
-
-def _host_scores(idx: QsaIndexer, n: int) -> np.ndarray:
-    """A reused host f32 buffer of at least ``n`` entries (grown on demand), its first ``n`` as a view."""
-    buf = idx._prefill_scores_host
-    if buf.size < n:
-        buf = idx._prefill_scores_host = np.empty(n, dtype=np.float32)
-    return buf[:n]
 
 
 def row_lists(scores: np.ndarray, first_pos: int, ratio: int, topk: int) -> np.ndarray:

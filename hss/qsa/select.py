@@ -96,10 +96,11 @@ def select_tokens(scores: Any, block_topk: int, ratio: int, visible: int, out: n
     if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 1
                             or out.size < size):
         raise HssError(f"select_tokens: out must be a 1-D int32 array of at least {size} entries")
-    return _select_tokens(s, block_topk, ratio, visible, out)
+    return select_tokens_unchecked(s, block_topk, ratio, visible, out)
 
 
-def _select_tokens(s: np.ndarray, block_topk: int, ratio: int, visible: int, out: np.ndarray | None) -> np.ndarray:
+def select_tokens_unchecked(s: np.ndarray, block_topk: int, ratio: int, visible: int,
+                            out: np.ndarray | None) -> np.ndarray:
     """:func:`select_tokens` on checked arguments: ``s`` at least ``visible // ratio`` real scores, ``out`` None
     or large enough (the decode hot path, whose arguments the indexer fixed)."""
     complete = visible // ratio

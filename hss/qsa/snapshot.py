@@ -24,7 +24,7 @@ from hss.errors import HssError
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer, QsaSeqState
 
-__all__ = ["HEADER", "TRAILER", "MAGIC", "VERSION", "fingerprint", "snapshot_aux", "restore_aux", "parse_aux",
+__all__ = ["HEADER", "TRAILER", "MAGIC", "VERSION", "fingerprint", "snapshot_aux", "checked_restore", "parse_aux",
            "ParsedAux"]
 
 HEADER = struct.Struct("<QQ")      # ingested, pooled
@@ -45,8 +45,8 @@ def _fingerprint_of(idx: QsaIndexer) -> int:
 
 def snapshot_aux(idx: QsaIndexer, st: QsaSeqState, stream: Any) -> bytes:
     """See :meth:`QsaIndexer.snapshot_aux`."""
-    idx._check_state(st, "snapshot_aux")
-    s = idx._stream(stream, "snapshot_aux")
+    idx.check_state(st, "snapshot_aux")
+    s = idx.resources.stream(stream, "snapshot_aux")
     n = st.ingested * idx.hd * 2
     body = HEADER.size + n
     blob = bytearray(body + TRAILER.size)
@@ -113,12 +113,13 @@ def _check_trailer(mv: memoryview, body: int, hd: int, ratio: int, max_tokens: i
                        "(a changed byte in the counters or the keys)")
 
 
-def restore_aux(idx: QsaIndexer, st: QsaSeqState, blob: Any, stream: Any) -> None:
-    """See :meth:`QsaIndexer.restore_aux`."""
-    idx._check_state(st, "restore_aux")
+def checked_restore(idx: QsaIndexer, st: QsaSeqState, blob: Any, stream: Any) -> tuple[int, int, memoryview, int]:
+    """Every check of :meth:`QsaIndexer.restore_aux`, before any device write: ``(ingested, pooled, raw keys,
+    raw stream)`` for the indexer to restore."""
+    idx.check_state(st, "restore_aux")
     parsed = parse_aux(blob, idx.hd, idx.ratio, idx.max_tokens, idx.n_heads)
-    s = idx._stream(stream, "restore_aux")
+    s = idx.resources.stream(stream, "restore_aux")
     if parsed.raw.nbytes:   # host memory: the indexer's pinned staging would be overwritten under the upload
         addr = np.frombuffer(parsed.raw, dtype=np.uint8).__array_interface__["data"][0]
-        idx._check_caller("restore_aux", (("blob", addr, parsed.raw.nbytes, False),))
-    idx._restore(st, parsed.ingested, parsed.pooled, parsed.raw, s)
+        idx.resources.check_caller("restore_aux", (("blob", addr, parsed.raw.nbytes, False),))
+    return parsed.ingested, parsed.pooled, parsed.raw, s
