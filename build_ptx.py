@@ -78,7 +78,8 @@ def build_one(name: str, variant: str | None, arch: str, nvcc: str, version: str
         return "up to date"
     with tempfile.TemporaryDirectory() as tmp:
         tmp_out = Path(tmp) / out.name
-        run([nvcc, *ptx.spec(name).flags(arch), str(directory / f"{name}.cu"), "-o", str(tmp_out)])
+        spec = ptx.spec(name)
+        run([nvcc, *spec.flags(arch), str(directory / f"{spec.source_name}.cu"), "-o", str(tmp_out)])
         body = tmp_out.read_text()
     text = ptx.stamp_line(name, arch, version, directory) + "\n" + body
     return "built" if write_atomic(out, text) else "unchanged"

@@ -1,8 +1,10 @@
 """The PTX table: which modules hss ships, how each is built, its stamp, and loading it.
 
-Each ``ptx/<stem>.cu`` is compiled (by ``build_ptx.py``) to ``ptx/<stem>.ptx`` for the base virtual
-arch, plus optional variants ``ptx/<stem>.<arch>.ptx`` (e.g. ``sm_90a``) that the loader serves
-under the base name on devices that support them. The first line of every ``.ptx`` is a stamp:
+Each module ``ptx/<name>.ptx`` is compiled (by ``build_ptx.py``) from ``ptx/<name>.cu`` for the base virtual
+arch, plus optional variants ``ptx/<name>.<arch>.ptx`` (e.g. ``sm_90a``) that the loader serves under the base
+name on devices that support them. A module may instead be another module's source built with other flags (a
+``-D`` switch: ``paged_decode_attn_pdl`` is ``paged_decode_attn_tiled.cu`` with ``ATT_PDL``), loaded under its own
+name by the callers that ask for it. The first line of every ``.ptx`` is a stamp:
 a hash of the source, of every file it includes from ``ptx/``, and of the flags. The sources
 ship with the package, so an installed copy can still tell fresh from stale without nvcc.
 """
@@ -25,13 +27,20 @@ MIN_DRIVER = {(9, 0): 580, (8, 8): 575, (8, 7): 570, (8, 6): 560, (8, 5): 555, (
 
 @dataclass(frozen=True)
 class ModuleSpec:
-    """How one PTX module is built: fast-math as in the original, extra nvcc flags, extra variants, and the arch of
-    its base PTX (DEFAULT_ARCH unless the module needs newer instructions: then only such devices load it)."""
+    """How one PTX module is built: fast-math as in the original, extra nvcc flags, extra variants, the arch of
+    its base PTX (DEFAULT_ARCH unless the module needs newer instructions: then only such devices load it), and
+    its source ``ptx/<source>.cu`` (the module's own name unless it is another module's source, built with flags)."""
     name: str
     fast_math: bool = False
     extra_flags: tuple[str, ...] = ()
     variants: tuple[str, ...] = ()
     base_arch: str = DEFAULT_ARCH
+    source: str = ""
+
+    @property
+    def source_name(self) -> str:
+        """The stem of the ``.cu`` this module is built from."""
+        return self.source or self.name
 
     def flags(self, arch: str) -> list[str]:
         """Every nvcc flag for this module at ``arch`` (all compiler flags live here)."""
@@ -47,8 +56,9 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("predictor_score", fast_math=True),
     # storage: tiled attention kernels (SPEC §3: built with --use_fast_math, as the original)
     ModuleSpec("paged_decode_attn_tiled", fast_math=True),
-    # the same kernels with programmatic dependent launch (griddepcontrol: sm_90), for overlapped tiles
-    ModuleSpec("paged_decode_attn_pdl", fast_math=True, base_arch="sm_90"),
+    # the same source with programmatic dependent launch (ATT_PDL: griddepcontrol, sm_90), for overlapped tiles
+    ModuleSpec("paged_decode_attn_pdl", fast_math=True, extra_flags=("-DATT_PDL",), base_arch="sm_90",
+               source="paged_decode_attn_tiled"),
     ModuleSpec("attention_finalize", fast_math=True),
     # qsa: indexer kernels (SPEC §3: no --use_fast_math, as the original)
     ModuleSpec("qsa_indexer"),
@@ -88,7 +98,7 @@ def sources(name: str, directory: Path | None = None) -> list[Path]:
     """The module's ``.cu`` and every file it ``#include``s (transitively) from ``ptx/``, sorted."""
     d = directory or ptx_dir()
     seen: dict[str, Path] = {}
-    todo = [d / f"{name}.cu"]
+    todo = [d / f"{spec(name).source_name}.cu"]
     while todo:
         path = todo.pop()
         if path.name in seen:

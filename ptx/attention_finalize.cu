@@ -5,13 +5,14 @@
 //   out[seq, qh, d] = bf16_rne(o[seq, qh, d] * (l > 0 ? 1/l : 0))   (l == 0: no token was attended -> 0)
 // Launch: grid (num_seqs, num_q_heads, 1), block (128, 1, 1) (threads stride over head_dim), no shared memory.
 #include "hss_common.cuh"
+#include "hss_softmax.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 attention_finalize(const float* __restrict__ o, const float* __restrict__ l, __nv_bfloat16* __restrict__ out,
                    int num_q_heads, int head_dim) {
     const long long row = (long long)blockIdx.x * num_q_heads + blockIdx.y;
     const float lv = l[row];
-    const float inv = lv > 0.0f ? 1.0f / lv : 0.0f;
+    const float inv = hss_softmax_inv(lv);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
         out[row * head_dim + d] = hss_f32_to_bf16(o[row * head_dim + d] * inv);
 }

@@ -64,6 +64,7 @@
 // (MODEL_ATTN_THREADS). No dynamic shared memory.
 #include "hss_common.cuh"
 #include "hss_rope.cuh"
+#include "hss_softmax.cuh"
 
 #define MODEL_THREADS 256          // block of the row kernels
 #define MODEL_ARGMAX_THREADS 1024  // block of model_argmax
@@ -632,13 +633,13 @@ model_prefill_attn(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __r
         }
         if (tmax > hss_neg_inf()) {   // the same for the 4 threads of a row
             const float mnew = fmaxf(mrow, tmax);
-            const float alpha = exp2f(mrow - mnew);   // mrow = -inf: 0
+            const float alpha = hss_softmax_weight(mrow, mnew);   // mrow = -inf: 0
             l *= alpha;
 #pragma unroll
             for (int c = 0; c < 16; ++c) o[c] *= alpha;
 #pragma unroll
             for (int jj = 0; jj < MODEL_ATTN_KEYS; ++jj) {
-                const float p = exp2f(s[jj] - mnew);
+                const float p = hss_softmax_weight(s[jj], mnew);
                 l += p;
                 const float4* vr = reinterpret_cast<const float4*>(vs + jj * ROW + quarter * MODEL_ATTN_PART);
 #pragma unroll
@@ -654,7 +655,7 @@ model_prefill_attn(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __r
         }
     }
     if (!live) return;
-    const float inv = l > 0.f ? 1.0f / l : 0.f;
+    const float inv = hss_softmax_inv(l);
     __nv_bfloat16* dst = out + ((size_t)i * n_head + h) * MODEL_HD + quarter * 16;
 #pragma unroll
     for (int c = 0; c < 16; ++c) dst[c] = hss_f32_to_bf16(o[c] * inv);

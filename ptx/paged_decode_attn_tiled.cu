@@ -64,6 +64,7 @@
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
 #include "hss_rope.cuh"
+#include "hss_softmax.cuh"
 
 #define ATT_THREADS 256
 #define ATT_WARPS 8
@@ -75,18 +76,11 @@
 #define ATT_GROUP 8          // units per first-level fold group
 #define ATT_COUNTERS 9       // fold counters per (sequence, CTA row): one per group, then the groups' own
 #define ATT_MAX_HD 256
-#ifndef ATT_FOLD_LD
-#define ATT_FOLD_LD 8           // partial slots a folding thread has in flight
-#endif
-#ifndef ATT_FOLD_FP
-#define ATT_FOLD_FP 1           // pieces a folding thread loads together at HDP 256 (2 or 3: slower, H200)
-#endif
-#ifndef ATT_FOLD_DIRECT
+#define ATT_FOLD_LD 8        // partial slots a folding thread has in flight
 #define ATT_FOLD_DIRECT 16384   // units x query heads x HDP at most for a one-level fold
-#endif
 
-// Programmatic dependent launch (module paged_decode_attn_pdl: this source built for sm_90 with ATT_PDL): each CTA
-// lets the stream's next launch start at once, and waits for the launch before it to complete (its memory
+// Programmatic dependent launch (module paged_decode_attn_pdl: this source built for sm_90 with -DATT_PDL): each
+// CTA lets the stream's next launch start at once, and waits for the launch before it to complete (its memory
 // visible) before it touches what consecutive tiles share: the workspace, the counters, the state and out. Only
 // the K/V streaming (q, tables, counts, pools: written by no tile of the step) overlaps the previous tile. Without
 // the launch attribute both are no-ops; in the base build they are absent.
@@ -98,36 +92,33 @@
 #define ATT_PDL_WAIT()
 #endif
 
-// Timeline instrumentation for experiments, off in every shipped build: built with -DATT_TRACE, thread 0 of each
-// CTA records %globaltimer into att_trace[linear CTA id][point] at: 0 start, 1 q staged, 2 the first warp step
-// done, 3 the unit's steps done, 4 the unit's partial written, 5 its group folded, 6 the state folded, 7 exit;
-// point 15 holds the SM id. (Read it back with cuModuleGetGlobal(module, "att_trace").)
-#ifdef ATT_TRACE
-__device__ unsigned long long att_trace[4096][16];
-__device__ __forceinline__ void att_mark(int k) {
-    if (threadIdx.x == 0) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-        if (b < 4096) {
-            att_trace[b][k] = t;
-            att_trace[b][15] = sm;
-        }
-    }
-}
-#define ATT_MARK(k) att_mark(k)
-#else
-#define ATT_MARK(k)
-#endif
+// The parameters every entry point takes after q, k_pool and v_pool, in the order hss.kernels.attention declares
+// them (the rope entry points add cos_t, sin_t and max_pos after them), and the same names as arguments.
+#define ATT_TILE_PARAMS                                                                                              \
+    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,     \
+        float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,             \
+        __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,      \
+        int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,         \
+        long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh
+#define ATT_TILE_ARGS                                                                                                \
+    tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count, num_q_heads, num_kv_heads, head_dim, \
+        block_size, tile_capacity, gqa_ratio, max_units, blk_stride, tok_stride, kvh_stride, last_block_valid_slots, \
+        fresh
+// The plain entry points' parameters; the rope entry points' (their pools are written, so not __restrict__).
+#define ATT_STEP_PARAMS                                                                                              \
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,                                   \
+        const __nv_bfloat16* __restrict__ v_pool, ATT_TILE_PARAMS
+#define ATT_ROPE_PARAMS                                                                                              \
+    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool, ATT_TILE_PARAMS,              \
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t, int max_pos
 
 namespace {
 
 // Shared memory of one CTA (bytes): Q bf16 [16][RS]; per warp a ring of STAGES steps (K bf16 [8][RS], then V);
 // the fold's staged (m, l) f32 [ATT_MAX_UNITS][16][2] (at a unit's end: the warps' (m, l)); per query head the
 // fold's (m', l', 2^(m - M), 1 / l') f32 [16][4]; the warps' weights f32 [8][16]; the fold flag. At a unit's end
-// the rings hold every warp's o, f32 [8 warps][16][OWS = HDP + 8]; in a fold, the chunk sums f32 [<= 256][4]. RS = HDP + 8 makes every ldmatrix conflict-free.
+// the rings hold every warp's o, f32 [8 warps][16][OWS = HDP + 8]; in a fold, the chunk sums f32 [<= 256][4].
+// RS = HDP + 8 makes every ldmatrix conflict-free.
 template <int HDP>
 struct Cfg {
     static constexpr int STAGES = HDP == 64 ? 4 : 2;
@@ -323,16 +314,16 @@ __device__ __forceinline__ void step(const unsigned short* qs, const unsigned sh
     mx1 = fmaxf(mx1, __shfl_xor_sync(HSS_FULL_MASK, mx1, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(HSS_FULL_MASK, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(HSS_FULL_MASK, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);   // finite: token 0 of a step is always there
-    const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);  // m = -inf (nothing yet): 0
-    const float p0 = exp2f(x[0] - mn0), p1 = exp2f(x[1] - mn0), p2 = exp2f(x[2] - mn1), p3 = exp2f(x[3] - mn1);
-    l0 = fmaf(l0, al0, p0 + p1);
-    l1 = fmaf(l1, al1, p2 + p3);
-    m0 = mn0;
-    m1 = mn1;
+    // token 0 of a step is always there: the new maxima are finite
+    const HssFragStep sm = hss_softmax_step_frag(x[0], x[1], x[2], x[3], mx0, mx1, m0, m1, l0, l1);
+    m0 = sm.m0;
+    m1 = sm.m1;
+    l0 = sm.l0;
+    l1 = sm.l1;
+    const float al0 = sm.a0, al1 = sm.a1;
     uint32_t h0, lo0, h1, lo1;   // P as the m16n8k8 A fragment: rows g (h0) and g + 8 (h1), tokens 2c, 2c + 1
-    hss_bf16_split2(p0, p1, h0, lo0);
-    hss_bf16_split2(p2, p3, h1, lo1);
+    hss_bf16_split2(sm.p0, sm.p1, h0, lo0);
+    hss_bf16_split2(sm.p2, sm.p3, h1, lo1);
     // O = O * a + P V: B = V rows (ldmatrix x4 .trans: four 8-dim n-tiles)
     const int vrow = lane & 7, vcol = (lane >> 3) * 8;
 #pragma unroll
@@ -352,30 +343,18 @@ __device__ __forceinline__ void step(const unsigned short* qs, const unsigned sh
     }
 }
 
-// One partial slot (4 dims x of o_j, ml = (m_j, l_j)) into a chunk's running (acc, M_c, lw): the chunk rule below.
-__device__ __forceinline__ void fold_slot(const float4& x, float2 ml, float4& acc, float& Mc, float& lw) {
-    const float Mn = fmaxf(Mc, ml.x);   // m_j finite: a unit always has a token
-    const float al = exp2f(Mc - Mn), w = exp2f(ml.x - Mn);
-    acc.x = fmaf(x.x, w, acc.x * al);
-    acc.y = fmaf(x.y, w, acc.y * al);
-    acc.z = fmaf(x.z, w, acc.z * al);
-    acc.w = fmaf(x.w, w, acc.w * al);
-    lw = fmaf(ml.y, w, lw * al);
-    Mc = Mn;
-}
-
 // The state (m, l) = st of query head r and o = oo of its dims d .. d + 3, folded with the chunks' M, sum, L (cnt
 // slots; 0: the state as it is): o (and out) written for the dims < head_dim; returns (m', l').
 __device__ __forceinline__ float2 fold_state(const Args& a, int r, int d, float2 st, const float (&oo)[4], float M,
                                              const float4& sum, float L, int cnt) {
     float m2 = st.x, l2 = st.y, s_old = 1.f;   // nothing attended: the state as it is (fresh: the initial one)
     if (cnt > 0) {
-        s_old = exp2f(st.x - M);   // m = -inf (fresh state): 0
+        s_old = hss_softmax_weight(st.x, M);   // m = -inf (fresh state): 0
         m2 = M;
         l2 = fmaf(st.y, s_old, L);
     }
     if (d < a.hd) {
-        const float inv = l2 > 0.f ? 1.f / l2 : 0.f;
+        const float inv = hss_softmax_inv(l2);
         const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -441,7 +420,7 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
 #pragma unroll
             for (int i = 0; i < LD; ++i) {
                 if (jb + i >= j1) break;
-                fold_slot(x[i], ml[i], acc, Mc, lw);
+                hss_softmax_fold4(x[i], ml[i], acc, Mc, lw);
             }
         }
     };
@@ -462,11 +441,8 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
         float L = 0.f;
         for (int c2 = 0; c2 < chunks; ++c2) {
             const auto v = get(c2);
-            const float sc = exp2f(v.y.x - M);
-            sum.x = fmaf(v.x.x, sc, sum.x);
-            sum.y = fmaf(v.x.y, sc, sum.y);
-            sum.z = fmaf(v.x.z, sc, sum.z);
-            sum.w = fmaf(v.x.w, sc, sum.w);
+            const float sc = hss_softmax_weight(v.y.x, M);
+            hss_softmax_add4(sum, v.x, sc);
             L = fmaf(v.y.y, sc, L);
         }
         if (!to_state) {
@@ -483,8 +459,9 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
     };
     // the state of piece e's head and its o (what the writer needs), loaded before the chunk's loads are used
     auto state_of = [&](int e, float (&oo)[4]) { return load_state(a, keep, e / Q4, 4 * (e % Q4), oo); };
-    if (chunks == 1) {   // FP pieces per thread at a time: their states and first LD slots loaded before any is used
-        constexpr int FP = HDP == 256 ? ATT_FOLD_FP : 1;
+    if (chunks == 1) {   // FP pieces per thread at a time, their states and first LD slots loaded before any is used
+        // (FP = 1, written as loops over the pieces: the form the shipped PTX is compiled from)
+        constexpr int FP = 1;
         for (int e0 = tid; e0 < pieces; e0 += FP * ATT_THREADS) {
             float4 x[FP][LD];
             float2 ml[FP][LD];
@@ -515,7 +492,7 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
 #pragma unroll
                 for (int i = 0; i < LD; ++i) {
                     if (i >= cnt) break;
-                    fold_slot(x[k][i], ml[k][i], acc, Mc, lw);
+                    hss_softmax_fold4(x[k][i], ml[k][i], acc, Mc, lw);
                 }
                 fold_slots(e, LD, cnt, acc, Mc, lw);
                 const Part p{acc, make_float2(Mc, lw)};
@@ -550,7 +527,6 @@ __device__ __forceinline__ void fold(const Args& a, int first, int stride, int c
     __syncthreads();                  // state's fold ends the tile: nothing in this launch reads what it wrote)
 }
 
-// One unit u: the warps' steps, the unit's partial, its count and the folds it completes.
 // The CTA's query heads as 16-byte pieces (piece p: head p / (HDP/8), dims 8 (p % (HDP/8)) ..), thread t holding
 // pieces t, t + 256, ..: when q allows 16-byte loads, loaded before anything else (they depend on no other load)
 // and stored to shared memory while the tile's count is loaded (else staged 2 bytes at a time there).
@@ -658,6 +634,7 @@ __device__ __forceinline__ void store_rope_q(const RopeQ<HDP>& rq, int hg, int h
     }
 }
 
+// One unit u: the warps' steps, the unit's partial, its count and the folds it completes.
 template <int HDP, bool ROPE>
 __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsigned char* smem,
                                      const RopeQ<HDP>& rq) {
@@ -708,7 +685,6 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     if (first_unit) {   // the query heads entry() staged (rope entry points: staged here, rotated)
         if (ROPE) store_rope_q<HDP>(rq, a.hg, a.hd, smem);
         __syncthreads();
-        ATT_MARK(1);
     }
     const float sl2 = rsqrtf((float)a.hd) * 1.4426950408889634f;
     float m0 = hss_neg_inf(), m1 = hss_neg_inf(), l0 = 0.f, l1 = 0.f;
@@ -745,10 +721,8 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
         }
         step<HDP>(qs, buffer(i), min(ATT_ROWS, uend - t0_of(i)), sl2, m0, m1, l0, l1, o, lane);
         __syncwarp();   // this stage is refilled next
-        if (i == 0) ATT_MARK(2);
     }
     hss_cp_wait<0>();
-    ATT_MARK(3);
     ATT_PDL_WAIT();   // the previous launch's folds are done with the workspace, counters and state
     l0 += __shfl_xor_sync(HSS_FULL_MASK, l0, 1);
     l1 += __shfl_xor_sync(HSS_FULL_MASK, l1, 1);
@@ -780,7 +754,7 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
             const float2 ml = wst[w * ATT_HG + tid];
-            const float x = ml.x == hss_neg_inf() ? 0.f : exp2f(ml.x - M);
+            const float x = ml.x == hss_neg_inf() ? 0.f : hss_softmax_weight(ml.x, M);
             wt[w * ATT_HG + tid] = x;
             if (ml.x != hss_neg_inf()) lacc = fmaf(ml.y, x, lacc);
         }
@@ -795,11 +769,7 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
             const float x = wt[w * ATT_HG + r];
-            const float4 v = *reinterpret_cast<const float4*>(ow + (w * ATT_HG + r) * C::OWS + d);
-            acc.x = fmaf(v.x, x, acc.x);
-            acc.y = fmaf(v.y, x, acc.y);
-            acc.z = fmaf(v.z, x, acc.z);
-            acc.w = fmaf(v.w, x, acc.w);
+            hss_softmax_add4(acc, *reinterpret_cast<const float4*>(ow + (w * ATT_HG + r) * C::OWS + d), x);
         }
         return acc;
     };
@@ -811,13 +781,10 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
             const float2 st = load_state(a, !a.fresh, r, d, oo);
             float4 cacc = make_float4(0.f, 0.f, 0.f, 0.f);
             float Mc = hss_neg_inf(), lw = 0.f;
-            fold_slot(combined(r, d), uml[r], cacc, Mc, lw);
-            const float M = fmaxf(st.x, Mc), sc = exp2f(Mc - M);
+            hss_softmax_fold4(combined(r, d), uml[r], cacc, Mc, lw);
+            const float M = fmaxf(st.x, Mc), sc = hss_softmax_weight(Mc, M);
             float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-            sum.x = fmaf(cacc.x, sc, sum.x);
-            sum.y = fmaf(cacc.y, sc, sum.y);
-            sum.z = fmaf(cacc.z, sc, sum.z);
-            sum.w = fmaf(cacc.w, sc, sum.w);
+            hss_softmax_add4(sum, cacc, sc);
             const float2 h = fold_state(a, r, d, st, oo, M, sum, fmaf(lw, sc, 0.f), 1);
             if (d == 0) hd4[r] = make_float4(h.x, h.y, 0.f, 0.f);
         }
@@ -826,7 +793,6 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
             a.m[tid] = hd4[tid].x;
             a.l[tid] = hd4[tid].y;
         }
-        ATT_MARK(6);
         __syncthreads();
         return;
     }
@@ -836,7 +802,6 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     }
     __threadfence();   // the partial is visible device-wide before this CTA counts it
     __syncthreads();
-    ATT_MARK(4);
     // Count it; the last unit of a group folds the group, the last group the groups.
     int* flag = reinterpret_cast<int*>(smem + C::FLAG);
     const bool direct = a.n_units <= ATT_GROUP || a.n_units * a.hg * HDP <= ATT_FOLD_DIRECT;
@@ -854,10 +819,8 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
     const int what = *flag;
     if (what == 2) {
         fold<HDP>(a, 0, 1, a.n_units, true, smem);
-        ATT_MARK(6);
     } else if (what == 1) {
         fold<HDP>(a, grp * ATT_GROUP, 1, gs, false, smem);
-        ATT_MARK(5);
         if (tid == 0) {
             const bool last = atomicAdd(a.count + ATT_GROUP, 1u) + 1u == (unsigned)n_groups;
             if (last) {
@@ -869,7 +832,6 @@ __device__ __forceinline__ void unit(const Args& a, int u, bool first_unit, unsi
         __syncthreads();
         if (*flag == 3) {
             fold<HDP>(a, 0, ATT_GROUP, n_groups, true, smem);
-            ATT_MARK(6);
         }
     }
     __syncthreads();   // the rings, (m, l) areas and flag are reused by the next unit
@@ -886,27 +848,19 @@ __device__ __forceinline__ void run(const Args& a, unsigned char* smem, const Ro
         return;
     }
     if (z >= a.n_units) return;
-    ATT_MARK(0);
     if constexpr (ROPE) {   // the first unit stages the rotated q: its registers are free after it
         unit<HDP, ROPE>(a, z, true, smem, rq);
         for (int u = z + (int)gridDim.z; u < a.n_units; u += gridDim.z) unit<HDP, ROPE>(a, u, false, smem, rq);
     } else {
         for (int u = z; u < a.n_units; u += gridDim.z) unit<HDP, ROPE>(a, u, u == z, smem, rq);
     }
-    ATT_MARK(7);
 }
 
 template <int HDP, bool ROPE>
 __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
-                        const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks,
-                        const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
-                        float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
-                        float* __restrict__ o, __nv_bfloat16* __restrict__ out,
-                        unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads, int head_dim,
-                        int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
-                        long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh,
-                        const float* __restrict__ cos_t, const float* __restrict__ sin_t, int max_pos,
-                        unsigned char* smem) {
+                                      const __nv_bfloat16* __restrict__ v_pool, ATT_TILE_PARAMS,
+                                      const float* __restrict__ cos_t, const float* __restrict__ sin_t, int max_pos,
+                                      unsigned char* smem) {
     ATT_PDL_TRIGGER();
     const int seq = blockIdx.x;
     if (head_dim <= 0 || head_dim > ATT_MAX_HD || gqa_ratio <= 0 || num_kv_heads <= 0 || max_units <= 0 ||
@@ -915,7 +869,6 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     const int groups = (gqa_ratio + ATT_HG - 1) / ATT_HG;
     const int kh = blockIdx.y / groups, h0 = (blockIdx.y % groups) * ATT_HG;
     if (kh >= num_kv_heads) return;
-    constexpr int hdp = HDP;
     if (hdp_of(head_dim) != HDP) return;
     unsigned have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
@@ -965,7 +918,7 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
     a.v = reinterpret_cast<const unsigned short*>(v_pool) + kh * kvh_stride;
     a.blocks = tile_blocks + (long long)seq * tile_capacity;
     a.row_ml = 2LL * max_units;
-    a.row_o = (long long)max_units * hdp;
+    a.row_o = (long long)max_units * HDP;
     a.part_ml = part_ml + row0 * a.row_ml;
     a.part_o = part_o + row0 * a.row_o;
     a.m = m + row0;
@@ -1003,44 +956,19 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
 
 // One entry point per padded head dim (the host picks it: hss.kernels.attention.step_kernel_name), each with
 // its own register budget: HDP 256 one CTA per SM, HDP 64 and 128 two. Same parameters, same contract.
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_64(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
-    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts,
-    float* __restrict__ part_ml, float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
-    float* __restrict__ o, __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads,
-    int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
-    long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_64(ATT_STEP_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<64, false>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-                      num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-                      tok_stride, kvh_stride, last_block_valid_slots, fresh, nullptr, nullptr, 0, att_smem);
+    entry<64, false>(q, k_pool, v_pool, ATT_TILE_ARGS, nullptr, nullptr, 0, att_smem);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_128(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
-    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts,
-    float* __restrict__ part_ml, float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
-    float* __restrict__ o, __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads,
-    int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
-    long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_128(ATT_STEP_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<128, false>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-                      num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-                      tok_stride, kvh_stride, last_block_valid_slots, fresh, nullptr, nullptr, 0, att_smem);
+    entry<128, false>(q, k_pool, v_pool, ATT_TILE_ARGS, nullptr, nullptr, 0, att_smem);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_tiled_256(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
-    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts,
-    float* __restrict__ part_ml, float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l,
-    float* __restrict__ o, __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads,
-    int num_kv_heads, int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units,
-    long long blk_stride, long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_tiled_256(ATT_STEP_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<256, false>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-                      num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-                      tok_stride, kvh_stride, last_block_valid_slots, fresh, nullptr, nullptr, 0, att_smem);
+    entry<256, false>(q, k_pool, v_pool, ATT_TILE_ARGS, nullptr, nullptr, 0, att_smem);
 }
 
 // The rope entry points (one per padded head dim, the HDP's register budget): a token-count tile (any `fresh` & 2
@@ -1050,44 +978,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_t
 // model_rope_kv rotates them (same bits), that token's K/V rows are written into the pools at its page and slot
 // (CTA rows of group 0) and attended from the rotated values; the rest is the tiled step above, the same bits as
 // model_rope_kv followed by the token-count tile. head_dim even; a position outside [0, max_pos): nothing written.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_rope_64(
-    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
-    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
-    float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,
-    __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,
-    int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
-    long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, int max_pos) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_rope_64(ATT_ROPE_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<64, true>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-                     num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-                     tok_stride, kvh_stride, last_block_valid_slots, fresh, cos_t, sin_t, max_pos, att_smem);
+    entry<64, true>(q, k_pool, v_pool, ATT_TILE_ARGS, cos_t, sin_t, max_pos, att_smem);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_rope_128(
-    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
-    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
-    float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,
-    __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,
-    int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
-    long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, int max_pos) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_rope_128(ATT_ROPE_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<128, true>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-                     num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-                     tok_stride, kvh_stride, last_block_valid_slots, fresh, cos_t, sin_t, max_pos, att_smem);
+    entry<128, true>(q, k_pool, v_pool, ATT_TILE_ARGS, cos_t, sin_t, max_pos, att_smem);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_rope_256(
-    const __nv_bfloat16* __restrict__ q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
-    const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,
-    float* __restrict__ part_o, float* __restrict__ m, float* __restrict__ l, float* __restrict__ o,
-    __nv_bfloat16* __restrict__ out, unsigned* __restrict__ merge_count, int num_q_heads, int num_kv_heads,
-    int head_dim, int block_size, int tile_capacity, int gqa_ratio, int max_units, long long blk_stride,
-    long long tok_stride, long long kvh_stride, int last_block_valid_slots, int fresh, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, int max_pos) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) paged_decode_attn_rope_256(ATT_ROPE_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];
-    entry<256, true>(q, k_pool, v_pool, tile_blocks, tile_block_counts, part_ml, part_o, m, l, o, out, merge_count,
-                     num_q_heads, num_kv_heads, head_dim, block_size, tile_capacity, gqa_ratio, max_units, blk_stride,
-                     tok_stride, kvh_stride, last_block_valid_slots, fresh, cos_t, sin_t, max_pos, att_smem);
+    entry<256, true>(q, k_pool, v_pool, ATT_TILE_ARGS, cos_t, sin_t, max_pos, att_smem);
 }

@@ -74,6 +74,7 @@
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
 #include "hss_rope.cuh"
+#include "hss_softmax.cuh"
 #include "qsa_common.cuh"
 
 typedef unsigned int u32;
@@ -576,7 +577,7 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
         float l = 0.f;
 #pragma unroll
         for (u32 j = 0; j < 8; ++j) {
-            pv[j] = m == ninf ? 0.f : exp2f(x[j] - m);
+            pv[j] = m == ninf ? 0.f : hss_softmax_weight(x[j], m);
             l += pv[j];
         }
 #pragma unroll
@@ -696,7 +697,7 @@ extern "C" __global__ void qsa_sparse_merge(const float* __restrict__ part_ml, c
         if (big != ninf) {
             float l = 0.f, o = 0.f;
             for (u32 s = 0; s < ns; ++s) {
-                const float w = exp2f(ml[2 * s] - big);
+                const float w = hss_softmax_weight(ml[2 * s], big);
                 l = fmaf(ml[2 * s + 1], w, l);
                 o = fmaf(po[(size_t)s * hd + d], w, o);
             }

@@ -65,6 +65,7 @@
 #include "hss_common.cuh"
 #include "hss_mma.cuh"
 #include "hss_rope.cuh"
+#include "hss_softmax.cuh"
 
 #define QSP_MASKED (-1e30f)
 
@@ -471,7 +472,8 @@ __device__ __forceinline__ void qsp_prefill_attn_body(
 #pragma unroll
             for (int i = 0; i < VEC; ++i) part = fmaf(qv[hh][i], kf[i], part);
             const float x = hss_warp_sum(part) * inv_sqrt_d;
-            const float mn = fmaxf(m[hh], x), sc = __expf(m[hh] - mn), p = __expf(x - mn);
+            const float mn = fmaxf(m[hh], x);
+            const float sc = hss_softmax_weight<true>(m[hh], mn), p = hss_softmax_weight<true>(x, mn);
             l[hh] = l[hh] * sc + p;
 #pragma unroll
             for (int i = 0; i < VEC; ++i) acc[hh][i] = acc[hh][i] * sc + p * vf[i];
@@ -497,11 +499,11 @@ __device__ __forceinline__ void qsp_prefill_attn_body(
         for (unsigned w = 0; w < QSP_PA_WARPS; ++w) mt = fmaxf(mt, mlb[(w * QSP_PA_HG + hh) * 2]);
         float lt = 0.f, o = 0.f;
         for (unsigned w = 0; w < QSP_PA_WARPS; ++w) {
-            const float wt = __expf(mlb[(w * QSP_PA_HG + hh) * 2] - mt);
+            const float wt = hss_softmax_weight<true>(mlb[(w * QSP_PA_HG + hh) * 2], mt);
             lt += mlb[(w * QSP_PA_HG + hh) * 2 + 1] * wt;
             o += accb[(w * QSP_PA_HG + hh) * HD + d] * wt;
         }
-        attn_out[(qrow + hh) * HD + d] = __float2bfloat16_rn(o * (lt > 0.f ? 1.f / lt : 0.f));
+        attn_out[(qrow + hh) * HD + d] = __float2bfloat16_rn(o * hss_softmax_inv(lt));
     }
 }
 
@@ -650,16 +652,15 @@ __device__ __forceinline__ void qsp_attn_tc_body(
             mxa = fmaxf(mxa, __shfl_xor_sync(HSS_FULL_MASK, mxa, 2));
             mxb = fmaxf(mxb, __shfl_xor_sync(HSS_FULL_MASK, mxb, 1));
             mxb = fmaxf(mxb, __shfl_xor_sync(HSS_FULL_MASK, mxb, 2));
-            const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
-            const float ala = exp2f(m_a - mna), alb = exp2f(m_b - mnb);
-            const float p0 = exp2f(x0 - mna), p1 = exp2f(x1 - mna), p2 = exp2f(x2 - mnb), p3 = exp2f(x3 - mnb);
-            l_a = fmaf(l_a, ala, p0 + p1);   // this lane's share of the row sum
-            l_b = fmaf(l_b, alb, p2 + p3);
-            m_a = mna;
-            m_b = mnb;
+            const HssFragStep sm = hss_softmax_step_frag(x0, x1, x2, x3, mxa, mxb, m_a, m_b, l_a, l_b);
+            m_a = sm.m0;
+            m_b = sm.m1;
+            l_a = sm.l0;   // this lane's share of the row sum
+            l_b = sm.l1;
+            const float ala = sm.a0, alb = sm.a1;
             uint32_t ph0, pl0, ph1, pl1;
-            hss_bf16_split2(p0, p1, ph0, pl0);
-            hss_bf16_split2(p2, p3, ph1, pl1);
+            hss_bf16_split2(sm.p0, sm.p1, ph0, pl0);
+            hss_bf16_split2(sm.p2, sm.p3, ph1, pl1);
 #pragma unroll
             for (unsigned i = 0; i < NI; ++i) {
                 const uint4 va = *reinterpret_cast<const uint4*>(vs + ((2 * i) * 32 + lane) * 16);
@@ -706,9 +707,10 @@ __device__ __forceinline__ void qsp_attn_tc_body(
     if (warp == 0) {
         const float m1a = mlb[g * 2], l1a = mlb[g * 2 + 1], m1b = mlb[(g + 8) * 2], l1b = mlb[(g + 8) * 2 + 1];
         const float mta = fmaxf(m_a, m1a), mtb = fmaxf(m_b, m1b);
-        const float w0a = exp2f(m_a - mta), w1a = exp2f(m1a - mta), w0b = exp2f(m_b - mtb), w1b = exp2f(m1b - mtb);
+        const float w0a = hss_softmax_weight(m_a, mta), w1a = hss_softmax_weight(m1a, mta);
+        const float w0b = hss_softmax_weight(m_b, mtb), w1b = hss_softmax_weight(m1b, mtb);
         const float la = l_a * w0a + l1a * w1a, lb = l_b * w0b + l1b * w1b;
-        const float ia = la > 0.f ? 1.f / la : 0.f, ib = lb > 0.f ? 1.f / lb : 0.f;
+        const float ia = hss_softmax_inv(la), ib = hss_softmax_inv(lb);
 #pragma unroll
         for (unsigned j = 0; j < NT; ++j) {
             const unsigned col = 64 * (j >> 3) + 16 * c + (j & 7u);

@@ -144,6 +144,25 @@ def test_a_module_with_a_newer_base_arch():
     assert "griddepcontrol" not in ptx.ptx_path("paged_decode_attn_tiled").read_text()
 
 
+def test_a_module_built_from_another_modules_source():
+    """paged_decode_attn_pdl has no .cu of its own: it is paged_decode_attn_tiled.cu built with -DATT_PDL (the same
+    entry points), and an edit of that source makes both stale."""
+    assert ptx.spec("paged_decode_attn_pdl").source_name == "paged_decode_attn_tiled"
+    assert not (ptx.ptx_dir() / "paged_decode_attn_pdl.cu").exists()
+    assert ptx.sources("paged_decode_attn_pdl") == ptx.sources("paged_decode_attn_tiled")
+    assert "-DATT_PDL" in ptx.read_stamp(ptx.ptx_path("paged_decode_attn_pdl"))["flags"]
+    assert (_entries(ptx.ptx_path("paged_decode_attn_pdl").read_text())
+            == _entries(ptx.ptx_path("paged_decode_attn_tiled").read_text()))
+
+
+def test_editing_a_shared_source_makes_every_module_built_from_it_stale(tmp_path):
+    d = copy_tree(tmp_path)
+    (d / "paged_decode_attn_tiled.cu").write_text((d / "paged_decode_attn_tiled.cu").read_text() + "\n// edit\n")
+    stale = {Path(p.split(":")[0]).name for p in build_ptx.check(d)}
+    assert {"paged_decode_attn_tiled.ptx", "paged_decode_attn_pdl.ptx"} <= stale
+    assert "attention_finalize.ptx" not in stale
+
+
 def test_info_passes_over_modules_a_device_cannot_load(monkeypatch, capsys):
     """`python -m hss info` on a device older than a module's base arch says so and still reports ok."""
     from hss import __main__ as cli

@@ -30,9 +30,16 @@ SCALAR_KINDS = {"int": "i32", "int32_t": "i32", "unsigned": "u32", "unsigned int
 
 
 def code(path: Path) -> str:
-    """The source without its comments (no kernel source puts // or /* inside a string)."""
+    """The source without its comments (no kernel source puts // or /* inside a string), continued lines joined."""
     text = re.sub(r"/\*.*?\*/", " ", path.read_text(), flags=re.DOTALL)
-    return re.sub(r"//[^\n]*", "", text)
+    return re.sub(r"//[^\n]*", "", text).replace("\\\n", " ")
+
+
+def expand(text: str, table: dict[str, str], depth: int = 0) -> str:
+    """``text`` with its object-like macros (a shared parameter list) replaced by their values, recursively."""
+    assert depth < 16, f"#define cycle in {text!r}"
+    out = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: table.get(m.group(0), m.group(0)), text)
+    return out if out == text else expand(out, table, depth + 1)
 
 
 def param_kind(decl: str, typedefs: dict[str, str]) -> tuple[str, str]:
@@ -56,7 +63,7 @@ def source_kernels() -> dict[str, dict]:
         for m in KERNEL.finditer(code(path)):
             name = m.group("name")
             assert name not in found, f"kernel {name} is defined in {found.get(name, {}).get('file')} and {path.name}"
-            params = [param_kind(p, typedefs) for p in m.group("params").split(",") if p.strip()]
+            params = [param_kind(p, typedefs) for p in expand(m.group("params"), defines()).split(",") if p.strip()]
             found[name] = {"file": path.name, "params": params, "bounds": m.group("bounds")}
     return found
 
