@@ -7,7 +7,7 @@
     python build_ptx.py --check         name each stale or missing .ptx and exit 1 (needs no nvcc)
     python build_ptx.py --verify sm_90  assemble each base PTX for sm_90 and each variant for its own arch
 
-All flags and the module table live in ``hss/ptx.py``; outputs are written atomically and only when
+All flags and the module table live in ``hss/cuda/ptx.py``; outputs are written atomically and only when
 their content changes.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hss import ptx  # noqa: E402
+from hss.cuda import ptx  # noqa: E402
 from hss.errors import BuildError  # noqa: E402
 
 NVCC_CANDIDATES = ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc")

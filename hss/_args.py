@@ -10,7 +10,7 @@ streams are ordered (:func:`set_stream_join`).
 ``bool``, ``float`` (NaN too), ``str`` and anything else are a ``TypeError`` naming the parameter.
 
 **Device pointers** (:func:`pointer`, and :func:`pointer_arg` for hot paths):
-- ``int`` / :class:`~hss.gpu.DevicePtr`: an address. Inside a live hss-owned buffer it is bounds-checked against
+- ``int`` / :class:`~hss.cuda.gpu.DevicePtr`: an address. Inside a live hss-owned buffer it is bounds-checked against
   that buffer; elsewhere hss cannot know the size and trusts it.
 - hss buffers and their typed views: a closed one is refused ("closed"); size and dtype are checked.
 - foreign arrays, read by :mod:`hss._interop`: torch tensors (CUDA, contiguous, size, dtype), CuPy arrays,
@@ -127,7 +127,7 @@ def dims3(name: str, value: Any) -> tuple[int, int, int]:
 # -- dtypes -----------------------------------------------------------------------------------
 DTYPE_SIZES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4,
                "u32": 4, "i64": 8, "u64": 8}
-_TYPESTR = _interop.TYPESTR   # numpy / CAI typestr -> short name (hss._memory reads it here)
+_TYPESTR = _interop.TYPESTR   # numpy / CAI typestr -> short name (hss.cuda._memory reads it here)
 
 
 def dtype_name(dtype: Any) -> str:

@@ -2,7 +2,7 @@
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
-A tile is split into units (:func:`hss.kernels.attention.unit_tokens`: as even a cut into multiples of 64 tokens
+A tile is split into units (:func:`hss.decls.attention.unit_tokens`: as even a cut into multiples of 64 tokens
 as the launch's CTA count wants for one wave, at least 128 or 256 tokens, at most 64 per tile), each one's partial
 softmax state computed by one CTA on the tensor cores (its 8 warps each streaming their own 8-token steps; up to 16
 query heads of a kv head share the staged K/V, so each kv head is read once), then folded in two levels (groups of
@@ -31,9 +31,9 @@ from typing import Any
 
 from hss import _args
 from hss import cuda_min as cm
-from hss._launch import launcher
-from hss.errors import HssError
-from hss.kernels.attention import (
+from hss.cuda._launch import launcher
+from hss.cuda.ptx import load_module
+from hss.decls.attention import (
     ATTENTION_FINALIZE,
     FINALIZE_THREADS,
     MAX_HEAD_DIM,
@@ -47,7 +47,7 @@ from hss.kernels.attention import (
     step_grid_z,
     step_shared_bytes,
 )
-from hss.ptx import load_module
+from hss.errors import HssError
 
 __all__ = ["TiledAttentionDims", "TiledAttention", "TileStep"]
 

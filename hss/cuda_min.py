@@ -1,11 +1,11 @@
 """The minimal CUDA driver layer (SPEC §1 as amended by §0): the original's surface, re-exported from the
 modules that own each concept.
 
-- :mod:`hss._context`: :class:`CudaCtx`, :class:`CudaStream`, :class:`CudaEvent`, ``stream_sync``,
+- :mod:`hss.cuda._context`: :class:`CudaCtx`, :class:`CudaStream`, :class:`CudaEvent`, ``stream_sync``,
   ``stream_wait_event``, ``compute_capability``, ``multiprocessor_count``;
-- :mod:`hss._memory`: :class:`DeviceBuffer` (and its typed :class:`DeviceView`), :class:`PinnedBuffer`, the copies,
+- :mod:`hss.cuda._memory`: :class:`DeviceBuffer` (and its typed :class:`DeviceView`), :class:`PinnedBuffer`, the copies,
   memsets, :class:`HostToDeviceBatch` (and the :class:`PointerTable` of its planned copies), ``mem_info``;
-- :mod:`hss._launch`: :class:`CudaModule`, :class:`CudaFunction`, ``launch_kernel``, graphs (``begin_capture``,
+- :mod:`hss.cuda._launch`: :class:`CudaModule`, :class:`CudaFunction`, ``launch_kernel``, graphs (``begin_capture``,
   ``end_capture``, ``on_replay``: host callbacks a graph's replay runs, ``is_capturing``);
 - :mod:`hss._args`: how arguments are read (``device_ptr``, ``stream_handle``).
 
@@ -17,7 +17,8 @@ context it was made in retained, and every call makes that context current first
 from __future__ import annotations
 
 from hss._args import device_ptr
-from hss._context import (
+from hss._params import ParamPack
+from hss.cuda._context import (
                           CudaCtx,
                           CudaEvent,
                           CudaStream,
@@ -29,8 +30,8 @@ from hss._context import (
                           stream_sync,
                           stream_wait_event,
 )
-from hss._driver import driver_status
-from hss._launch import (
+from hss.cuda._driver import driver_status
+from hss.cuda._launch import (
                           CudaFunction,
                           CudaGraph,
                           CudaModule,
@@ -40,7 +41,7 @@ from hss._launch import (
                           launch_kernel,
                           on_replay,
 )
-from hss._memory import (  # noqa: F401 (the _planned copies: hss's own hot loops, of values they checked)
+from hss.cuda._memory import (  # noqa: F401 (the _planned copies: hss's own hot loops, of values they checked)
                           DeviceBuffer,
                           DeviceView,
                           HostToDeviceBatch,
@@ -57,7 +58,6 @@ from hss._memory import (  # noqa: F401 (the _planned copies: hss's own hot loop
                           memset_d8_async,
                           memset_d32_async,
 )
-from hss._params import ParamPack
 from hss.errors import CudaError, HssError
 
 __all__ = [

@@ -58,7 +58,7 @@
 //   * rsqrt(64) * log2(e) (f32 fma chains; the softmax weights stay f32). head_dim must be MODEL_HD (64), else
 //   nothing is written.
 //
-// Launch (hss.kernels.model's *_geometry): model_embed_norm, model_add_norm, model_rope_kv: grid (m), block
+// Launch (hss.decls.model's *_geometry): model_embed_norm, model_add_norm, model_rope_kv: grid (m), block
 // (MODEL_THREADS); model_silu_mul: grid (ceil(ffn / MODEL_THREADS), m), block (MODEL_THREADS); model_argmax: grid
 // (1), block (MODEL_ARGMAX_THREADS); model_prefill_attn: grid (ceil(m / MODEL_ATTN_ROWS), n_head), block
 // (MODEL_ATTN_THREADS). No dynamic shared memory.

@@ -53,7 +53,7 @@
 //   merge_count       u32 [num_seqs, num_kv_heads * ceil(gqa_ratio/16), ATT_COUNTERS], zero between launches
 //   max_units = min(ATT_MAX_UNITS, ceil(tile_capacity*block_size / UMIN)) (the partial arrays' row
 //   stride). Launch: grid (num_seqs, num_kv_heads * ceil(gqa_ratio/16), Z), 1 <= Z <= max_units (any Z gives the
-//   same bits), block (256,1,1), dynamic shared memory Cfg<HDP>::BYTES (hss.kernels.attention.step_shared_bytes:
+//   same bits), block (256,1,1), dynamic shared memory Cfg<HDP>::BYTES (hss.decls.attention.step_shared_bytes:
 //   past 48 KiB, the host raises the function's limit). A sequence whose tile has no tokens keeps its state
 //   (fresh: gets the initial state); CTA z = 0 writes it (and out).
 // head_dim <= 256 (any value; rows are padded to 64, 128 or 256 in shared memory). Loads are 16-byte cp.async
@@ -92,7 +92,7 @@
 #define ATT_PDL_WAIT()
 #endif
 
-// The parameters every entry point takes after q, k_pool and v_pool, in the order hss.kernels.attention declares
+// The parameters every entry point takes after q, k_pool and v_pool, in the order hss.decls.attention declares
 // them (the rope entry points add cos_t, sin_t and max_pos after them), and the same names as arguments.
 #define ATT_TILE_PARAMS                                                                                              \
     const int* __restrict__ tile_blocks, const int* __restrict__ tile_block_counts, float* __restrict__ part_ml,     \
@@ -954,7 +954,7 @@ __device__ __forceinline__ void entry(const __nv_bfloat16* __restrict__ q, const
 
 }  // namespace
 
-// One entry point per padded head dim (the host picks it: hss.kernels.attention.step_kernel_name), each with
+// One entry point per padded head dim (the host picks it: hss.decls.attention.step_kernel_name), each with
 // its own register budget: HDP 256 one CTA per SM, HDP 64 and 128 two. Same parameters, same contract.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) paged_decode_attn_tiled_64(ATT_STEP_PARAMS) {
     extern __shared__ __align__(16) unsigned char att_smem[];

@@ -5,7 +5,7 @@
 //   scores[b] = max over q head qh and token t of dot(q_proj[qh, :], k_lr[b, qh / gqa_ratio, t, :]),
 //   dot accumulated in f32; no scaling. NaN dots are skipped; a block whose dots are all NaN scores -inf.
 //   Requires num_q_heads == gqa_ratio * num_kv_heads (else the kernel writes nothing).
-// Launch: block (32 * W, 1, 1) for any 1 <= W <= 8 (hss uses W = 1: hss.kernels.predictor.score_warps),
+// Launch: block (32 * W, 1, 1) for any 1 <= W <= 8 (hss uses W = 1: hss.decls.predictor.score_warps),
 //   grid (ceil(num_blocks / W), 1, 1), no dynamic shared memory. Warp w of CTA c scores block c * W + w; warps
 //   past num_blocks exit.
 //

@@ -30,7 +30,7 @@
 //   Entries b >= complete are never written.
 // qsa_dev_topk(scores f32 [R, score_stride], pos, slots, tokens i32 [R, sel_cap], counts i32 [R], score_stride,
 //              k_blocks, ratio, sel_cap, max_tokens)
-//   grid (R, 1, 1), block (QSA_TOPK_THREADS, 1, 1), dynamic smem: any (hss.kernels.qsa_device.topk_smem_bytes);
+//   grid (R, 1, 1), block (QSA_TOPK_THREADS, 1, 1), dynamic smem: any (hss.decls.qsa_device.topk_smem_bytes);
 //   a row of N > QSA_TOPK_TILE blocks caches its order keys there when 4 * N bytes fit, else re-reads the scores
 //   (L2) at every pass; a row of at most QSA_TOPK_TILE blocks keeps them in registers. Needs
 //   score_stride >= max_tokens / ratio, sel_cap >= k_blocks * ratio + ratio - 1, max_tokens < 2^31.
@@ -51,7 +51,7 @@
 //                 i32 [R, max_pages], tokens i32 [R, sel_cap], counts i32 [R], part_ml f32 [R, nq, S, 2],
 //                 part_o f32 [R, nq, S, hd] 8 B, max_pages, sel_cap, block_size, nq, nkv, hd, scale f32)
 //   S = ceil(sel_cap / QSA_SPLIT). grid (R, nkv, S), block (QSA_ATTN_THREADS, 1, 1), dynamic smem
-//   hss.kernels.qsa_device.attn_smem_bytes(hd) (153,360 B at hd 256: needs the opt-in past 48 KiB).
+//   hss.decls.qsa_device.attn_smem_bytes(hd) (153,360 B at hd 256: needs the opt-in past 48 KiB).
 //   hd a multiple of 32, <= 256; G = nq / nkv an integer in 1..16. CTA (r, g, s): the tokens
 //   tokens[r, s*QSA_SPLIT ..) below n = min(counts[r], sel_cap) (a split past n returns), for the G query heads
 //   of kv head g. Token t's K/V row: page block_tables[r, t / block_size], slot t % block_size, kv head g
@@ -66,7 +66,7 @@
 //   head take the softmax of the 128 logits, then warp w computes O for the 8-column tiles w, w + 8, ... over all
 //   128 tokens (ldmatrix.trans of V).
 // qsa_sparse_merge(part_ml, part_o (as above), counts i32 [R], out bf16 [R, nq, hd], sel_cap, nq, hd)
-//   grid (R, nq, 1), block (B, 1, 1) for any B (hss.kernels.qsa_device.merge_threads: hd rounded up to 32, at
+//   grid (R, nq, 1), block (B, 1, 1) for any B (hss.decls.qsa_device.merge_threads: hd rounded up to 32, at
 //   most 256). Folds the ceil(n / QSA_SPLIT) partials of (r, h) in split order: M = max m_s, w_s =
 //   exp2(m_s - M), out = bf16(sum o_s w_s / sum l_s w_s) (f32, fma in split order); no token (n = 0, or every
 //   split empty) -> zeros.
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(QSA_TOPK_THREADS)
 // ------------------------------------------------------------------------------------------------
 // qsa_sparse_attn
 // ------------------------------------------------------------------------------------------------
-// Shared memory of one CTA for head dim HD (hss.kernels.qsa_device.attn_smem_bytes mirrors it): Q [16][HD+8] bf16,
+// Shared memory of one CTA for head dim HD (hss.decls.qsa_device.attn_smem_bytes mirrors it): Q [16][HD+8] bf16,
 // K and V [QSA_SPLIT][HD+8] bf16, S [16][QSA_SPLIT+8] f32, token row offsets [QSA_SPLIT] i64, the valid tokens as a
 // QSA_SPLIT-bit mask. P hi and lo ([16][QSA_SPLIT+8] bf16 each) reuse K's space once S is done. The +8 pads make
 // every ldmatrix conflict-free.

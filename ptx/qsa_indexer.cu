@@ -24,7 +24,7 @@
 //   grid (n_heads, 1, 1), block (hd, 1, 1) with hd a multiple of 32, dynamic smem (hd + 32) * 4 B.
 //   q_out[h, d] = rope(rmsnorm(q_in[h], q_norm_w), pos)[d], kept in f32.
 // qsa_score(q f32 [n_heads, hd], block_keys bf16 [n_blocks, hd], scores f32 [n_blocks], n_blocks, n_heads, hd)
-//   grid (G, 1, 1) for any G >= 1 (grid-stride; hss.kernels.qsa.score_grid(n_blocks, hd) gives every warp one
+//   grid (G, 1, 1) for any G >= 1 (grid-stride; hss.decls.qsa.score_grid(n_blocks, hd) gives every warp one
 //   tile), block (256, 1, 1), dynamic smem n_heads * hd * 4 B (q staged in shared memory).
 //   scores[b] = (sum_{h ascending} fmaxf(dot(q[h], k[b]), 0)) * rsqrtf(hd), dots accumulated in f32.
 //   Blocks go on grid.x, so any number of blocks launches (the original's grid.y = n_blocks stopped at 65535).

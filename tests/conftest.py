@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 os.environ.setdefault("HSS_EMULATOR_DEVICES", "2")   # the emulator offers two devices to the multi-device tests
 
 try:
-    from hss._driver import driver_status
+    from hss.cuda._driver import driver_status
     STATUS = driver_status()
 except ImportError as exc:   # a bare interpreter without hss's dependencies: only the source-level tests can run
     from types import SimpleNamespace
@@ -59,7 +59,7 @@ def ctx():
 @pytest.fixture(scope="module")
 def gpu(ctx):
     """A CudaBackend (the QSA indexer's GPU) on the session context."""
-    from hss.gpu import CudaBackend
+    from hss.cuda.gpu import CudaBackend
     g = CudaBackend(ctx)
     yield g
     g.close()

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hss import _driver
 from hss import cuda_min as cm
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.cuda import _driver
 from hss.errors import HssError
 from hss.reference import attention as ref
 
@@ -199,7 +199,7 @@ def test_dims_types_and_ratio() -> None:
 def test_units_are_balanced(n: int, ctas: int, hdp: int) -> None:
     """A tile's units: at most the launch's wanted count, multiples of a step for each warp, at least the HDP's
     smallest unit, and within one 64-token step of an even cut (no unit left near empty by rounding)."""
-    from hss.kernels import attention as ka
+    from hss.decls import attention as ka
     want = min(ka.MAX_UNITS, -(-ka.target_ctas(hdp) // ctas))
     u = ka.unit_tokens(n, ctas, hdp)
     assert u % ka.UNIT_STEP == 0 and u >= ka.unit_min(hdp) and -(-n // u) <= want
@@ -511,7 +511,7 @@ def test_overlapped_tiles_give_the_same_bits(ctx, stream, rng, monkeypatch, head
     later one a cuLaunchKernelEx with programmatic stream serialization; the bits (output, m, l, o) equal the plain
     TiledAttention's, queued directly or replayed from a CUDA graph. (On the emulator the launches run in order; the
     overlap and its waits are the GPU's to show.)"""
-    from hss import _driver
+    from hss.cuda import _driver
     dims = TiledAttentionDims(max_seqs=2, num_q_heads=24 if head_dim == 256 else 32,
                               num_kv_heads=2 if head_dim == 256 else 8, head_dim=head_dim, block_size=16,
                               tile_capacity=8)
@@ -987,8 +987,8 @@ def test_rope_tile_is_rope_kv_then_the_token_tile(ctx, gpu, stream, shape, count
     both pools bitwise equal; the output within the bf16 bound of float64 attention over the rotated rows. Shapes:
     16-byte and 2-byte q paths (head_dim 40, 72), two CTA rows per kv head (17 q heads a kv head), GQA 3 and 12;
     a sequence whose position has no table row, or no tokens, is left untouched."""
-    from hss.kernels import model as km
-    from hss.realmodel.forward import rope_cos_sin
+    from hss.checkpoint.forward import rope_cos_sin
+    from hss.decls import model as km
     from hss.reference import model as mref
     rng = np.random.default_rng(seed)
     nq, nkv, hd = shape

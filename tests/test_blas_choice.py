@@ -1,4 +1,4 @@
-"""The decode GEMM's algorithm choice (hss._blas.Blas._choose) under failures: an algorithm the device refuses is
+"""The decode GEMM's algorithm choice (hss.cuda._blas.Blas._choose) under failures: an algorithm the device refuses is
 skipped, but a failure of the timing's own driver calls fails the call (it used to be swallowed as "not a
 candidate", so an injected fault at the driver seam did not fail the QSA decode step that chose its GEMM), and
 every candidate plan is closed either way. cuBLASLt is faked; the timing's events and graphs are the driver's."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from test_qsa_indexer import driver_calls
 
-from hss import _blas
-from hss._driver import CudaError
+from hss.cuda import _blas
+from hss.cuda._driver import CudaError
 
 
 class _FakeLt:

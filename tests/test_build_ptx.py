@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import build_ptx
-from hss import ptx
+from hss.cuda import ptx
+from hss.decls import DECLARATIONS
 from hss.errors import HssError
-from hss.kernels import DECLARATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
@@ -129,7 +129,7 @@ def test_every_declaration_matches_its_ptx_entry():
 def test_every_ptx_entry_is_declared():
     for module in ptx.MODULES:
         for name in _entries(ptx.ptx_path(module).read_text()):
-            assert name in DECLARATIONS, f"{module}.{name} has no declaration in hss.kernels"
+            assert name in DECLARATIONS, f"{module}.{name} has no declaration in hss.decls"
 
 
 def test_a_module_with_a_newer_base_arch():
@@ -166,7 +166,7 @@ def test_editing_a_shared_source_makes_every_module_built_from_it_stale(tmp_path
 def test_info_passes_over_modules_a_device_cannot_load(monkeypatch, capsys):
     """`python -m hss info` on a device older than a module's base arch says so and still reports ok."""
     from hss import __main__ as cli
-    from hss import _context
+    from hss.cuda import _context
     monkeypatch.setattr(_context.CudaCtx, "compute_capability", property(lambda self: (8, 0)))
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out

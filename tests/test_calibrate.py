@@ -1,5 +1,5 @@
-"""Tests for hss.calibrate (SPEC §17.5): the uncentered principal directions of calibration keys, per layer and kv
-head, as a Predictor projection. Pure numpy; the Predictor end of it runs on any driver."""
+"""Tests for hss.predictor.calibrate (SPEC §17.5): the uncentered principal directions of calibration keys, per layer
+and kv head, as a Predictor projection. Pure numpy; the Predictor end of it runs on any driver."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hss.calibrate import calibrate_projection, principal_directions
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
+from hss.predictor.calibrate import calibrate_projection, principal_directions
 from hss.reference import predictor as ref
 from hss.reference.numerics import to_bf16
 

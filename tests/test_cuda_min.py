@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hss import CudaError, HssError, _driver, _memory, inject_fault, ptx
+from hss import CudaError, HssError, inject_fault
 from hss import cuda_min as cm
-from hss.kernels.selftest import SELFTEST_AXPY, SELFTEST_BLOCK_SUM, SELFTEST_EMPTY, SELFTEST_FILL
+from hss.cuda import _driver, _memory, ptx
+from hss.decls.selftest import SELFTEST_AXPY, SELFTEST_BLOCK_SUM, SELFTEST_EMPTY, SELFTEST_FILL
 from hss.reference import selftest as ref
 
 from conftest import ON_GPU
@@ -227,7 +228,7 @@ def test_capture_and_replay(ctx, selftest):
 
 
 def test_on_replay_runs_now_or_at_each_replay(ctx):
-    """hss._launch.on_replay: eager -> at once; inside a capture -> kept by the graph, run after every launch, in
+    """hss.cuda._launch.on_replay: eager -> at once; inside a capture -> kept by the graph, run after every launch, in
     registration order; a capture that fails or that hss does not end keeps nothing."""
     s = cm.CudaStream(ctx)
     log = []
@@ -269,7 +270,7 @@ def test_on_replay_runs_now_or_at_each_replay(ctx):
         _driver.api.cuGraphDestroy(foreign)
         cm.begin_capture(s)
         cm.on_replay(s, lambda: log.append("c"))
-        from hss import _launch
+        from hss.cuda import _launch
         assert [len(fns) for _, fns in _launch._replay_fns.values()] == [1], "the ended capture's entry is pruned"
         g2 = cm.end_capture(s)
         g2.launch(s)
@@ -733,7 +734,7 @@ def test_closed_objects_say_closed(ctx, stream):
 LAST_OWNER = r"""
 import sys
 from hss import cuda_min as cm
-from hss._driver import api
+from hss.cuda._driver import api
 ctx = cm.CudaCtx(0)
 buf = cm.DeviceBuffer(1 << 20, ctx)
 mod_ctx = ctx._pctx

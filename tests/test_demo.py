@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
+from hss.checkpoint.fetch import locate_default_gguf
+from hss.demo.model import NOT_MEASURED, PARAGRAPH, random_model
 from hss.model import sparse_support
 from hss.model.check import check_greedy
-from hss.model.demo import NOT_MEASURED, PARAGRAPH, random_model
-from hss.realmodel.fetch import locate_default_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}

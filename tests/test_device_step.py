@@ -1,5 +1,5 @@
 """Tests for the device sparse swap step (SPEC §17.8): ``ptx/sparse_step.cu`` and the batched predictor entry points
-(:mod:`hss.kernels.sparse_step`, :mod:`hss.kernels.predictor`), the integer reference
+(:mod:`hss.decls.sparse_step`, :mod:`hss.decls.predictor`), the integer reference
 (:mod:`hss.reference.sparse_step`) and :class:`hss.swap.device_step.DeviceSparseStep`.
 
 The kernels against their references on outputs poisoned before each launch (0xFF: NaN as floats, -1 as ints), on
@@ -32,13 +32,13 @@ from hypothesis.stateful import (
 )
 from test_predictor import check_scores
 
-from hss import _driver
 from hss import cuda_min as cm
+from hss.cuda import _driver
+from hss.cuda.ptx import load_module
+from hss.decls import sparse_step as ks
+from hss.decls.predictor import PREDICTOR_SCORE_TABLE, Q_LOWRANK_PROJECT_ROWS, q_rows_geometry, score_warps
 from hss.errors import HssError
-from hss.kernels import sparse_step as ks
-from hss.kernels.predictor import PREDICTOR_SCORE_TABLE, Q_LOWRANK_PROJECT_ROWS, q_rows_geometry, score_warps
 from hss.predictor import Predictor, PredictorDims
-from hss.ptx import load_module
 from hss.reference import attention as aref
 from hss.reference import predictor as pref
 from hss.reference import sparse_step as ref

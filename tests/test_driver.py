@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from hss import CudaError, inject_fault, ptx
+from hss import CudaError, inject_fault
 from hss import cuda_min as cm
-from hss._driver import PTX_VERSION_MESSAGE, check, driver_status
+from hss.cuda import ptx
+from hss.cuda._driver import PTX_VERSION_MESSAGE, check, driver_status
 
 from conftest import ON_GPU
 
@@ -78,7 +79,7 @@ def test_without_cuda_python_the_seam_chooses_the_emulator_and_says_why():
     import sys
     from pathlib import Path
     code = ("import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
-            "import hss._driver as d\n"
+            "import hss.cuda._driver as d\n"
             "try:\n    print(d.driver_status().kind, '|', d.driver_status().message)\n"
             "except ImportError as e:\n    print('ImportError |', e)\n")
     root = str(Path(__file__).resolve().parent.parent)

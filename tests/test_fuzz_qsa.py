@@ -30,8 +30,8 @@ from test_qsa_indexer import driver_calls
 
 from hss import _args
 from hss import cuda_min as cm
-from hss._driver import CudaError, HssError
-from hss.gpu import CudaBackend
+from hss.cuda._driver import CudaError, HssError
+from hss.cuda.gpu import CudaBackend
 from hss.qsa import QsaIndexer, select_tokens
 from hss.reference import qsa as ref
 from hss.reference import qsa_device as rd

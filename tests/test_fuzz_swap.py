@@ -33,8 +33,8 @@ from test_qsa_indexer import driver_calls
 
 from hss import cuda_min as cm
 from hss import inject_fault
-from hss._driver import CudaError, HssError
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.cuda._driver import CudaError, HssError
 from hss.reference import attention as ref
 from hss.swap import HighSpeedSwap, HighSpeedSwapConfig, HostStore, ModelDims, StoreError, StoreIOError
 

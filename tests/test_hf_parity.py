@@ -1,4 +1,4 @@
-"""hss against Hugging Face ``transformers`` on the same checkpoint files, written by :func:`hss.realmodel.save_hf`.
+"""hss against Hugging Face ``transformers`` on the same checkpoint files, written by :func:`hss.checkpoint.save_hf`.
 
 - GPU (``gpu`` marker; torch with CUDA, and transformers): hss's device model loop (:class:`hss.model.DeviceModel`,
   ``hbm`` session with CUDA graphs) against ``LlamaForCausalLM`` in float32 on CUDA, on (a) a tiny random Llama
@@ -43,7 +43,7 @@ import pytest
 from test_model_files import gguf_bytes, tiny_metadata, tiny_tensors
 from test_realmodel import TINY, TOKENS, smollm2_path, tiny_tokenizer
 
-from hss.realmodel import Config, Weights, english_text, forward, load_model, random_weights, save_hf
+from hss.checkpoint import Config, Weights, english_text, forward, load_model, random_weights, save_hf
 
 U = 2.0 ** -8       # bf16 unit roundoff
 ROUNDINGS = 9       # bf16 roundings per layer on the device

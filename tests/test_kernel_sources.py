@@ -1,5 +1,5 @@
 """The kernel sources against the Python side, no GPU or nvcc needed: every ``extern "C" __global__`` signature in
-``ptx/*.cu`` / ``*.cuh`` against its declaration in :data:`hss.kernels.DECLARATIONS` (parameter names and C types),
+``ptx/*.cu`` / ``*.cuh`` against its declaration in :data:`hss.decls.DECLARATIONS` (parameter names and C types),
 and the ``#define``d constants (and launch bounds) against the Python constants that mirror them.
 
 ``tests/test_build_ptx.py`` compares the declarations with the committed PTX's ``.entry`` parameter types; this
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hss import ptx
-from hss.kernels import DECLARATIONS, attention, gather, model, predictor, qsa, qsa_device, qsa_prefill
+from hss.cuda import ptx
+from hss.decls import DECLARATIONS, attention, gather, model, predictor, qsa, qsa_device, qsa_prefill
 from hss.reference import qsa_prefill as ref_qsa_prefill
 
 PTX_DIR = ptx.ptx_dir()
@@ -90,7 +90,7 @@ def evaluate(expr: str, table: dict[str, str], depth: int = 0) -> int | float:
 
 def test_every_source_kernel_is_declared():
     missing = sorted(set(source_kernels()) - set(DECLARATIONS))
-    assert not missing, f"kernels in ptx/ without a declaration in hss.kernels: {missing}"
+    assert not missing, f"kernels in ptx/ without a declaration in hss.decls: {missing}"
 
 
 @pytest.mark.parametrize("name", sorted(DECLARATIONS))
@@ -203,7 +203,7 @@ def test_launch_bounds_match_python_block(name):
 @pytest.mark.parametrize("hd", range(32, 257, 32))
 def test_sparse_attn_shared_layout_matches_python(hd):
     """qsa_sparse_attn's QsdAttnSmem<HD> (each member a constant expression over HD and the #defines, in order)
-    against hss.kernels.qsa_device.attn_smem_bytes: the launch must give the kernel at least BYTES."""
+    against hss.decls.qsa_device.attn_smem_bytes: the launch must give the kernel at least BYTES."""
     body = re.search(r"struct\s+QsdAttnSmem\s*\{(.*?)\};", code(PTX_DIR / "qsa_device.cu"), re.DOTALL)
     assert body, "struct QsdAttnSmem not found in qsa_device.cu"
     table = {**defines(), "HD": str(hd)}

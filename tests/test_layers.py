@@ -17,19 +17,19 @@ ROOT = Path(__file__).resolve().parent.parent / "hss"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hss.errors", "hss._version"),                    # every exception; the version
     ("hss.reference",),                                # float64 numpy references (numpy and ml_dtypes only)
-    ("hss.realmodel",),                                # SmolLM2 from its GGUF: loader, tokenizer, numpy forward
+    ("hss.checkpoint",),                               # model files (GGUF, safetensors, HF), tokenizers, numpy forward
     ("hss._interop",),                                 # reading foreign arrays and streams (torch, CuPy, CAI, DLPack)
     ("hss._args",),                                    # the argument rules
     ("hss._dlpack", "hss._params"),                    # DLPack export, parameter packing
-    ("hss.kernels",),                                  # kernel declarations
+    ("hss.decls",),                                    # kernel declarations
     ("hss.emulator",),                                 # the CPU driver
-    ("hss._driver",),                                  # the seam: cuda.bindings or the emulator
-    ("hss._context",),                                 # contexts, streams, events
-    ("hss._memory",),                                  # buffers, copies
-    ("hss._launch",),                                  # modules, launches, graphs
-    ("hss.cuda_min", "hss._blas"),                     # the original's driver surface; cuBLAS
-    ("hss.ptx", "hss.projection", "hss.calibrate"),    # PTX table; the projection matrix; its calibration
-    ("hss.gpu", "hss.predictor", "hss.attention"),     # the storage side, the GpuBackend
+    ("hss.cuda", "hss.cuda._driver"),                  # the seam: cuda.bindings or the emulator
+    ("hss.cuda._context",),                            # contexts, streams, events
+    ("hss.cuda._memory",),                             # buffers, copies
+    ("hss.cuda._launch",),                             # modules, launches, graphs
+    ("hss.cuda_min", "hss.cuda._blas"),                # the original's driver surface; cuBLAS
+    ("hss.cuda.ptx", "hss.predictor.projection", "hss.predictor.calibrate"),   # PTX table; P; its calibration
+    ("hss.cuda.gpu", "hss.predictor", "hss.attention"),   # the QSA kernel backend, the predictor, the attention
     ("hss.qsa", "hss.swap"),                           # the indexer; the high-speed swap
     ("hss.model",),                                    # a real decoder on the device (weights, forward, KV modes)
     ("hss.demo",),
@@ -149,8 +149,8 @@ def test_reference_imports_only_numpy():
                              "functools", "itertools"}, f"{name} imports {roots}"
 
 
-@pytest.mark.parametrize("bad", [("hss._args", "hss._context"), ("hss._interop", "hss._args"),
-                                 ("hss.kernels", "hss.cuda_min")])
+@pytest.mark.parametrize("bad", [("hss._args", "hss.cuda._context"), ("hss._interop", "hss._args"),
+                                 ("hss.decls", "hss.cuda_min")])
 def test_the_checker_sees_an_upward_import(bad):
     a, b = bad
     assert layer_of(b) > layer_of(a)

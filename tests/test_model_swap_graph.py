@@ -13,9 +13,9 @@ import pytest
 
 import hss.model.staged as staged_mod
 from hss import cuda_min as cm
+from hss.demo.model import random_model
 from hss.errors import HssError
 from hss.model import DeviceModel, swap_block_size
-from hss.model.demo import random_model
 from hss.model.kv import SwapKV
 from hss.model.staged import RING
 

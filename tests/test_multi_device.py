@@ -60,7 +60,7 @@ def test_buffers_live_on_their_device_and_copy_across(ctxs, rng) -> None:
     cm.stream_sync(c1.stream)
     assert np.array_equal(down(b0, (4096,), np.uint8, c0), data)
     if cm.driver_status().kind == "emulator":
-        from hss._driver import api
+        from hss.cuda._driver import api
         assert api.state.arena.find(b1.ptr).device == 1 and api.state.arena.find(b0.ptr).device == 0
     b0.close()
     b1.close()
@@ -271,7 +271,7 @@ def test_raw_stream_calls_use_the_streams_own_context(ctxs, rng) -> None:
     c0.make_current()
     cm.stream_sync(c1.stream)
     assert np.array_equal(got[:128], data[:128]) and (got[128:] == 7).all()
-    from hss._context import thread_state
+    from hss.cuda._context import thread_state
     assert thread_state.pctx.ordinal == 1
     b1.close()
 
@@ -282,7 +282,7 @@ def test_qsa_indexer_on_device_1_selects_what_device_0_selects(ctxs) -> None:
     context made current before they allocate)."""
     import test_qsa_device as tq
 
-    from hss.gpu import CudaBackend
+    from hss.cuda.gpu import CudaBackend
     lengths, steps = [tq.BOUND + 9, 5, 3 * tq.BOUND], 3
     got: list[list] = []
     for c in ctxs:
@@ -317,7 +317,7 @@ def test_qsa_indexer_refuses_another_devices_weights_streams_and_memory(ctxs) ->
     import test_qsa_device as tq
     from test_qsa_indexer import driver_calls
 
-    from hss.gpu import CudaBackend
+    from hss.cuda.gpu import CudaBackend
 
     from helpers import Recording
     c0, c1 = ctxs

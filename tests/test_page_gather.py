@@ -1,4 +1,4 @@
-"""Tests for the page gather (``ptx/page_gather.cu``, :mod:`hss.kernels.gather`, :mod:`hss.swap.gather`) and the
+"""Tests for the page gather (``ptx/page_gather.cu``, :mod:`hss.decls.gather`, :mod:`hss.swap.gather`) and the
 HostStore reads that use it.
 
 The kernel against the numpy gather of :mod:`hss.reference.gather` on fresh random bytes that are never zero, into a
@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_swap_orchestrator import Setup, check_sparse, check_step, replay, resident_bytes_match
 
-from hss import _driver, ptx
 from hss import cuda_min as cm
+from hss.cuda import _driver, ptx
+from hss.decls import gather as kg
 from hss.errors import EmulatorError, MemoryFault
-from hss.kernels import gather as kg
 from hss.reference import gather as ref
 from hss.swap import GroupLayout, HostStore
 from hss.swap.gather import FENCES, GATHER_MIN_RUNS, SPARSE_GATHER_MIN_RUNS, PageGather, gather_fits

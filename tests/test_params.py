@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hss import HssError
 from hss._args import device_ptr
 from hss._params import ParamPack, convert
-from hss.kernels import DECLARATIONS, declare
-from hss.kernels.selftest import SELFTEST_AXPY
+from hss.decls import DECLARATIONS, declare
+from hss.decls.selftest import SELFTEST_AXPY
 
 
 def raw_slots(pack: ParamPack) -> list[bytes]:
@@ -70,7 +70,7 @@ def test_pack_by_name_and_arity_errors():
 
 
 def test_untyped_values_never_guess_a_width():
-    from hss._launch import _untyped_kind
+    from hss.cuda._launch import _untyped_kind
     values = [0x1000, np.int32(-1), np.uint32(5), np.int64(7), np.float32(0.5)]
     assert tuple(_untyped_kind(i, v) for i, v in enumerate(values)) == ("ptr", "i32", "u32", "i64", "f32")
     for bad in (1.0, np.float64(1.0), True, np.int16(3)):

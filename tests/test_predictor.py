@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import hss.predictor as hp
-from hss import _driver
+import hss.predictor.predictor as hp
 from hss import cuda_min as cm
+from hss.cuda import _driver
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims, preflight_a_g, read_k_lr_slot
 from hss.reference import predictor as ref
@@ -701,7 +701,7 @@ def layered_projection(rng: np.random.Generator, d: PredictorDims) -> np.ndarray
 
 def seeded_everywhere(d: PredictorDims, seed: int) -> np.ndarray:
     """The seeded P repeated for every layer and kv head: a layered projection that must give the default's bits."""
-    from hss.projection import PredictorShape, build_projection
+    from hss.predictor.projection import PredictorShape, build_projection
     p = build_projection(PredictorShape(d.head_dim, d.r), seed)
     return np.ascontiguousarray(np.broadcast_to(p, (d.num_layers, d.num_kv_heads, d.head_dim, d.r)))
 
@@ -894,8 +894,8 @@ def heads_tolerance(q: np.ndarray, k: np.ndarray, gqa: int, want: np.ndarray) ->
 
 def launch_heads(ctx, stream, q: np.ndarray, k: np.ndarray, gqa: int) -> np.ndarray:
     """predictor_score_heads launched directly (one warp per block) into a poisoned [n, nq] f32 output."""
-    from hss.kernels.predictor import PREDICTOR_SCORE_HEADS
-    from hss.ptx import load_module
+    from hss.cuda.ptx import load_module
+    from hss.decls.predictor import PREDICTOR_SCORE_HEADS
     n, nkv, bs, r = k.shape
     nq = q.shape[0]
     with load_module("predictor_score", ctx) as mod:
@@ -959,8 +959,8 @@ def launch_head_max_and_combine(ctx, stream, hs: np.ndarray, best: np.ndarray | 
                                 exp2_scale: float) -> tuple[np.ndarray, np.ndarray]:
     """predictor_head_max then predictor_head_combine launched directly; ``best`` overrides the max kernel's
     output as the combine's input when given. Returns (head_max, scores)."""
-    from hss.kernels.predictor import HEAD_THREADS, PREDICTOR_HEAD_COMBINE, PREDICTOR_HEAD_MAX
-    from hss.ptx import load_module
+    from hss.cuda.ptx import load_module
+    from hss.decls.predictor import HEAD_THREADS, PREDICTOR_HEAD_COMBINE, PREDICTOR_HEAD_MAX
     n, nq = hs.shape
     with load_module("predictor_score", ctx) as mod:
         hs_dev, m_dev, out = upload(hs, stream), poisoned(4 * nq, stream), poisoned(4 * n, stream)

@@ -1,4 +1,4 @@
-"""Tests for hss.projection: pinned vector, layout, guards, and a bit-exact sequential reference."""
+"""Tests for hss.predictor.projection: pinned vector, layout, guards, and a bit-exact sequential reference."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hss import projection
-from hss.projection import PredictorShape, build_projection, fnv1a64_bf16
+from hss.predictor import projection
+from hss.predictor.projection import PredictorShape, build_projection, fnv1a64_bf16
 
 PINNED_SEED = 0xCAFE_F00D
 PINNED_FIRST8 = [48010, 48438, 15723, 15775, 48398, 48642, 48035, 48715]

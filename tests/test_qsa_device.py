@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from hss import _driver
 from hss import cuda_min as cm
+from hss.cuda import _driver
 from hss.errors import CudaError, HssError
 from hss.qsa import QsaDeviceSelection, QsaIndexer, device
 from hss.reference import qsa as ref

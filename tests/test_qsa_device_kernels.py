@@ -23,9 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
-from hss import ptx
-from hss.kernels import qsa as kq
-from hss.kernels import qsa_device as kd
+from hss.cuda import ptx
+from hss.decls import qsa as kq
+from hss.decls import qsa_device as kd
 from hss.qsa.select import select_tokens
 from hss.reference import qsa as ref
 from hss.reference import qsa_device as dref

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
-from hss._driver import CudaError, HssError, inject_fault
+from hss.cuda._driver import CudaError, HssError, inject_fault
 from hss.qsa import INGEST_SLAB, QsaIndexer, QsaSelection
 from hss.reference import qsa as ref
 from hss.reference.linear import proj_dense
@@ -565,7 +565,7 @@ def driver_calls(fail_at: int | None = None, interrupt: bool = False):
     """Count the driver calls that queue, wait for or allocate device work, at the driver seam (yields the list of
     their names); the ``fail_at``-th of them (from 0) returns a CUresult error instead, or raises KeyboardInterrupt
     (``interrupt``)."""
-    from hss import _driver
+    from hss.cuda import _driver
     seen: list[str] = []
     code = _driver.api.CUresult.CUDA_ERROR_INVALID_VALUE
     saved = {name: getattr(_driver.api, name) for name in DEVICE_CALLS}

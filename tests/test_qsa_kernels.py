@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
-from hss.kernels import qsa as kq
+from hss.decls import qsa as kq
 from hss.reference import qsa as ref
 
 from conftest import ON_GPU
@@ -275,8 +275,8 @@ def test_geometry_helpers():
 def test_backend_memory_and_copy_arguments(gpu, stream):
     """alloc / free / copies read their arguments through hss._args: ints (numpy too; float, bool refused), streams,
     device pointers against the bytes copied, host buffers by what they hold."""
+    from hss.cuda.gpu import DevicePtr
     from hss.errors import HssError
-    from hss.gpu import DevicePtr
     with pytest.raises(HssError, match="alloc nbytes = 0 must be >= 1"):
         gpu.alloc(0)
     with pytest.raises(TypeError, match="alloc nbytes must be an int, got float"):
@@ -327,8 +327,8 @@ def test_backend_memory_and_copy_arguments(gpu, stream):
 def test_backend_gemm_arguments(gpu, stream, rng):
     """cublas_bf16_proj_dense: m, n, k positive int32 (numpy ints accepted), act / weight / out checked against the
     m*k, n*k and m*n bf16 elements it reads and writes; the prepared proj_dense checks weight and out once."""
+    from hss.cuda.gpu import proj_dense
     from hss.errors import HssError
-    from hss.gpu import proj_dense
     from hss.reference.linear import proj_dense as ref_proj
     m, n, k = 3, 40, 64
     a, w = normal(rng, (m, k), 1.0), normal(rng, (n, k), 0.1)
@@ -367,10 +367,10 @@ def test_backend_gemm_arguments(gpu, stream, rng):
 
 
 def test_prepared_launcher(gpu, stream, rng):
-    """hss.gpu.launcher: on a CudaBackend the prepared hss._launch.launcher (named slots refilled in place give the
-    same bits as gpu.launch); on any other backend each run goes through its launch (recorded here)."""
+    """hss.cuda.gpu.launcher: on a CudaBackend the prepared hss.cuda._launch.launcher (named slots refilled in place
+    give the same bits as gpu.launch); on any other backend each run goes through its launch (recorded here)."""
+    from hss.cuda.gpu import KernelHandle, launcher
     from hss.errors import HssError
-    from hss.gpu import KernelHandle, launcher
 
     from helpers import Recording
     hd, ratio, n_new = 128, 4, 6

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
-from hss import ptx
-from hss.kernels import qsa_prefill as kq
+from hss.cuda import ptx
+from hss.decls import qsa_prefill as kq
 from hss.reference import qsa_prefill as ref
 
 from conftest import ON_GPU

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
-from hss._driver import HssError
-from hss.gpu import KernelHandle
+from hss.cuda._driver import HssError
+from hss.cuda.gpu import KernelHandle
 from hss.qsa import QsaIndexer
 from hss.qsa import prefill as prefill_mod
 from hss.reference import qsa_prefill as ref

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hss._driver import HssError
+from hss.cuda._driver import HssError
 from hss.qsa.select import select_tokens, selection_size, top_blocks
 
 # Few distinct values so that ties (and -0.0 against 0.0) are common.

@@ -14,7 +14,7 @@ import pytest
 from test_qsa_indexer import driver_calls
 
 from hss import cuda_min as cm
-from hss._driver import CudaError, HssError
+from hss.cuda._driver import CudaError, HssError
 from hss.qsa import QsaIndexer, snapshot
 
 from conftest import ON_GPU

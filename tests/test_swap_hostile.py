@@ -16,7 +16,7 @@ from test_qsa_indexer import driver_calls
 
 from hss import cuda_min as cm
 from hss import inject_fault
-from hss._driver import CudaError, HssError
+from hss.cuda._driver import CudaError, HssError
 from hss.swap import (
     FileStore,
     GroupLayout,

@@ -20,10 +20,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hss import _driver
 from hss import cuda_min as cm
-from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.cuda import _driver
+from hss.cuda._driver import HssError
 from hss.reference import attention as ref
 from hss.swap import (
     HighSpeedSwap,

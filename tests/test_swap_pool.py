@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
-from hss._driver import HssError
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.cuda._driver import HssError
 from hss.swap import DiskBlockAllocator, EvictionPolicy, GroupLayout, PoolExhausted, ScratchPool
 
 from helpers import BF16

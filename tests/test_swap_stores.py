@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from hss import _driver, _memory
 from hss import cuda_min as cm
-from hss._driver import HssError
+from hss.cuda import _driver, _memory
+from hss.cuda._driver import HssError
 from hss.swap import FileStore, GroupLayout, HostStore, StoreError, StoreIOError, layer_path
 
 from helpers import BF16, download

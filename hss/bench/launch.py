@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
-from hss import ptx
-from hss._driver import api, check
 from hss.bench._timer import Case, host_us
-from hss.kernels.selftest import SELFTEST_EMPTY
+from hss.cuda import ptx
+from hss.cuda._driver import api, check
+from hss.decls.selftest import SELFTEST_EMPTY
 
 
 def raw_launch(func: cm.CudaFunction, stream: int, a: int, b: int, n: int) -> Callable[[], None]:

@@ -37,11 +37,11 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
-from hss import ptx
-from hss._blas import Blas
-from hss._driver import api
 from hss.bench._timer import Case, Timing, host_us
 from hss.bench.launch import raw_launch
+from hss.cuda import ptx
+from hss.cuda._blas import Blas
+from hss.cuda._driver import api
 
 BF16 = ml_dtypes.bfloat16
 FORMS = ("int", "DeviceBuffer", "torch", "CuPy")
@@ -146,8 +146,8 @@ def address(obj: Any) -> int:
 # -- watching the driver seam -----------------------------------------------------------------------
 class _Watch:
     """Wrappers over entry points ``names`` of ``target`` while a ``with`` block runs: ``count`` (their calls) and
-    ``blocked`` (seconds spent inside them). The target is hss's driver seam (``hss._driver.api``, every driver
-    call) or its cuBLAS seam (``hss._blas.Blas``). Each wrapper costs ~0.2 µs a call."""
+    ``blocked`` (seconds spent inside them). The target is hss's driver seam (``hss.cuda._driver.api``, every driver
+    call) or its cuBLAS seam (``hss.cuda._blas.Blas``). Each wrapper costs ~0.2 µs a call."""
 
     def __init__(self, names: tuple[str, ...], target: Any = api) -> None:
         self.names, self.target, self.count, self.blocked = names, target, 0, 0.0
@@ -277,7 +277,7 @@ def _decode_select(ctx: cm.CudaCtx, forms: _Forms, smoke: bool, rng: np.random.G
                    batches: int) -> list[dict]:
     """decode_select per step in every form: the whole call, and its launch part (see :data:`NOTE_QSA`)."""
     from hss.bench.qsa import DIMS, SLAB, SMOKE_DIMS
-    from hss.gpu import CudaBackend
+    from hss.cuda.gpu import CudaBackend
     from hss.qsa import QsaIndexer
     from hss.qsa.select import select_tokens
     s, d = ctx.stream, SMOKE_DIMS if smoke else DIMS
@@ -465,7 +465,7 @@ NOTE_QSA = ("decode_select blocks the host once per step (the scores' D2H) and r
             "not launch overhead. Its launch part = the whole call - the time spent inside the driver's blocking calls "
             "(stream / event synchronise, timed per call by a wrapper at the driver seam, ~0.2 µs each) - the host "
             "top-k timed alone on the same sizes; per queued operation = that / the operations one step queues "
-            "(counted in one step at the driver seam and at hss's cuBLAS seam, hss._blas.Blas).")
+            "(counted in one step at the driver seam and at hss's cuBLAS seam, hss.cuda._blas.Blas).")
 NOTE_SWAP = ("attend_layer: a HostStore step with every page streamed (no resident set), tiles of one page: the step's "
              "host time minus the time it blocked in the driver (its one wait, for the predictor scores, which also "
              "waits for the previous step's device work), per streamed tile. A tile queues its page reads, two event "

@@ -31,8 +31,8 @@ import numpy as np
 
 from hss import cuda_min as cm
 from hss.bench._timer import Case, Flush, gpu_us, host_us, rotating
-from hss.gpu import CudaBackend
-from hss.kernels import qsa as kq
+from hss.cuda.gpu import CudaBackend
+from hss.decls import qsa as kq
 from hss.qsa import QsaIndexer
 from hss.qsa.select import select_tokens
 

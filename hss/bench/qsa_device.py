@@ -409,8 +409,8 @@ def torch_step_fn(torch: Any, d: dict, R: int, n: int, max_tokens: int, dev_t: A
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.smoke:
         os.environ.setdefault("HSS_DRIVER", "emulator")
+    from hss.cuda.gpu import CudaBackend
     from hss.errors import CudaError, HssError
-    from hss.gpu import CudaBackend
     d = SMOKE_DIMS if args.smoke else DIMS
     torch_ok, notes = not args.no_torch, []
     if torch_ok:

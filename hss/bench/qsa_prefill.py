@@ -22,9 +22,9 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
-from hss import ptx
 from hss.bench._timer import gpu_us
-from hss.kernels import qsa_prefill as kq
+from hss.cuda import ptx
+from hss.decls import qsa_prefill as kq
 
 BF16 = ml_dtypes.bfloat16
 TC_SCORE_TARGET = 0.20   # logical TC scorer rate / measured bf16 matmul rate

@@ -1,7 +1,7 @@
 """Recall of page selection on a real model: ``python -m hss.bench recall [--smoke]``, or with options
 ``python -m hss.bench.recall [--texts 3] [--tokens 4096] [--queries 64] [--layers 0-29] [--ranks 8 16 32] ...``.
 
-What it measures: SmolLM2-135M (``hss.realmodel``, numpy float32 forward) reads each text; every layer's post-RoPE
+What it measures: SmolLM2-135M (``hss.checkpoint``, numpy float32 forward) reads each text; every layer's post-RoPE
 keys are the KV cache (16-token pages) and the queries of its last ``--queries`` positions are decode steps. For a
 query at position t (pages 0 .. t // 16 visible, the last one partly), a method scores the visible pages and keeps
 a budget of ``round(fraction x visible pages)``; the recall of that (text, layer, query) is the share of the true
@@ -32,7 +32,7 @@ in-HBM replay bit for bit (:func:`swap_decode`; ``--no-swap`` skips it).
 Texts: the Python documentation's help topics (``pydoc_data.topics``, in every CPython's standard library), sorted by
 name and cut into ``--texts + 1`` runs of topics; each text is the first ``--tokens`` tokens of its run and the last
 run's first ``--calibration-tokens`` (4096) calibrate (``--calibration prose``: the ~1300 tokens of
-``hss.realmodel.english_text('python')`` instead). Where a run is shorter the text is, and the output says so (without
+``hss.checkpoint.english_text('python')`` instead). Where a run is shorter the text is, and the output says so (without
 ``pydoc_data``: the short ``english_text`` texts). ``--smoke``: tiny synthetic keys, no model (code paths only; its
 numbers mean nothing). The numpy forward is the slow part: the full default run (3 texts and the calibration text,
 4096 tokens each, 30 layers, 64 queries) took 11.5 minutes on 2 CPU cores with the emulator (forward 379 s, kernels
@@ -56,9 +56,9 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
-from hss.calibrate import calibrate_projection
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
+from hss.predictor.calibrate import calibrate_projection
 
 BF16 = ml_dtypes.bfloat16
 SEED = 0xCAFE_F00D
@@ -103,7 +103,7 @@ def _layer_list(spec: str | None, n: int) -> list[int]:
 def _doc_texts(tokenizer: Any, count: int, tokens: int, calibration: str,
                calib_tokens: int) -> tuple[list, list[int], list[str]]:
     """``count`` documents of the Python docs' help topics and the calibration text, as token ids, plus notes."""
-    from hss.realmodel import english_text
+    from hss.checkpoint import english_text
     notes = []
     try:
         import pydoc_data.topics as topics
@@ -137,7 +137,7 @@ def _doc_texts(tokenizer: Any, count: int, tokens: int, calibration: str,
 
 def real_workload(args: argparse.Namespace) -> Workload:
     """SmolLM2-135M over the texts: forward once per text, keep the measured layers' keys and last queries."""
-    from hss.realmodel import forward, load_model
+    from hss.checkpoint import forward, load_model
     model = load_model()
     layers = _layer_list(args.layers, model.config.n_layer)
     swap = set(_swap_layers(args, layers))

@@ -565,7 +565,7 @@ def _sparse_rows(args: argparse.Namespace, ctx: Any, h: Any, ids: np.ndarray, k_
 def _driver_census(step: Any, sync: Any, n: int) -> dict:
     """``n`` untimed calls of ``step`` (then ``sync``, not counted) with every driver call counted and timed at the
     driver seam: {"calls": per step, "driver_us": host µs inside them per step, "by_name": {name: per step}}."""
-    from hss import _driver
+    from hss.cuda import _driver
     seen: dict[str, int] = {}
     inside = [0.0]
     module = _driver.api._module

@@ -104,7 +104,7 @@ def cuFuncGetParamInfo(f: Any, index: int) -> tuple:
     fn = S.functions.get(int(f))
     if fn is None:
         return (R.CUDA_ERROR_INVALID_HANDLE, None, None)
-    from hss.kernels import DECLARATIONS
+    from hss.decls import DECLARATIONS
     decl = DECLARATIONS.get(fn.name)
     index = int(index)
     if decl is None or not 0 <= index < len(decl.kinds):
@@ -174,7 +174,7 @@ def cuLaunchKernel(f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
     grid, block, shared = (int(gx), int(gy), int(gz)), (int(bx), int(by), int(bz)), int(shared)
     if _geometry_error(grid, block, shared, fn.max_dynamic_shared):
         return (R.CUDA_ERROR_INVALID_VALUE,)
-    from hss.kernels import DECLARATIONS, Launch
+    from hss.decls import DECLARATIONS, Launch
     decl = DECLARATIONS.get(fn.name)
     if decl is None or decl.emulate is None and decl.reads | decl.writes:
         raise EmulatorError(f"kernel {fn.name} has no emulated implementation")

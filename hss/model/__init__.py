@@ -5,7 +5,7 @@ KV history in HBM or behind the high-speed swap.
   ``prefill(ids)``, ``generate(n, on_token)``, ``step`` / ``feed`` / ``logits`` (teacher forcing), ``capture``
   (decode steps replayed as CUDA graphs).
 - KV modes (:mod:`hss.model.kv`): ``hbm`` (:class:`HbmKV`), ``swap`` / ``sparse`` (:class:`SwapKV`).
-- :mod:`hss.model.demo`: ``python -m hss demo``.
+- :mod:`hss.demo.model`: ``python -m hss demo``.
 """
 from hss.model.forward import STAGES, Forward
 from hss.model.kv import HbmKV, SwapKV, sparse_support, swap_block_size

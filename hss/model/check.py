@@ -1,4 +1,4 @@
-"""The device forward against the numpy forward of :mod:`hss.realmodel`: the stated logit bound and a check of greedy
+"""The device forward against the numpy forward of :mod:`hss.checkpoint`: the stated logit bound and a check of greedy
 tokens that tells real disagreements from near ties.
 
 The device computes with bf16 weights and bf16 activations between its kernels (f32 residual stream, f32
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hss.checkpoint import Weights, forward
 from hss.model.weights import bf16_rounded
-from hss.realmodel import Weights, forward
 
 __all__ = ["LOGIT_REL", "logit_bound", "GreedyCheck", "check_greedy"]
 

@@ -1,7 +1,7 @@
 """The decoder's forward pass on the device as lists of prepared operations (:class:`Forward`).
 
-Every operation is ``(stage, run)``: ``run(stream)`` queues one cuBLAS GEMM (:func:`hss.gpu.proj_dense`, bf16 in and
-out, f32 compute) or one ``ptx/model.cu`` kernel, its parameters packed and checked once when the operation is
+Every operation is ``(stage, run)``: ``run(stream)`` queues one cuBLAS GEMM (:func:`hss.cuda.gpu.proj_dense`, bf16 in
+and out, f32 compute) or one ``ptx/model.cu`` kernel, its parameters packed and checked once when the operation is
 built. A layer is
 
     qkv = h · wqkvᵀ; rope_kv (q → q, k and v → the KV cache at pos); attention (the KV mode's) → attn;
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hss import cuda_min as cm
+from hss.cuda.gpu import CudaBackend, launcher, proj_dense
+from hss.decls import model as km
+from hss.decls.qsa_prefill import Geometry
 from hss.errors import HssError
-from hss.gpu import CudaBackend, launcher, proj_dense
-from hss.kernels import model as km
-from hss.kernels.qsa_prefill import Geometry
 from hss.model.weights import DeviceWeights
 
 __all__ = ["Op", "Forward", "STAGES"]

@@ -20,10 +20,10 @@ import numpy as np
 
 from hss import cuda_min as cm
 from hss.attention import TiledAttention, TiledAttentionDims
+from hss.checkpoint import Config
 from hss.errors import HssError
 from hss.model.forward import Op
 from hss.model.staged import RING, StagedPages
-from hss.realmodel import Config
 from hss.swap import GroupLayout, HighSpeedSwap, HighSpeedSwapConfig, ModelDims
 from hss.swap.device_step import DeviceSparseStep
 

@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
+from hss.checkpoint import Weights
+from hss.cuda.gpu import CudaBackend
+from hss.decls import model as km
 from hss.errors import HssError
-from hss.gpu import CudaBackend
-from hss.kernels import model as km
 from hss.model.forward import Forward, Op
 from hss.model.kv import HbmKV, SwapKV
 from hss.model.staged import RING
 from hss.model.weights import BF16, DeviceWeights
-from hss.realmodel import Weights
 
 __all__ = ["DeviceModel", "Session", "StageTimer", "KV_MODES"]
 
@@ -37,7 +37,7 @@ AHEAD = 8   # decode steps queued ahead of the host's token reads
 
 class DeviceModel:
     """``weights`` on the device: bf16 matrices uploaded once (:class:`~hss.model.weights.DeviceWeights`), the
-    ``model`` kernels and a cuBLAS handle (:class:`~hss.gpu.CudaBackend`). ``ctx``: a CudaCtx (None: a new one on
+    ``model`` kernels and a cuBLAS handle (:class:`~hss.cuda.gpu.CudaBackend`). ``ctx``: a CudaCtx (None: a new one on
     ``device``, closed with this model). :meth:`session` starts a sequence."""
 
     def __init__(self, weights: Weights, ctx: cm.CudaCtx | None = None, device: int = 0) -> None:

@@ -3,7 +3,7 @@ tables as f32 (:class:`DeviceWeights`), and :func:`bf16_rounded`, the host weigh
 
 Per layer the projections that read the same input are one matrix: ``wqkv`` = ``wq | wk | wv`` rows (``[(n_head +
 2 n_kv_head) head_dim, dim]``) and ``wgu`` = ``w_gate | w_up`` rows (``[2 ffn_dim, dim]``), so a layer is four GEMMs.
-Every matrix keeps the ``[out, in]`` layout of :class:`hss.realmodel.Weights`, which is what
+Every matrix keeps the ``[out, in]`` layout of :class:`hss.checkpoint.Weights`, which is what
 ``cublas_bf16_proj_dense`` takes as ``weight [n, k]``.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss.checkpoint import Config, Weights
+from hss.checkpoint.forward import rope_cos_sin
 from hss.errors import HssError
-from hss.realmodel import Config, Weights
-from hss.realmodel.forward import rope_cos_sin
 
 __all__ = ["DeviceWeights", "LayerBuffers", "bf16_rounded"]
 
@@ -54,12 +54,12 @@ class DeviceWeights:
     at once, the driver stages pageable memory). ``layers[l]``: :class:`LayerBuffers`; ``embed`` bf16 ``[vocab,
     dim]``; ``output`` the LM head bf16 ``[vocab, dim]`` (``embed`` when tied); ``final_norm`` f32 ``[dim]``;
     ``rope_cos`` / ``rope_sin`` f32 ``[context_length, head_dim / 2]`` (angles in float64, as
-    :func:`hss.realmodel.forward.rope_cos_sin`). ``bytes``: device bytes held. ``close()`` frees them (idempotent).
+    :func:`hss.checkpoint.forward.rope_cos_sin`). ``bytes``: device bytes held. ``close()`` frees them (idempotent).
     """
 
     def __init__(self, weights: Weights, stream: Any, ctx: cm.CudaCtx | None = None) -> None:
         if not isinstance(weights, Weights):
-            raise TypeError(f"weights must be a hss.realmodel.Weights, got {type(weights).__name__}")
+            raise TypeError(f"weights must be a hss.checkpoint.Weights, got {type(weights).__name__}")
         self.config: Config = weights.config
         c = self.config
         if c.dim > 2**16 or c.vocab_size >= 2**31 or c.context_length >= 2**31:

@@ -20,7 +20,7 @@ capture used); a steady batch costs one small copy and four launches per step, a
 reading the mirrors.
 
 The step never reads the device on the host, so it captures into CUDA graphs: the mirror update ("every state
-advanced by one") is registered with :func:`hss._launch.on_replay`, which runs it at once when eager and at each
+advanced by one") is registered with :func:`hss.cuda._launch.on_replay`, which runs it at once when eager and at each
 :meth:`hss.cuda_min.CudaGraph.launch` when captured.
 """
 from __future__ import annotations
@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hss import _args, _launch
+from hss import _args
 from hss import cuda_min as cm
+from hss.cuda import _launch
+from hss.cuda.gpu import DevicePtr, launcher
+from hss.decls import qsa_device as kd
 from hss.errors import CudaError, HssError
-from hss.gpu import DevicePtr, launcher
-from hss.kernels import qsa_device as kd
 from hss.qsa.settings import block_size_arg, f32_arg
 
 if TYPE_CHECKING:

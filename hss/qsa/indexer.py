@@ -40,11 +40,11 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
-from hss._context import owner_context
+from hss.cuda._context import owner_context
+from hss.cuda.gpu import DevicePtr, GpuBackend, launcher, proj_dense
+from hss.decls import qsa as kq
+from hss.decls import qsa_prefill as kp
 from hss.errors import HssError
-from hss.gpu import DevicePtr, GpuBackend, launcher, proj_dense
-from hss.kernels import qsa as kq
-from hss.kernels import qsa_prefill as kp
 from hss.qsa import device, prefill, settings, snapshot
 from hss.qsa.device import QsaDeviceSelection
 from hss.qsa.keys import INGEST_SLAB, KeyWriter

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hss.gpu import DevicePtr, launcher
-from hss.kernels import qsa as kq
+from hss.cuda.gpu import DevicePtr, launcher
+from hss.decls import qsa as kq
 
 if TYPE_CHECKING:
     from hss.qsa.device import DeviceState

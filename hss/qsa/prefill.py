@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from hss import _args
+from hss.decls import qsa_prefill as kp
 from hss.errors import HssError
-from hss.kernels import qsa_prefill as kp
 from hss.qsa.select import top_blocks
 from hss.qsa.settings import block_size_arg, f32_arg
 

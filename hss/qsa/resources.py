@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hss import _args
-from hss._context import stream_context
+from hss.cuda._context import stream_context
+from hss.cuda.gpu import DevicePtr
 from hss.errors import CudaError, HssError
-from hss.gpu import DevicePtr
 
 __all__ = ["IndexerResources"]
 

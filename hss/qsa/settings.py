@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hss import _args
+from hss.decls import qsa as kq
 from hss.errors import HssError
-from hss.kernels import qsa as kq
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MIN_BLOCK_SIZE", "env_flag", "max_tokens_setting", "f32_arg", "block_size_arg",
            "LayerDims", "layer_dims"]

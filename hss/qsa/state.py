@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hss.cuda.gpu import DevicePtr
 from hss.errors import HssError
-from hss.gpu import DevicePtr
 
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer

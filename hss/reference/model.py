@@ -1,4 +1,4 @@
-"""float64 references of the decoder-forward kernels (``ptx/model.cu``, :mod:`hss.kernels.model`).
+"""float64 references of the decoder-forward kernels (``ptx/model.cu``, :mod:`hss.decls.model`).
 
 Each takes the kernel's inputs as stored (bf16 / f32 arrays read back) and returns float64 results; the caller
 rounds once to the kernel's output dtype. Shapes row-major; q head ``h`` reads kv head ``h // (n_head //

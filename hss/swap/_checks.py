@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hss import _args
-from hss._context import PrimaryContext, owner_context, stream_context
+from hss.cuda._context import PrimaryContext, owner_context, stream_context
 from hss.errors import CudaError, HssError
 
 __all__ = ["StreamCheck", "same_device"]

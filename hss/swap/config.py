@@ -33,7 +33,7 @@ class HighSpeedSwapConfig:
     FileStore's O_DIRECT choice (None: where the filesystem allows it); ``run_cap_bytes``: the FileStore's largest
     read (consecutive pages in one pread; default 1 MiB; at least one page is read at a time); ``projection``: the
     predictor's P per layer and kv head (bf16 ``[num_layers, num_kv_heads, head_dim, rank]``, e.g. from
-    :func:`hss.calibrate.calibrate_projection`; None: the seeded P of ``projection_seed``); ``head_temperature``: the
+    :func:`hss.predictor.calibrate_projection`; None: the seeded P of ``projection_seed``); ``head_temperature``: the
     predictor's per-head normalised scores (SPEC §17.5; None: max over heads).
     """
 

@@ -39,18 +39,18 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
-from hss._launch import launcher
 from hss.attention import TiledAttention, TiledAttentionDims
-from hss.errors import HssError
-from hss.kernels import sparse_step as ks
-from hss.kernels.predictor import (
+from hss.cuda._launch import launcher
+from hss.cuda.ptx import load_module
+from hss.decls import sparse_step as ks
+from hss.decls.predictor import (
     PREDICTOR_SCORE_HEADS_TABLE,
     PREDICTOR_SCORE_TABLE,
     Q_LOWRANK_PROJECT_ROWS,
     q_rows_geometry,
     score_warps,
 )
-from hss.ptx import load_module
+from hss.errors import HssError
 from hss.swap._checks import StreamCheck, same_device
 
 __all__ = ["DeviceSparseStep", "DeviceStepCounters"]

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
-from hss._launch import launcher
+from hss.cuda._launch import launcher
+from hss.cuda.ptx import load_module
+from hss.decls.gather import CHUNK, MAX_CHUNKS, MODULE, PAGE_GATHER, THREADS, VECTOR
 from hss.errors import HssError
-from hss.kernels.gather import CHUNK, MAX_CHUNKS, MODULE, PAGE_GATHER, THREADS, VECTOR
-from hss.ptx import load_module
 
 __all__ = ["GATHER_MIN_RUNS", "SPARSE_GATHER_MIN_RUNS", "FENCES", "PageGather", "ReadFences", "gather_fits"]
 

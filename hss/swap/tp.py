@@ -11,8 +11,8 @@ Recipe::
 
 Attention of one kv head never reads another's, so a rank's output rows are exact attention over its heads. They
 equal the one-device run's rows bit for bit when both runs cut the pages into the same tiles (the same resident
-set, or every page streamed) and each tile's unit (:func:`hss.kernels.attention.unit_tokens`, which depends on the
-launch's CTA count) comes out the same: it is the smallest unit (:func:`hss.kernels.attention.unit_min`: 256 tokens
+set, or every page streamed) and each tile's unit (:func:`hss.decls.attention.unit_tokens`, which depends on the
+launch's CTA count) comes out the same: it is the smallest unit (:func:`hss.decls.attention.unit_min`: 256 tokens
 at head_dim 65..128, 128 otherwise) in every split while the un-split layer's tile holds at most that unit *
 min(64, ceil(T / kv heads)) tokens, T = 256 for head_dim <= 128 and 128 up to 256 (one sequence, up to 16 q heads per
 kv head): 8,192 tokens at 8 kv heads x 128, 8,192 at 2 kv heads x 256 (the swap's streamed tiles are
