@@ -1,4 +1,4 @@
-"""Tiled (streaming) decode attention (SPEC §6): online-softmax state carried across tile launches.
+"""Tiled (streaming) decode attention (docs/design.md §6): online-softmax state carried across tile launches.
 
 A decode step is ``begin_step`` (m := -inf, l := 0, o := 0), one ``step_tile`` per tile of KV pages (the
 pages may be streamed into a small scratch pool between tiles), then ``finalize`` (out = o / l in bf16).
@@ -7,10 +7,10 @@ as the launch's CTA count wants for one wave, at least 128 or 256 tokens, at mos
 softmax state computed by one CTA on the tensor cores (its 8 warps each streaming their own 8-token steps; up to 16
 query heads of a kv head share the staged K/V, so each kv head is read once), then folded in two levels (groups of
 8 units, then the groups) by the
-last CTA to finish, in the same launch (SPEC §0 allows split and merge). A tile's result depends only on its
+last CTA to finish, in the same launch (docs/design.md §0 allows split and merge). A tile's result depends only on its
 token list and the number of sequences in the launch: the same pages in the same tiles give the same bits
 whatever the pool layout, ``tile_capacity``, grid.z or the other sequences' pages; another split into tiles
-rounds differently (both exact attention within SPEC §0). Every call is asynchronous on the
+rounds differently (both exact attention within docs/design.md §0). Every call is asynchronous on the
 given stream.
 
 Arguments are checked by :mod:`hss._args` before anything is queued (a bad one raises naming the parameter;
@@ -58,7 +58,7 @@ _STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addr
 
 @dataclass(frozen=True)
 class TiledAttentionDims:
-    """Sizes of a :class:`TiledAttention` (SPEC §6.1).
+    """Sizes of a :class:`TiledAttention` (docs/design.md §6.1).
 
     ``max_seqs`` sequences per step, ``num_q_heads`` / ``num_kv_heads`` (GQA), ``head_dim`` (<= 256),
     ``block_size`` tokens per KV page, ``tile_capacity`` pages per sequence per tile.
@@ -297,7 +297,7 @@ class TiledAttention:
         return d.block_size * d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.head_dim
 
     def scratch_pool_strides(self, group_stride_bytes: int | None = None) -> tuple[int, int, int, int]:
-        """(blk, tok, kvh, v_offset) element strides of the HSS scratch slots (SPEC §7.4).
+        """(blk, tok, kvh, v_offset) element strides of the HSS scratch slots (docs/design.md §7.4).
 
         A slot is ``[K|V][kv_head][stripe]``, each stripe ``group_stride_bytes`` long (default: unpadded,
         block_size*head_dim*2; the swap substrate pads it to 4 KiB) holding bf16 [block_size, head_dim].

@@ -1,4 +1,4 @@
-"""The minimal CUDA driver layer (SPEC §1 as amended by §0): the original's surface, re-exported from the
+"""The minimal CUDA driver layer (docs/design.md §1 as amended by §0): the original's surface, re-exported from the
 modules that own each concept.
 
 - :mod:`hss.cuda._context`: :class:`CudaCtx`, :class:`CudaStream`, :class:`CudaEvent`, ``stream_sync``,

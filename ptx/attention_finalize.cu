@@ -1,4 +1,4 @@
-// attention_finalize.cu: the last step of tiled decode attention (SPEC §6.4).
+// attention_finalize.cu: the last step of tiled decode attention (docs/design.md §6.4).
 //
 // attention_finalize(o f32 [num_seqs*num_q_heads, head_dim], l f32 [num_seqs*num_q_heads],
 //                    out bf16 [num_seqs, num_q_heads, head_dim], num_q_heads i32, head_dim i32):

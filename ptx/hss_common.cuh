@@ -46,9 +46,9 @@ __device__ __forceinline__ float hss_warp_max(float v) {
     return v;
 }
 
-// Sum of v over the CTA (SPEC §12 block reduction): a shuffle-down tree per warp, lane 0 writes red[warp] (shared,
-// one float per warp), thread 0 adds the warp sums in warp order (deterministic) into red[0], which every thread
-// returns. One use per kernel: red[0] is rewritten between the two barriers.
+// Sum of v over the CTA (docs/design.md §12 block reduction): a shuffle-down tree per warp, lane 0 writes red[warp]
+// (shared, one float per warp), thread 0 adds the warp sums in warp order (deterministic) into red[0], which every
+// thread returns. One use per kernel: red[0] is rewritten between the two barriers.
 // Two forms, each the code its kernels were written with (same PTX as before): FROM_ZERO (the prefill kernels)
 // starts thread 0's sum at +0.0f and also counts a last partial warp; otherwise (the decode kernels, which
 // check that blockDim.x is a multiple of 32) it starts at red[0]. For whole warps the sums differ only if

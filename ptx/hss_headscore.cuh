@@ -1,5 +1,5 @@
-// hss_headscore.cuh: the per-head normalised score's arithmetic (SPEC §17.5) in explicit instructions, so every
-// module that includes it computes the same bits whatever its build flags (predictor_score is built with
+// hss_headscore.cuh: the per-head normalised score's arithmetic (docs/design.md §17.5) in explicit instructions, so
+// every module that includes it computes the same bits whatever its build flags (predictor_score is built with
 // --use_fast_math, sparse_step without): flush-to-zero subtract, multiply, add and max, and the hardware ex2.
 #pragma once
 

@@ -1,4 +1,4 @@
-// hss_rope.cuh: RoPE, rotate-half (SPEC §12 common RoPE), angles in double as the original.
+// hss_rope.cuh: RoPE, rotate-half (docs/design.md §12 common RoPE), angles in double as the original.
 #pragma once
 
 // Output dim d of the row y (shared, [hd] f32) at position pos: for d < rot (rot even, <= hd), half = rot/2,

@@ -1,8 +1,8 @@
-// hss_softmax.cuh: the online softmax and the merge of partial softmax states, for every attention kernel (SPEC
-// §6.3, §6.4). A state is (m, l, o): m the largest logit so far, l = sum_t 2^(x_t - m), o = sum_t 2^(x_t - m) v_t,
-// logits in log2 units (x * log2(e)); m = -inf, l = 0, o = 0: nothing attended yet. BASE_E (qsa_prefill_attn, as
-// the original): natural logits and e^ by __expf. The exponentials are exp2f / __expf, so each module's flags
-// (--use_fast_math or not) pick their instructions.
+// hss_softmax.cuh: the online softmax and the merge of partial softmax states, for every attention kernel
+// (docs/design.md §6.3, §6.4). A state is (m, l, o): m the largest logit so far, l = sum_t 2^(x_t - m), o = sum_t
+// 2^(x_t - m) v_t, logits in log2 units (x * log2(e)); m = -inf, l = 0, o = 0: nothing attended yet. BASE_E
+// (qsa_prefill_attn, as the original): natural logits and e^ by __expf. The exponentials are exp2f / __expf, so each
+// module's flags (--use_fast_math or not) pick their instructions.
 #pragma once
 #include "hss_common.cuh"
 

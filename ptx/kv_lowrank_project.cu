@@ -1,4 +1,5 @@
-// kv_lowrank_project.cu: one KV page's per-token low-rank keys (SPEC §5.2, §17.5; per token, not a block mean).
+// kv_lowrank_project.cu: one KV page's per-token low-rank keys (docs/design.md §5.2, §17.5; per token, not a block
+// mean).
 //
 // kv_lowrank_project(k_block bf16 [block_size, num_kv_heads, head_dim] (one NHD page),
 //                    p bf16 num_kv_heads x [head_dim, r] (kv head h's matrix at p + h * p_stride),
@@ -6,7 +7,7 @@
 //                    head_dim, r, p_stride)      all row-major; head_dim <= 256
 //   k_lr[h, t, o] = bf16_rne(acc), acc = sequential f32 fma over i = 0 .. head_dim-1 of
 //   k_block[t, h, i] * P_h[i, o] (the original's arithmetic and order; no scaling). The original's one P
-//   for every head is p_stride = 0; SPEC §17.5's P per kv head is p_stride = head_dim * r. p_stride < 0:
+//   for every head is p_stride = 0; docs/design.md §17.5's P per kv head is p_stride = head_dim * r. p_stride < 0:
 //   nothing is written.
 // Launch: block (bx, by) with bx >= r, 1 <= by <= 8 (hss: (r, min(8, 256 / r, block_size))), grid
 //   (num_kv_heads, ceil(block_size / by), 1), static shared memory only. CTA (h, c) projects tokens

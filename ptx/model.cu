@@ -26,8 +26,8 @@
 //               kvh_stride)
 //   Element (row, kv head, d) of k_cache / v_cache is at row * row_stride + kv_head * kvh_stride + d (elements,
 //   i64, >= 0): positional [cache_rows, n_kv_head, head_dim] rows are row_stride = n_kv_head head_dim, kvh_stride =
-//   head_dim; a page of the swap store's layout (stripes [kv head][block_size, head_dim], SPEC §7.1) is row_stride =
-//   head_dim, kvh_stride = the stripe stride, cache_rows = block_size (v_cache: the page's V half).
+//   head_dim; a page of the swap store's layout (stripes [kv head][block_size, head_dim], docs/design.md §7.1) is
+//   row_stride = head_dim, kvh_stride = the stripe stride, cache_rows = block_size (v_cache: the page's V half).
 //   Row r is the token at pos = state[1] + r, stored at cache row pos % cache_rows. Each qkv row is q | k | v
 //   (heads in order); q and k heads get rotate-half RoPE (element j pairs with j + head_dim/2, j < head_dim/2):
 //   y_j = x_j c - x_{j+h} s, y_{j+h} = x_{j+h} c + x_j s, c = cos[pos, j], s = sin[pos, j] (f32 tables the host

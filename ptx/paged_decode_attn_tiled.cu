@@ -1,6 +1,6 @@
-// paged_decode_attn_tiled.cu: one tile of streaming (online-softmax) decode attention (SPEC §6.3, restructured
-// as split + merge under SPEC §0), on the tensor cores, each kv head's K/V read once per tile whatever the GQA
-// ratio (up to ATT_HG = 16 query heads share a CTA: the 16 rows of the mma tiles).
+// paged_decode_attn_tiled.cu: one tile of streaming (online-softmax) decode attention (docs/design.md §6.3,
+// restructured as split + merge under docs/design.md §0), on the tensor cores, each kv head's K/V read once per tile
+// whatever the GQA ratio (up to ATT_HG = 16 query heads share a CTA: the 16 rows of the mma tiles).
 //
 // A tile's tokens (every slot of every listed page, except the last page's min(lbvs, bs) slots) are cut into
 // units of U tokens counted from the tile's start, U = unit_tokens(n, ctas) (below): n the sequence's tokens in
@@ -11,7 +11,7 @@
 // log2 units:
 //   x_t = (q . K_t) * rsqrt(head_dim) * log2(e)   (bf16 mma m16n8k16, f32 accumulate in 4 chains over head_dim)
 //   per step: m' = max(m, max_t x_t), a = exp2(m - m'), p_t = exp2(x_t - m'), l' = l*a + sum_t p_t,
-//   o' = o*a + sum_t p_t*V_t   (p as bf16 hi + lo, >= 16 bits (SPEC §0); bf16 mma m16n8k8, f32 accumulate).
+//   o' = o*a + sum_t p_t*V_t   (p as bf16 hi + lo, >= 16 bits (docs/design.md §0); bf16 mma m16n8k8, f32 accumulate).
 // At a unit's end the 8 warp states are combined (warp order: M = max_w m_w, w_w = 2^(m_w - M), 0 for a warp with
 // no step; l_u = sum_w l_w w_w and o_u = sum_w o_w w_w as fma chains from 0) into the unit's partial (m_u = M, l_u,
 // o_u), written to the workspace (a tile of one unit: folded into the state at once, by the same ops, without the

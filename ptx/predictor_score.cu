@@ -1,4 +1,4 @@
-// predictor_score.cu: the predictor's block score (SPEC §5.3), bandwidth-first.
+// predictor_score.cu: the predictor's block score (docs/design.md §5.3), bandwidth-first.
 //
 // predictor_score(q_proj bf16 [num_q_heads, r], k_lr bf16 [num_blocks, num_kv_heads, block_size, r],
 //                 scores f32 [num_blocks], num_q_heads, num_kv_heads, block_size, r, gqa_ratio, num_blocks)
@@ -26,7 +26,8 @@
 //
 // predictor_score_table(q_proj bf16 [R, num_q_heads, r], k_lr bf16 [max_blocks, num_kv_heads, block_size, r] (one
 //                       layer of A_g), table i32 [R, table_stride], counts i32 [R], rows i32 [1], scores f32
-//                       [R, table_stride], num_q_heads, num_kv_heads, block_size, r, gqa_ratio, table_stride, max_blocks)
+//                       [R, table_stride], num_q_heads, num_kv_heads, block_size, r, gqa_ratio, table_stride,
+//                       max_blocks)
 //   For each query row s < rows[0] and i < clamp(counts[s], 0, table_stride): scores[s, i] = predictor_score's score
 //   of A_g block table[s, i] for q_proj[s] (the same arithmetic, so the same bits); a block id outside
 //   0..max_blocks-1 scores NaN. Nothing else is written. Launch: block (32 * W, 1, 1) (hss: W = 1), grid
@@ -42,7 +43,7 @@
 //     table_stride, max_blocks, exp2_scale): predictor_head_combine of each entry (an id outside A_g: NaN).
 //     Launch: block (HSS_PRED_HEAD_THREADS, 1, 1), grid (ceil(table_stride / HSS_PRED_HEAD_THREADS), R, 1).
 //
-// Per-head normalised scores (SPEC §17.5, hss's option; three launches in this order):
+// Per-head normalised scores (docs/design.md §17.5, hss's option; three launches in this order):
 // predictor_score_heads(q_proj, k_lr, head_scores f32 [num_blocks, num_q_heads], the same scalars as predictor_score)
 //   head_scores[b, qh] = max over token t of dot(q_proj[qh, :], k_lr[b, qh / gqa_ratio, t, :]) (the general
 //   path's arithmetic: sequential f32 fma over r ascending; NaN dots skipped, none left: -inf). Same launch as
@@ -157,7 +158,8 @@ predictor_score(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* _
     if (lane == 0) scores[b] = best;
 }
 
-// R queries, each over its own list of A_g blocks (the device sparse step, SPEC §17.8): see the header comment.
+// R queries, each over its own list of A_g blocks (the device sparse step, docs/design.md §17.8): see the header
+// comment.
 extern "C" __global__ void __launch_bounds__(256, 2)
 predictor_score_table(const __nv_bfloat16* __restrict__ q_proj, const __nv_bfloat16* __restrict__ k_lr,
                       const int* __restrict__ table, const int* __restrict__ counts, const int* __restrict__ rows,

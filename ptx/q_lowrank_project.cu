@@ -1,9 +1,9 @@
-// q_lowrank_project.cu: the decode query's low-rank projection (SPEC §5.1, §17.5), Q_proj = bf16(Q @ P).
+// q_lowrank_project.cu: the decode query's low-rank projection (docs/design.md §5.1, §17.5), Q_proj = bf16(Q @ P).
 //
 // q_lowrank_project(q bf16 [num_q_heads, head_dim], p bf16 G x [head_dim, r] (matrix g at p + g * p_stride),
 //                   q_proj bf16 [num_q_heads, r], num_q_heads, head_dim, r, heads_per_p, p_stride)
 //   all row-major; head_dim <= 256; G = ceil(num_q_heads / heads_per_p). q head h is projected with
-//   matrix g = h / heads_per_p (SPEC §17.5: one P per kv head is heads_per_p = gqa_ratio, p_stride =
+//   matrix g = h / heads_per_p (docs/design.md §17.5: one P per kv head is heads_per_p = gqa_ratio, p_stride =
 //   head_dim * r; the original's one P is heads_per_p = num_q_heads, p_stride = 0):
 //   q_proj[h, o] = bf16_rne(acc), acc = sequential f32 fma over i = 0 .. head_dim-1 of q[h, i] * P_g[i, o]
 //   (the original's arithmetic and order; no scaling). heads_per_p < 1 or p_stride < 0: nothing is written.

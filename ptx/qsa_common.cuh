@@ -1,5 +1,5 @@
 // qsa_common.cuh: pieces shared by the QSA kernel modules (qsa_indexer.cu, qsa_device.cu): the dynamic
-// shared-memory size, the RMS norm and the block scorer (SPEC §12; the math is described in qsa_indexer.cu).
+// shared-memory size, the RMS norm and the block scorer (docs/design.md §12; the math is described in qsa_indexer.cu).
 #pragma once
 #include "hss_common.cuh"
 

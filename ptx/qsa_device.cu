@@ -1,4 +1,4 @@
-// qsa_device.cu: the QSA decode step on the device (SPEC §17.1-§17.4): R sequences of one indexer per launch,
+// qsa_device.cu: the QSA decode step on the device (docs/design.md §17.1-§17.4): R sequences of one indexer per launch,
 // each sequence's position read from device memory, the step advancing it, nothing read back by the host.
 // Built WITHOUT --use_fast_math, as qsa_indexer: IEEE f32 division, rsqrtf where the original used it, RoPE
 // angles in double. Layouts row-major, outermost first; bf16 = __nv_bfloat16 (round-to-nearest-even on store).
@@ -36,7 +36,7 @@
 //   score_stride >= max_tokens / ratio, sel_cap >= k_blocks * ratio + ratio - 1, max_tokens < 2^31.
 //   visible = p + 1, complete = visible / ratio, tail = visible % ratio, K = k_blocks.
 //   Inert (complete <= K): tokens[r, 0 .. visible) = 0 .. visible - 1, counts[r] = visible.
-//   Else the top K blocks under SPEC §17.1 (score descending, block index ascending; NaN below every number,
+//   Else the top K blocks under docs/design.md §17.1 (score descending, block index ascending; NaN below every number,
 //   -inf above NaN; -0.0 == +0.0), ascending, expanded: tokens[r, i*ratio + j] = b_i*ratio + j, then the tail
 //   complete*ratio .. visible - 1; counts[r] = K*ratio + tail. Entries past counts[r] are never written.
 //   Last, after a barrier (every thread has read p): pos[slots[r]] = p + 1.
@@ -58,8 +58,8 @@
 //   (t < 0, t / block_size >= max_pages or a negative page: the token contributes nothing).
 //   x = (q . k) * scale * log2(e) (bf16 mma, f32 accumulate in 4 interleaved chains over hd); per split and head
 //   m = max x (log2 units), p = exp2(x - m), l = sum p (f32), o = sum p * v with p as bf16 hi + lo (>= 16 bits,
-//   SPEC §0) in f32: part_ml[r, h, s] = (m, l), part_o[r, h, s, :] = o (h = g*G + head). The bits depend only on
-//   (q, the split's token list, K/V), never on R, the grid or the other requests. A split without a valid token:
+//   docs/design.md §0) in f32: part_ml[r, h, s] = (m, l), part_o[r, h, s, :] = o (h = g*G + head). The bits depend only
+//   on (q, the split's token list, K/V), never on R, the grid or the other requests. A split without a valid token:
 //   (-inf, 0), o 0.
 //   CTA: Q (16 rows, rows >= G zero), the split's 128 K rows and 128 V rows in shared memory by cp.async (missing
 //   tokens as zero rows); warp w computes S for tokens 16w .. 16w + 15 (ldmatrix + mma.m16n8k16), 16 threads per
@@ -178,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(QSA_SCORE_THREADS)
 // ------------------------------------------------------------------------------------------------
 // qsa_dev_topk
 // ------------------------------------------------------------------------------------------------
-// The SPEC §17.1 order as an unsigned key: larger key = ranked first. NaN -> 0 (below -inf's 0x007fffff),
+// The docs/design.md §17.1 order as an unsigned key: larger key = ranked first. NaN -> 0 (below -inf's 0x007fffff),
 // -0.0 -> +0.0, negatives bit-flipped, non-negatives with the sign bit set.
 __device__ __forceinline__ u32 qsd_order_key(u32 bits) {
     const u32 mag = bits & 0x7fffffffu;
@@ -306,7 +306,7 @@ __device__ __forceinline__ void qsd_emit(int* __restrict__ out, u32 at, u32 blk,
     }
 }
 
-// The top k (0 < k < n) of the n scores of `row` by SPEC §17.1, expanded ascending into out[0 .. k*ratio).
+// The top k (0 < k < n) of the n scores of `row` by docs/design.md §17.1, expanded ascending into out[0 .. k*ratio).
 __device__ __forceinline__ void qsd_topk_select(const float* __restrict__ row, u32 n, u32 k, u32 ratio,
                                                 int* __restrict__ out, const u32 (&bits0)[QSA_TOPK_ITEMS], bool vec,
                                                 bool vec4, u32* cache) {

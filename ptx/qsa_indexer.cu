@@ -1,4 +1,4 @@
-// qsa_indexer.cu: the QSA indexer kernels (SPEC §10-§12). Built WITHOUT --use_fast_math, as the original:
+// qsa_indexer.cu: the QSA indexer kernels (docs/design.md §10-§12). Built WITHOUT --use_fast_math, as the original:
 // IEEE f32 division, rsqrtf where the original used it, RoPE angles in double. All layouts row-major,
 // outermost first; bf16 = __nv_bfloat16 (round-to-nearest-even on store); scalars are u32 except the f32
 // theta and eps. Every kernel returns without touching memory when its launch contract is broken (checked
@@ -139,5 +139,5 @@ extern "C" __global__ void qsa_gather(const __nv_bfloat16* __restrict__ k_cache,
     }
 }
 
-// The prefill-selection kernels (SPEC §12.5-12.8) live in their own header.
+// The prefill-selection kernels (docs/design.md §12.5-12.8) live in their own header.
 #include "qsa_prefill.cuh"

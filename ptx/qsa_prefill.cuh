@@ -1,10 +1,10 @@
-// qsa_prefill.cuh: the QSA prefill kernels (SPEC §12.5-12.8 as amended by SPEC §0), part of PTX module
-// qsa_indexer (included at the end of qsa_indexer.cu).
+// qsa_prefill.cuh: the QSA prefill kernels (docs/design.md §12.5-12.8 as amended by docs/design.md §0), part of PTX
+// module qsa_indexer (included at the end of qsa_indexer.cu).
 // Built without --use_fast_math, as the original. All scalars u32 except theta/eps/inv_sqrt_d (f32).
 // Tensor cores through inline PTX mma.sync (sm_80+), so the base compute_80 build carries everything.
 // Every pointer below is assumed 16-byte aligned (allocations are) unless it says otherwise.
 //
-// qsa_qprep_rows(qk, q_norm_w, q_out, first_pos, qkw, n_heads, hd, rot, theta, eps)          [SPEC §12.5]
+// qsa_qprep_rows(qk, q_norm_w, q_out, first_pos, qkw, n_heads, hd, rot, theta, eps)          [docs/design.md §12.5]
 //   qk [rows, qkw] bf16 (query heads in the first n_heads*hd columns), q_norm_w [hd] bf16 (offset from 1),
 //   q_out [rows, n_heads, hd] f32. Row r is at position first_pos + r. Per (row, head): x = f32(qk);
 //   rms = rsqrtf(hss_block_sum(x^2)/hd + eps); normed = x*rms*(1+w); RoPE rotate-half on dims < rot with
@@ -13,7 +13,7 @@
 //   clamped to hd (the launcher requires an even rot <= hd).
 //
 // qsa_score_rows(q, block_keys, scores, first_pos, score_stride, ratio, n_heads, hd, rows, n_blocks)
-//   [SPEC §12.6; blocks on grid.x per SPEC §0; DEVIATION: `rows` and `n_blocks` (= the original's
+//   [docs/design.md §12.6; blocks on grid.x per docs/design.md §0; DEVIATION: `rows` and `n_blocks` (= the original's
 //   n_blocks_max) are passed, because a CTA covers a 64 x 64 tile and the grid no longer encodes them]
 //   q [rows, n_heads, hd] f32, block_keys [n, hd] bf16 (n >= min(n_blocks, (first_pos+rows)/ratio)),
 //   scores [rows, score_stride] f32 (score_stride >= n_blocks). Entry (r, b), b < n_blocks:
@@ -22,13 +22,13 @@
 //   Grid (ceil(n_blocks/64), ceil(rows/64), 1), block (256, 1, 1), static smem 17 KB. Any hd >= 1.
 //   Tile: q (64 rows x 32 d) and keys (64 blocks x 32 d) staged in smem as f32, 4 x 4 outputs per thread.
 //
-// qsa_score_rows_tc(q, block_keys, scores, first_pos, score_stride, ratio, n_blocks, rows)   [SPEC §12.7]
+// qsa_score_rows_tc(q, block_keys, scores, first_pos, score_stride, ratio, n_blocks, rows)   [docs/design.md §12.7]
 //   Same shapes and outputs as qsa_score_rows with n_heads = 4 and hd = 128 hard-coded. Split q:
 //   q = hi + lo (hi = bf16(q), lo = bf16(q - f32(hi)), ~17 significant bits), keys bf16, f32 accumulation
 //   in mma.sync.m16n8k16 (per k16 step: hi then lo into one accumulator), relu per head, heads summed in
 //   f32 as (h0 + h2) + (h1 + h3), x rsqrtf(128). Entry (r, b), b < n_blocks: -1e30 if b >= complete_r =
 //   (first_pos + r + 1) / ratio, else that sum; b >= n_blocks and rows >= `rows` are never written; keys are
-//   read only below min(n_blocks, complete of the CTA's last row). DEVIATION (SPEC §0 allows it): `rows` is
+//   read only below min(n_blocks, complete of the CTA's last row). DEVIATION (docs/design.md §0 allows it): `rows` is
 //   an extra trailing parameter and every row is bounds-checked (q rows past it read as zeros, their scores
 //   not stored), so q and scores need only `rows` rows, not the original's rounding up to 16 (nor to the
 //   32-row CTA tile here). Grid (ceil(rows/32), Y, 1) for any Y in [1, ceil(n_blocks/64)] (CTA y
@@ -39,7 +39,7 @@
 //   ring with one barrier per chunk.
 //
 // qsa_prefill_attn(q, k_cache, v_cache, block_table, lists, attn_out, first_pos, topk, ratio,
-//                  block_size, nq, nkv, hd, inv_sqrt_d)                                          [SPEC §12.8]
+//                  block_size, nq, nkv, hd, inv_sqrt_d)                                          [docs/design.md §12.8]
 //   q [rows, nq, hd] bf16 (roped), k_cache/v_cache paged NHD [pages, block_size, nkv, hd] bf16,
 //   block_table [ceil((first_pos+rows)/block_size)] i32, lists [rows, topk] i32, attn_out [rows, nq, hd]
 //   bf16. Row r (pos = first_pos + r, complete = (pos+1)/ratio) attends, per query head qh with kv head
@@ -54,7 +54,7 @@
 //   Grid (rows, nkv, 1), block (64, 1, 1) = 2 warps, static smem 41 KB. One CTA per (row, kv head): the
 //   G query heads are the 16 rows of m16n8k16 tiles, so each selected K/V row is read once per row for
 //   all G heads. Warp w takes 8-token sub-chunks w, w+2, ...: S = Q K^T (bf16 mma, f32 accumulate),
-//   online softmax in f32 (log2 domain, exp2f), P split into bf16 hi + lo (>= 16 bits, SPEC §0) for
+//   online softmax in f32 (log2 domain, exp2f), P split into bf16 hi + lo (>= 16 bits, docs/design.md §0) for
 //   O += P V (mma m16n8k8, each sub-chunk accumulated from zero then added to the f32 running O with
 //   its rescale, so no long tensor-core accumulation chain). K/V rows arrive by cp.async (16 B) into a
 //   2-stage per-warp ring; each lane reads back only what it copied (the hd index order inside a K row and

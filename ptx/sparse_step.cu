@@ -1,5 +1,5 @@
-// sparse_step.cu: the device sparse swap step (SPEC §17.8): page selection, per-(sequence, layer) residency of C
-// slots and the reads of the misses, for R sequences at once, with no host in the loop (every count is read on the
+// sparse_step.cu: the device sparse swap step (docs/design.md §17.8): page selection, per-(sequence, layer) residency
+// of C slots and the reads of the misses, for R sequences at once, with no host in the loop (every count is read on the
 // device, so a step captures into a CUDA graph).
 //
 // Layout of one layer's state (the host offsets every pointer by the layer):
@@ -24,9 +24,9 @@
 //   CTA s (< rows[0]; the others write attend_counts[s] = fetch_counts[s] = 0 and stop) with n = clamp(counts[s], 0,
 //   stride) pages:
 //   * S: every page if n <= keep_first + keep_recent + budget (= sel_cap); else pages 0..F-1, n-Rk..n-1 and the
-//     `budget` best of the others by (score descending, page ascending), NaN below every number (SPEC §17.1).
-//   * the scores: scores[s, i] as given (num_heads 0), or (num_heads > 0: the per-head normalised scores, SPEC
-//     §17.5, folded in here so the step needs no head-max and combine launches) computed from predictor_score_heads_
+//     `budget` best of the others by (score descending, page ascending), NaN below every number (docs/design.md §17.1).
+//   * the scores: scores[s, i] as given (num_heads 0), or (num_heads > 0: the per-head normalised scores,
+//     docs/design.md §17.5, folded in here so the step needs no head-max and combine launches) computed from predictor_score_heads_
 //     table's head_scores: each head's max over the row's n pages, then predictor_head_combine_rows's sum
 //     (hss_headscore.cuh: the same bits), NaN for a table id outside 0..max_blocks-1, written to scores[s, i] for
 //     every i < n when not every page is selected (nothing is scored then).
@@ -43,7 +43,8 @@
 // sparse_fetch(dst u8 (the slot pool, page_vecs * 16 bytes a slot), src u8 (the store's pages, mapped host memory),
 //              fetch, fetch_counts, rows, sel_cap, page_vecs, src_pages, dst_pages)
 //   For s < rows[0] and j < fetch_counts[s] with (p, d) = fetch[s, j]: slot d of dst = page p of src, 16-byte loads
-//   (page_gather's copy); a pair outside src_pages / dst_pages (a block id the table got wrong) copies nothing. Launch: grid (sel_cap, ceil(page_vecs / GATHER_CHUNK), R), block (GATHER_THREADS, 1, 1).
+//   (page_gather's copy); a pair outside src_pages / dst_pages (a block id the table got wrong) copies nothing. Launch:
+//   grid (sel_cap, ceil(page_vecs / GATHER_CHUNK), R), block (GATHER_THREADS, 1, 1).
 #include "hss_common.cuh"
 #include "hss_copy.cuh"
 #include "hss_headscore.cuh"
@@ -53,7 +54,7 @@
 #define SELECT_MAX_HEADS 256   // num_heads of the folded per-head scores, at most
 
 // An order-preserving u32 key of a score: higher score, higher key; every NaN 0 (below -inf, whose key is 0x007fffff);
-// -0.0 and 0.0 one key (equal scores tie, as SPEC §17.1 and the host mode rank them).
+// -0.0 and 0.0 one key (equal scores tie, as docs/design.md §17.1 and the host mode rank them).
 __device__ __forceinline__ unsigned hss_score_key(float v) {
     if (v != v) return 0u;
     if (v == 0.0f) return 0x80000000u;

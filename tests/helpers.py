@@ -1,4 +1,4 @@
-"""Test helpers: device round trips, NaN poisoning, a recording GpuBackend, and the SPEC §0 error bounds with
+"""Test helpers: device round trips, NaN poisoning, a recording GpuBackend, and the docs/design.md §0 error bounds with
 their mutation checks."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Recording:
 
 
 def bound(ref: np.ndarray, kind: str, row_axes: tuple[int, ...], valid: np.ndarray | None = None) -> np.ndarray:
-    """SPEC §0 per-element bound: bf16 -> 2^-7|ref| + 1e-5 max|ref|, f32 -> 1e-4 max|ref| (max per row)."""
+    """docs/design.md §0 per-element bound: bf16 -> 2^-7|ref| + 1e-5 max|ref|, f32 -> 1e-4 max|ref| (max per row)."""
     a = np.abs(np.asarray(ref, dtype=np.float64))
     if valid is not None:
         a = np.where(valid, a, 0.0)
@@ -97,7 +97,7 @@ def assert_bites(got, mutated_ref, kind: str, row_axes: tuple[int, ...], what: s
         raise AssertionError(f"{what}: the bound does not bite (a mutated reference also passes)")
 
 
-# Tensor-core scorer bound (SPEC §0: derived for the split-q kernel, stated here). Per score entry (r, b):
+# Tensor-core scorer bound (docs/design.md §0: derived for the split-q kernel, stated here). Per score entry (r, b):
 #   |tc - ref| <= (TC_SPLIT + TC_ACC) * S_rb + TC_FINAL * |ref_rb|,   S_rb = sum_h sum_d |q_rhd| |k_bd| / sqrt(128)
 # TC_SPLIT: q = hi + lo + delta with hi = bf16(q) (|q - hi| <= 2^-8 |q|) and lo = bf16(q - hi) (<= 2^-8 of that),
 #   so |delta| <= 2^-16 |q| per element; the bf16 x bf16 products are exact, so this is the whole input error.

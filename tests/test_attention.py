@@ -1,4 +1,4 @@
-"""Tests for hss.attention and its kernels (SPEC §6; bounds of SPEC §0).
+"""Tests for hss.attention and its kernels (docs/design.md §6; bounds of docs/design.md §0).
 
 Outputs are compared with plain float64 softmax attention over exactly the tokens the tile schedule
 consumes, computed from the staged bf16 pool and query; every bound is shown to bite (one token dropped
@@ -93,7 +93,7 @@ def schedule(pages: list[np.ndarray], tile: int, capacity: int, block_size: int,
 
 
 def consumed(sched: list, ns: int, block_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(pages, slots) of the tokens each sequence attends under ``sched`` (SPEC §6.3), in order."""
+    """(pages, slots) of the tokens each sequence attends under ``sched`` (docs/design.md §6.3), in order."""
     pages: list[list[int]] = [[] for _ in range(ns)]
     slots: list[list[int]] = [[] for _ in range(ns)]
     for blocks, counts, lbvs in sched:
@@ -146,7 +146,7 @@ def reference(q: np.ndarray, pool: Pool, tokens: list) -> np.ndarray:
 
 
 def check(res: Result, q: np.ndarray, pool: Pool, tokens: list, num_seqs: int, what: str) -> np.ndarray:
-    """The SPEC §0 bf16 bound per (seq, head) row, its mutation check, and the poison past num_seqs."""
+    """The docs/design.md §0 bf16 bound per (seq, head) row, its mutation check, and the poison past num_seqs."""
     want = reference(q, pool, tokens)
     got = res.out[:num_seqs].astype(np.float64)
     assert_close(got, want, "bf16", (2,), what)

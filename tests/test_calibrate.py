@@ -1,5 +1,5 @@
-"""Tests for hss.predictor.calibrate (SPEC §17.5): the uncentered principal directions of calibration keys, per layer
-and kv head, as a Predictor projection. Pure numpy; the Predictor end of it runs on any driver."""
+"""Tests for hss.predictor.calibrate (docs/design.md §17.5): the uncentered principal directions of calibration keys,
+per layer and kv head, as a Predictor projection. Pure numpy; the Predictor end of it runs on any driver."""
 from __future__ import annotations
 
 import math
@@ -29,7 +29,7 @@ def keys_with_spectrum(rng: np.random.Generator, t: int, hd: int, sigmas: np.nda
 
 
 def eig_directions(k: np.ndarray, r: int) -> np.ndarray:
-    """An independent reference: the top-r eigenvectors of K^T K (float64), sign-fixed as SPEC §17.5 says."""
+    """An independent reference: the top-r eigenvectors of K^T K (float64), sign-fixed as docs/design.md §17.5 says."""
     w, v = np.linalg.eigh(k.T @ k)
     v = v[:, np.argsort(w)[::-1][:r]]
     lead = v[np.abs(v).argmax(axis=0), np.arange(r)]

@@ -1,5 +1,5 @@
-"""Tests for the device sparse swap step (SPEC §17.8): ``ptx/sparse_step.cu`` and the batched predictor entry points
-(:mod:`hss.decls.sparse_step`, :mod:`hss.decls.predictor`), the integer reference
+"""Tests for the device sparse swap step (docs/design.md §17.8): ``ptx/sparse_step.cu`` and the batched predictor entry
+points (:mod:`hss.decls.sparse_step`, :mod:`hss.decls.predictor`), the integer reference
 (:mod:`hss.reference.sparse_step`) and :class:`hss.swap.device_step.DeviceSparseStep`.
 
 The kernels against their references on outputs poisoned before each launch (0xFF: NaN as floats, -1 as ints), on
@@ -78,7 +78,7 @@ def record_device_work(monkeypatch) -> list[str]:
     return calls
 
 
-# -- a plain-Python model of SPEC §17.8 (independent of hss.reference.sparse_step) -------------------------------
+# -- a plain-Python model of docs/design.md §17.8 (independent of hss.reference.sparse_step) ---------------------------
 def model_select(scores, n: int, budget: int, keep_first: int, keep_recent: int) -> list[int]:
     """S, ascending: every page when n <= F + Rk + K, else the first F, the last Rk and the K best others (higher
     score first, NaN below every number, ties to the earlier page)."""
@@ -348,8 +348,9 @@ def run_select(ctx, stream, case: SelectCase) -> None:
     want_scores = scores.copy()
     for s in range(min(max(case.real, 0), R)):
         n = min(max(int(counts[s]), 0), P)
-        if heads and n > cap:   # the folded per-head scores: the reference's within SPEC §0's f32 rule (exact on
-            folded = ref.head_scores(per_head[s, :n, :heads], table[s, :n], max_blocks, scale)  # the emulator)
+        if heads and n > cap:
+            # the folded per-head scores: the reference's within docs/design.md §0's f32 rule (exact on the emulator)
+            folded = ref.head_scores(per_head[s, :n, :heads], table[s, :n], max_blocks, scale)
             nan = np.isnan(folded)
             assert np.array_equal(np.isnan(got_scores[s, :n]), nan), f"row {s}: NaN scores; {case}"
             if ON_GPU:

@@ -1,6 +1,6 @@
 """The device sparse step's scores are the predictor's, bit for bit: the max over heads and, with a per-layer
-projection and ``head_temperature``, the per-head normalised scores (SPEC §17.5), row by row through each sequence's
-block table; so the device step selects the pages the host sparse mode would (SPEC §17.8)."""
+projection and ``head_temperature``, the per-head normalised scores (docs/design.md §17.5), row by row through each
+sequence's block table; so the device step selects the pages the host sparse mode would (docs/design.md §17.8)."""
 from __future__ import annotations
 
 import numpy as np

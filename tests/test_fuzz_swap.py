@@ -10,9 +10,9 @@ in the scratch pool holds exactly the bytes of its (readable) page; a step's out
 attention over the tiles it recorded, and float64 attention over its pages under the bf16 bound; a failed rule
 changed nothing: a failed offload leaves the page's stored bytes, its A_g slot and the pool as they were, and a retry
 of it works (only where the page's old bytes cannot be written back either is that one page unreadable, and the model
-says so). Steps run exact or in the sparse mode (SPEC §17.6): the model picks the attended pages from the predictor's
-own scores, and only those that were not resident are read. At teardown the swap is closed: ``mem_info`` is back to
-its start value, the files are gone.
+says so). Steps run exact or in the sparse mode (docs/design.md §17.6): the model picks the attended pages from the
+predictor's own scores, and only those that were not resident are read. At teardown the swap is closed: ``mem_info`` is
+back to its start value, the files are gone.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def sparse_kw(sparse: tuple[int, int, int] | None) -> dict:
 
 
 class Allocator:
-    """The model of the disk block-id allocator (SPEC §8.4): LIFO free list, then never-used ids."""
+    """The model of the disk block-id allocator (docs/design.md §8.4): LIFO free list, then never-used ids."""
 
     def __init__(self) -> None:
         self.next, self.free, self.refs = 0, [], {}
@@ -198,8 +198,8 @@ class SwapMachine(RuleBasedStateMachine):
         return got.tolist()
 
     def attended(self, layer: int, ids: list[int], sparse: tuple[int, int, int] | None) -> list[int]:
-        """The model of SPEC §17.6: every page (exact), or the first F and last R plus the K others that score best
-        (ties to the earlier page), in sequence order."""
+        """The model of docs/design.md §17.6: every page (exact), or the first F and last R plus the K others that score
+        best (ties to the earlier page), in sequence order."""
         if sparse is None or not ids:
             return ids
         k, f, r = sparse

@@ -1,4 +1,4 @@
-"""Tests for hss.model and its kernels (ptx/model.cu; bounds of SPEC §0).
+"""Tests for hss.model and its kernels (ptx/model.cu; bounds of docs/design.md §0).
 
 Kernels: each against its float64 reference (hss.reference.model) on fresh random bf16 / f32 inputs (no zeros), the
 outputs NaN-poisoned before the launch (entries a kernel must not write keep the poison), every bound shown to bite.

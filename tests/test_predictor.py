@@ -1,4 +1,4 @@
-"""Tests for hss.predictor and its kernels (SPEC §4, §5; bounds of SPEC §0).
+"""Tests for hss.predictor and its kernels (docs/design.md §4, §5; bounds of docs/design.md §0).
 
 Every kernel is compared with the staged float64 reference (its inputs are the bf16 values actually
 uploaded or read back), on unit-scale and small-scale data, outputs NaN-poisoned before each launch, and
@@ -256,7 +256,7 @@ def score_tolerance(q: np.ndarray, k: np.ndarray, gqa: int, want: np.ndarray) ->
     A score is max over dots; max is 1-Lipschitz in the sup norm, so |score error| <= the largest dot
     error. Products of bf16 are exact in f32, and an r-term f32 accumulation (sequential fma, or the
     tensor-core path's blocked sums) errs by at most r * 2^-22 * sum_i |q_i k_i| (two ulps per addition,
-    covering the tensor cores' truncating alignment). Both paths meet SPEC §0's 1e-4 * max|ref| (max over
+    covering the tensor cores' truncating alignment). Both paths meet docs/design.md §0's 1e-4 * max|ref| (max over
     the valid scores of the launch) whenever that cancellation term is smaller; the bound used is the
     larger of the two, per block: 1e-4 * max|ref| + r * 2^-22 * max over the block's dots of sum |q k|.
     """
@@ -354,7 +354,7 @@ def test_score_fast_path_shapes(ctx, stream, rng, nq: int, nkv: int, r: int, bs:
 
 
 def test_score_nan_semantics(ctx, stream, rng) -> None:
-    """NaN dots are skipped; a block whose dots are all NaN scores -inf (SPEC §5.3), on both paths."""
+    """NaN dots are skipped; a block whose dots are all NaN scores -inf (docs/design.md §5.3), on both paths."""
     for bs, r in ((16, 32), (5, 24)):
         d = PredictorDims(1, 8, 2, 64, r, bs, 2)
         q = randn(rng, (8, r), 1.0)
@@ -666,7 +666,7 @@ def test_array_interface_streams_are_ordered_before_the_call(ctx, stream, rng, m
         out.close()
 
 
-# -- the original's parity test (SPEC §5.5), recorded and asserted -----------------------------
+# -- the original's parity test (docs/design.md §5.5), recorded and asserted -----------------------------
 def test_original_parity_tolerances(ctx, stream, record_property) -> None:
     d = LLAMA
     rng = np.random.default_rng(SEED)
@@ -693,7 +693,7 @@ def test_original_parity_tolerances(ctx, stream, record_property) -> None:
     assert q_diff < 5e-2 and kv_diff < 5e-2 and score_rel < 5e-2
 
 
-# -- SPEC §17.5: a projection per layer and kv head ------------------------------------------------------------------
+# -- docs/design.md §17.5: a projection per layer and kv head ----------------------------------------------------------
 def layered_projection(rng: np.random.Generator, d: PredictorDims) -> np.ndarray:
     """A random ``[num_layers, num_kv_heads, head_dim, r]`` bf16 projection (N(0, 1/head_dim), no zeros)."""
     return randn(rng, (d.num_layers, d.num_kv_heads, d.head_dim, d.r), 1 / math.sqrt(d.head_dim))
@@ -766,9 +766,9 @@ def test_project_kv_block_layered(ctx, stream, shape: dict, scale: str, seed: in
     dict(num_q_heads=4, num_kv_heads=1, head_dim=256, r=128, block_size=16),   # P staged in two chunks
     dict(num_q_heads=7, num_kv_heads=7, head_dim=7, r=9, block_size=3)])       # gqa 1, odd everything
 def test_seeded_projection_everywhere_gives_the_default_bits(ctx, stream, rng, shape: dict) -> None:
-    """SPEC §17.5: a layered projection whose every matrix is the seeded P gives the default's bits, for project_q (any
-    layer), project_kv_block and the scores (the kernels run the same fma chain per output; only the matrix
-    addressing and the q heads per CTA differ)."""
+    """docs/design.md §17.5: a layered projection whose every matrix is the seeded P gives the default's bits, for
+    project_q (any layer), project_kv_block and the scores (the kernels run the same fma chain per output; only the
+    matrix addressing and the q heads per CTA differ)."""
     d = dims_of(shape, num_layers=3, max_blocks=4)
     page = randn(rng, (4, d.block_size, d.num_kv_heads, d.head_dim), 1.0)
     q = randn(rng, (d.num_q_heads, d.head_dim), 1.0)
@@ -874,7 +874,7 @@ def test_projection_is_copied_at_construction(ctx, stream, rng) -> None:
         assert_close(download(out, (8, 32), BF16, stream), ref.project_q(q, keep[0]), "bf16", (1,), "q_proj")
 
 
-# -- SPEC §17.5: per-head normalised scores (head_temperature) -------------------------------------------------------
+# -- docs/design.md §17.5: per-head normalised scores (head_temperature) -----------------------------------------------
 LOG2E = math.log2(math.e)
 
 
@@ -978,8 +978,8 @@ def launch_head_max_and_combine(ctx, stream, hs: np.ndarray, best: np.ndarray | 
        scale=st.floats(0.05, 2.0), seed=st.integers(0, 2**32 - 1), holes=st.booleans())
 def test_head_max_and_combine_kernels(ctx, stream, n: int, nq: int, spread: float, scale: float, seed: int,
                                       holes: bool) -> None:
-    """predictor_head_max equals the reference bit for bit (a max is exact); predictor_head_combine meets SPEC §0's
-    f32 rule, 1e-4 * max|ref|, against the float64 reference from the max kernel's actual output.
+    """predictor_head_max equals the reference bit for bit (a max is exact); predictor_head_combine meets docs/design.md
+    §0's f32 rule, 1e-4 * max|ref|, against the float64 reference from the max kernel's actual output.
 
     Derivation of why the f32 rule holds: each term is exp2(x) with x = (s - m) * exp2_scale rounded twice in f32
     (relative 2^-23: 2^x moves by at most 2^-x * |x| * ln2 * 2^-23 <= 2^-23 absolute) and ex2.approx (relative

@@ -24,7 +24,7 @@ M32 = 0xFFFFFFFF
 
 
 # ---------------------------------------------------------------------------------------------
-# Slow sequential reference, written straight from SPEC §2.3 (no numpy in the sampling path)
+# Slow sequential reference, written straight from docs/design.md §2.3 (no numpy in the sampling path)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The batched device decode (SPEC §17.2-§17.4): ``QsaIndexer.decode_select_batch`` and
+"""The batched device decode (docs/design.md §17.2-§17.4): ``QsaIndexer.decode_select_batch`` and
 ``sparse_decode_attention`` against the single-sequence host path and the float64 references, graph capture and
 replay (``begin_capture`` / ``end_capture``; ``torch.cuda.graph`` on a GPU), the device positions behind every host
 path, and every argument error (raised before any device work).
@@ -236,7 +236,7 @@ def test_batch_equals_single_sequence_host_path(gpu, stream, rng, layer):
 
 def near_tie(idx, st, r: int, got: np.ndarray, pos: int, stream) -> None:
     """GPU only (cuBLAS may round m = R and m = 1 differently): the batch's selection against the staged reference
-    of its own inputs, differing only at near ties (SPEC §0)."""
+    of its own inputs, differing only at near ties (docs/design.md §0)."""
     visible = pos + 1
     complete = visible // RATIO
     k = BUDGET // RATIO

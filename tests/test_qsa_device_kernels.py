@@ -1,7 +1,7 @@
-"""The device decode-step kernels of ``ptx/qsa_device.cu`` (SPEC §17.1-§17.4), launched directly through
-:mod:`hss.cuda_min` with declaration packs, against their references (SPEC §0).
+"""The device decode-step kernels of ``ptx/qsa_device.cu`` (docs/design.md §17.1-§17.4), launched directly through
+:mod:`hss.cuda_min` with declaration packs, against their references (docs/design.md §0).
 
-* ``qsa_dev_topk``: the token list equals the host ``select_tokens`` (SPEC §17.1, NaN lowest) and the float64
+* ``qsa_dev_topk``: the token list equals the host ``select_tokens`` (docs/design.md §17.1, NaN lowest) and the float64
   reference exactly (sets, order, expansion, tail, counts); nothing past counts is written; pos advances by 1.
 * ``qsa_dev_prep``: q_post within the f32 bound of qsa_qprep's reference (rsqrtf: 2 ulp, far inside 1e-4 max|ref|,
   see test_qsa_kernels), the raw key stored bit for bit, the block completed by this token within the bf16 bound of
@@ -133,7 +133,8 @@ class TopkCase:
                 download(self.d_pos, (self.n_slots,), np.int32, self.stream))
 
     def check_row(self, r: int, p: int, tokens: np.ndarray, counts: np.ndarray) -> None:
-        """Row r after the step at position p: the host select_tokens list (SPEC §17.1), exactly, nothing past it."""
+        """Row r after the step at position p: the host select_tokens list (docs/design.md §17.1), exactly, nothing past
+        it."""
         visible = p + 1
         want = select_tokens(self.scores[r], self.k, self.ratio, visible)
         assert np.array_equal(want, dref.step_tokens(self.scores[r], p, self.ratio, self.k))
@@ -403,7 +404,8 @@ def test_prep(fns, stream, rng, scale, n_heads, hd, ratio, rot, max_tokens, pos,
 
 
 def test_prep_equals_the_host_path_kernels_bitwise(fns, stream, rng):
-    """q_post = qsa_qprep's bits and the pooled block = qsa_block_pool's bits (the same math, SPEC §12.1-12.2)."""
+    """q_post = qsa_qprep's bits and the pooled block = qsa_block_pool's bits (the same math, docs/design.md
+    §12.1-12.2)."""
     n_heads, hd, ratio, rot = 4, 128, 4, 64
     case = PrepCase(stream, rng, n_heads, hd, ratio, rot, 64, [39, 22], [1, 0])
     try:

@@ -1,6 +1,6 @@
-"""QsaIndexer end to end (SPEC §10, §11.1-11.4): every stage against its staged float64 reference, the
-selection under SPEC §0's near-tie rule, the float64 model of SPEC §10 reported, the inert bound, chunked
-ingest, and every error path (raised before any device work).
+"""QsaIndexer end to end (docs/design.md §10, §11.1-11.4): every stage against its staged float64 reference, the
+selection under docs/design.md §0's near-tie rule, the float64 model of docs/design.md §10 reported, the inert bound,
+chunked ingest, and every error path (raised before any device work).
 
 Dims are the model's (4 indexer heads x 128, ratio 4, budget 2048, rot 64, theta 1e7; attention 2 kv heads x
 256, page size 16) except ``hidden``, 2560 on a GPU and 256 on the emulator.
@@ -83,7 +83,7 @@ def row(buf, i: int) -> int:
 
 
 def check_selection(tokens: np.ndarray, ref_scores: np.ndarray, visible: int, what: str, budget: int = BUDGET) -> None:
-    """SPEC §0: an engine block may differ from the reference's only at a near tie, |score - cutoff| <= 2x the
+    """docs/design.md §0: an engine block may differ from the reference's only at a near tie, |score - cutoff| <= 2x the
     score bound (scores from the staged reference)."""
     complete = visible // RATIO
     k = min(budget // RATIO, complete)
@@ -114,7 +114,7 @@ def check_gather(sel: QsaSelection, pool: Pool, stream) -> None:
 
 
 def parity_14(got, want, what: str) -> tuple[float, float]:
-    """The original's recorded bar (SPEC §14): max err <= max(0.05 RMS(want), 1e-3), cosine > 0.9999."""
+    """The original's recorded bar (docs/design.md §14): max err <= max(0.05 RMS(want), 1e-3), cosine > 0.9999."""
     g, w = np.asarray(got, np.float64).ravel(), np.asarray(want, np.float64).ravel()
     tol = max(0.05 * float(np.sqrt(np.mean(w * w))), 1e-3)
     err = float(np.max(np.abs(g - w)))
@@ -154,7 +154,7 @@ def test_2200_tokens_every_stage(gpu, stream, rng, layer):
         check_gather(sel, pool, stream)
         assert sel.n_sel == BUDGET
 
-        # SPEC §10's float64 model from the same weights and hidden states: the original's parity bar
+        # docs/design.md §10's float64 model from the same weights and hidden states: the original's parity bar
         # (asserted) and the selection difference (reported).
         model = ref.indexer_step(hidden, layer.w, layer.qn, layer.kn, T - 1, N_HEADS, HD, RATIO, BUDGET, ROT,
                                  TH32, EPS32)
@@ -190,7 +190,7 @@ def test_inert_bound_and_selection_sizes(gpu, stream, rng, layer):
                 assert sel is None, f"pos {pos} (visible {visible}) is inert"
                 continue
             assert sel is not None, f"pos {pos} (visible {visible}) is selective"
-            # SPEC §10: allowed-set size budget + visible % ratio; "2052 visible masks 4"
+            # docs/design.md §10: allowed-set size budget + visible % ratio; "2052 visible masks 4"
             assert sel.n_sel == BUDGET + visible % RATIO
             assert visible - sel.n_sel == RATIO * (visible // RATIO - BUDGET // RATIO)
             if pos == 2051:
@@ -264,7 +264,7 @@ def test_slab_geometry(gpu, stream, rng, layer):
 def test_release_close_and_prefill_kernels(gpu, stream, layer):
     rec = Recording(gpu)
     idx = layer.indexer(rec)
-    # the prefill kernels (SPEC §11.1): three required (kernel), the tensor-core variants optional (try_kernel)
+    # the prefill kernels (docs/design.md §11.1): three required (kernel), the tensor-core ones optional (try_kernel)
     looked_up = {(name, args[1]) for name, args in rec.calls if name in ("kernel", "try_kernel")}
     assert {("kernel", "qsa_qprep_rows"), ("kernel", "qsa_score_rows"), ("kernel", "qsa_prefill_attn"),
             ("try_kernel", "qsa_score_rows_tc"), ("try_kernel", "qsa_prefill_attn_tc")} <= looked_up

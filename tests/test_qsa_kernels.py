@@ -1,6 +1,7 @@
-"""The four decode kernels of ``ptx/qsa_indexer.cu`` against their staged float64 references (SPEC §0, §12.1-12.4).
+"""The four decode kernels of ``ptx/qsa_indexer.cu`` against their staged float64 references (docs/design.md §0,
+§12.1-12.4).
 
-Bounds (SPEC §0), max|ref| per output row:
+Bounds (docs/design.md §0), max|ref| per output row:
 * bf16 outputs (qsa_block_pool): |err| <= 2^-7 |ref| + 1e-5 max|ref| per block row;
 * f32 outputs (qsa_qprep per head, qsa_score over the score vector): |err| <= 1e-4 max|ref|. Both kernels use
   ``rsqrtf`` (the original's), whose error is at most 2 ulp, i.e. 2.4e-7 relative: it scales the whole row by
@@ -40,7 +41,8 @@ def f32(x: float) -> float:
 
 
 def parity_14(got, want, what: str, rel: float = 0.05) -> None:
-    """The original's recorded check (SPEC §14): max error <= max(rel * RMS(want), 1e-3) and cosine > 0.9999."""
+    """The original's recorded check (docs/design.md §14): max error <= max(rel * RMS(want), 1e-3) and cosine >
+    0.9999."""
     g, w = np.asarray(got, np.float64).ravel(), np.asarray(want, np.float64).ravel()
     tol = max(rel * float(np.sqrt(np.mean(w * w))), 1e-3)
     err = float(np.max(np.abs(g - w))) if w.size else 0.0

@@ -1,4 +1,5 @@
-"""QSA prefill kernels (SPEC §12.5-12.8) against their staged float64 references under the SPEC §0 bounds.
+"""QSA prefill kernels (docs/design.md §12.5-12.8) against their staged float64 references under the docs/design.md §0
+bounds.
 
 One file for both drivers: the emulator in CI (small shapes), the GPU on the device (production-like
 shapes, ``ON_GPU``). Every output is NaN-poisoned before its launch; inputs are random (never zeros) at
@@ -23,7 +24,7 @@ from helpers import BF16, MASKED, assert_bites, assert_close, download, poisoned
 
 SCALES = ("unit", "small")
 THETA, EPS = 1e7, 1e-6
-# the tensor-core scorer's derived bound (SPEC §0) is helpers.tc_bound, shared with the prefill_select tests
+# the tensor-core scorer's derived bound (docs/design.md §0) is helpers.tc_bound, shared with the prefill_select tests
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +196,8 @@ def test_score_rows_tc_shapes(mod, stream, data):
 
 
 def _assert_near_ties(lists_a, lists_b, want, tol, first_pos, ratio, topk, what):
-    """SPEC §0 selection rule: blocks in one list but not the other lie within 2x the score bound of the cutoff
-    (the topk-th largest staged-reference score of the row)."""
+    """docs/design.md §0 selection rule: blocks in one list but not the other lie within 2x the score bound of the
+    cutoff (the topk-th largest staged-reference score of the row)."""
     comp = ref.complete_counts(first_pos, want.shape[0], ratio)
     for r in range(want.shape[0]):
         diff = set(lists_a[r].tolist()) ^ set(lists_b[r].tolist())
@@ -290,7 +291,8 @@ def test_prefill_attn_gqa_12_to_1(mod, stream, rng, kernel, scale):
 
 
 def _lcg_bf16(n: int, state: int) -> tuple[np.ndarray, int]:
-    """SPEC §14 data: s = s*1664525 + 1013904223 (mod 2^32); value = (s >> 8)/2^24 - 0.5; bf16 by truncation."""
+    """docs/design.md §14 data: s = s*1664525 + 1013904223 (mod 2^32); value = (s >> 8)/2^24 - 0.5; bf16 by
+    truncation."""
     out = np.empty(n, dtype=np.uint32)
     s = state
     for i in range(n):
@@ -302,8 +304,8 @@ def _lcg_bf16(n: int, state: int) -> tuple[np.ndarray, int]:
 
 @pytest.mark.parametrize("kernel", ATTN_KERNELS)
 def test_prefill_attn_original_small_case(mod, stream, kernel):
-    """The upstream attention test (SPEC §14): rows 3, nq 24, nkv 2, hd 256, ratio 4, topk 8, bs 16, first_pos 41,
-    list_r[i] = (5i + r) mod 10 (duplicates included), identity table, LCG data (seed 1; q, then K, then V)."""
+    """The upstream attention test (docs/design.md §14): rows 3, nq 24, nkv 2, hd 256, ratio 4, topk 8, bs 16, first_pos
+    41, list_r[i] = (5i + r) mod 10 (duplicates included), identity table, LCG data (seed 1; q, then K, then V)."""
     rows, nq, nkv, hd, ratio, topk, bs, first_pos = 3, 24, 2, 256, 4, 8, 16, 41
     pages = -(-(first_pos + rows) // bs)
     s = 1
@@ -316,11 +318,11 @@ def test_prefill_attn_original_small_case(mod, stream, kernel):
     inv = float(np.float32(hd ** -0.5))
     got = _run_attn(mod, stream, kernel, *case, first_pos, ratio, inv)
     want = ref.prefill_attn(*case, first_pos, ratio, inv)
-    assert_close(got, want, "bf16", (2,), f"qsa_prefill_attn ({kernel}), SPEC §14 case")
+    assert_close(got, want, "bf16", (2,), f"qsa_prefill_attn ({kernel}), docs/design.md §14 case")
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
     assert cos.min() > 0.999, f"recorded parity: worst cosine {cos.min()}"
     assert_bites(got, _drop_heaviest_token(*case, first_pos, ratio, inv), "bf16", (2,),
-                 f"qsa_prefill_attn ({kernel}) SPEC §14 case, heaviest token dropped")
+                 f"qsa_prefill_attn ({kernel}) docs/design.md §14 case, heaviest token dropped")
 
 
 @given(data=st.data())
@@ -363,7 +365,7 @@ def test_prefill_stage_against_float64_selection(mod, stream, rng, scorer):
     q_post = _run_qprep(mod, stream, qk, w, first_pos, n_heads, hd, 2 * hd // 4)
     full = _run_scores(mod, stream, q_post, block_keys, first_pos, ratio, n_blocks, n_blocks, tc=scorer == "tc")
     scores, valid = _check_score_layout(full, rows, n_blocks, first_pos, ratio, scorer)
-    lists = ref.topk_lists(scores, first_pos, ratio, topk)   # the host top-k of SPEC §11.5 d
+    lists = ref.topk_lists(scores, first_pos, ratio, topk)   # the host top-k of docs/design.md §11.5 d
 
     want_scores, want_lists, want_out = ref.prefill_select_attention(
         q_post, block_keys, q_attn, k_cache, v_cache, table, first_pos, ratio, topk, inv)   # staged from q_post

@@ -1,7 +1,7 @@
-"""QsaIndexer.prefill_select (SPEC §11.5): only rows at global positions >= the inert bound (2051) are rewritten;
-every slab's stages against their staged float64 references (qk projection, q prep, scores under the scalar or
-the tensor-core bound, the host top-k exactly, the selection under SPEC §0's near-tie rule, the attention under
-the bf16 rule with a mutation check); chunked prefill equals one shot; both scorers and both attention kernels;
+"""QsaIndexer.prefill_select (docs/design.md §11.5): only rows at global positions >= the inert bound (2051) are
+rewritten; every slab's stages against their staged float64 references (qk projection, q prep, scores under the scalar
+or the tensor-core bound, the host top-k exactly, the selection under docs/design.md §0's near-tie rule, the attention
+under the bf16 rule with a mutation check); chunked prefill equals one shot; both scorers and both attention kernels;
 the switches; every error raised before any device work.
 
 Dims are the model's indexer (4 heads x 128, ratio 4, budget 2048, rot 64, theta 1e7). On a GPU: hidden 2560 and
@@ -156,7 +156,7 @@ def run(idx: QsaIndexer, spy: Spy, case: Case, cuts: list[int], scratch, stream)
 
 
 def near_ties(got_lists, want_lists, want, tol, first_pos: int, topk: int, what: str) -> int:
-    """SPEC §0: a block in one list but not the other lies within 2x the score bound of the row's cutoff (the
+    """docs/design.md §0: a block in one list but not the other lies within 2x the score bound of the row's cutoff (the
     topk-th largest staged-reference score). Returns the number of rows whose sets differ."""
     comp = ref.complete_counts(first_pos, want.shape[0], RATIO)
     differ = 0

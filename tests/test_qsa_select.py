@@ -1,5 +1,5 @@
-"""Tests for hss.qsa.select: the host top-k of decode_select (SPEC §11.4 steps 6-7) in the SPEC §17.1 order (NaN
-below every number), pure Python."""
+"""Tests for hss.qsa.select: the host top-k of decode_select (docs/design.md §11.4 steps 6-7) in the docs/design.md
+§17.1 order (NaN below every number), pure Python."""
 from __future__ import annotations
 
 import math
@@ -20,7 +20,8 @@ with_nan = st.one_of(finite, st.sampled_from(TIE_VALUES + [math.nan]))
 
 
 def spec_order(s: list[float]) -> list[int]:
-    """SPEC §17.1 literally: ids sorted by (NaN last, score descending, index ascending); -0.0 == +0.0 by value."""
+    """docs/design.md §17.1 literally: ids sorted by (NaN last, score descending, index ascending); -0.0 == +0.0 by
+    value."""
     return sorted(range(len(s)), key=lambda i: (math.isnan(s[i]), 0.0 if math.isnan(s[i]) else -s[i], i))
 
 
@@ -110,7 +111,7 @@ def test_large_random_matches_a_sort():
 
 
 def test_spec_inert_numbers():
-    # SPEC §14: "2048 visible masks nothing, 2052 masks 4" (ratio 4, block_topk 512)
+    # docs/design.md §14: "2048 visible masks nothing, 2052 masks 4" (ratio 4, block_topk 512)
     rng = np.random.default_rng(1)
     s = rng.random(600).astype(np.float32)
     for visible, size in ((2048, 2048), (2051, 2051), (2052, 2048), (2053, 2049), (2055, 2051), (2056, 2048)):

@@ -1,6 +1,6 @@
-"""QsaIndexer.snapshot_aux / restore_aux (SPEC §11.6): the blob format, a round trip that restores bit-identical
-raw and block keys and identical later decode selections (also when rolling back a speculative draft), and every
-kind of bad blob rejected before anything is written (poisoned state buffers stay poisoned, counters unchanged,
+"""QsaIndexer.snapshot_aux / restore_aux (docs/design.md §11.6): the blob format, a round trip that restores
+bit-identical raw and block keys and identical later decode selections (also when rolling back a speculative draft), and
+every kind of bad blob rejected before anything is written (poisoned state buffers stay poisoned, counters unchanged,
 no device call).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_round_trip_and_later_selections(gpu, weights, stream, rng):
         assert len(blob) == 16 + T * HD * 2 + 20 and isinstance(blob, bytes)
         assert struct.unpack_from("<QQ", blob) == (T, T // RATIO)
         raw_a, blocks_a = keys(idx, a, stream)
-        assert blob[16:-20] == raw_a                 # the original's layout, then the trailer (SPEC §17.7)
+        assert blob[16:-20] == raw_a                 # the original's layout, then the trailer (docs/design.md §17.7)
         magic, version, fp, crc = struct.unpack_from("<4sIQI", blob, len(blob) - 20)
         assert (magic, version, crc) == (b"HSSQ", 1, zlib.crc32(blob[:-20]))
         assert fp == snapshot.fingerprint(HD, RATIO, 4096, N_HEADS)

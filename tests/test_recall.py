@@ -1,4 +1,4 @@
-"""Recall of the predictor end to end (project_kv_block -> project_q -> score_layer), SPEC §5.5.
+"""Recall of the predictor end to end (project_kv_block -> project_q -> score_layer), docs/design.md §5.5.
 
 Two checks: the original's needle test (top-32 recall of planted needles, mean >= 0.95), and the
 attention mass the predictor's top blocks capture against ``ground_truth_block_weights`` on keys with
@@ -38,7 +38,7 @@ def predictor_scores(ctx, stream, dims: PredictorDims, seed: int, q: np.ndarray,
 
 
 def test_needle_recall_at_32(ctx, stream, record_property) -> None:
-    """SPEC §5.5 recall_at_k: one needle per q head in a distinct block; top-32 must find them."""
+    """docs/design.md §5.5 recall_at_k: one needle per q head in a distinct block; top-32 must find them."""
     dims = PredictorDims(num_layers=1, num_q_heads=32, num_kv_heads=8, head_dim=128, r=32, block_size=16,
                          max_blocks=256)
     std = 1 / math.sqrt(128)
@@ -133,7 +133,7 @@ def test_recall_bench_smoke() -> None:
     assert methods == set(bench.ORDER)
     text = bench.table(rows)
     for words in ("recall by budget", "+F/R", "by layer group", "| calibrated +norm | 8 | 16 |", "target (calibrated",
-                  "| Quest min/max |  | 8 |", "sparse swap mode (SPEC §17.6)", "| all | 16 | 0.500 |"):
+                  "| Quest min/max |  | 8 |", "sparse swap mode (docs/design.md §17.6)", "| all | 16 | 0.500 |"):
         assert words in text, words
     assert "recall" in __import__("hss.bench.__main__", fromlist=["SUITES"]).SUITES
 
@@ -152,10 +152,11 @@ def _check_swap_rows(rows: list[dict], steps: int) -> None:
 
 
 def test_recall_swap_section_attends_what_spec_17_6_says(ctx) -> None:
-    """The sparse swap section over the smoke keys: at every decode step and layer the swap attends SPEC §17.6's pages
-    for the original predictor's scores as the recall tables compute them (``kernel_scores``: the same kernels, the
-    same masking of later keys), with budget_pages = round(f x visible) - F - R, and the mass it keeps agrees with the
-    recall rule's for those scores; a budget of every page makes each sparse step the exact step (the same errors)."""
+    """The sparse swap section over the smoke keys: at every decode step and layer the swap attends docs/design.md
+    §17.6's pages for the original predictor's scores as the recall tables compute them (``kernel_scores``: the same
+    kernels, the same masking of later keys), with budget_pages = round(f x visible) - F - R, and the mass it keeps
+    agrees with the recall rule's for those scores; a budget of every page makes each sparse step the exact step (the
+    same errors)."""
     from fractions import Fraction
 
     from hss.bench import recall as bench

@@ -1,11 +1,11 @@
-"""Tests for hss.swap.config and hss.swap.orchestrator (SPEC §8; bounds of SPEC §0).
+"""Tests for hss.swap.config and hss.swap.orchestrator (docs/design.md §8; bounds of docs/design.md §0).
 
 The central promise: a step streamed through HighSpeedSwap (resident set + double-buffered stream, reads on
 a copy stream) gives bit for bit what in-HBM TiledAttention gives over the same pages in the same tiles,
 which each step records. Every schedule is also checked to attend every page once (the last one with its
 valid slots) and the output against float64 attention with the bf16 bound, shown to bite. Eviction is
 checked against the predictor's own scores; a missing cross-stream wait is shown to change results on the
-emulator. Both stores run everything; files go to tmp_path. The sparse mode (SPEC §17.6) is checked against a
+emulator. Both stores run everything; files go to tmp_path. The sparse mode (docs/design.md §17.6) is checked against a
 plain-Python model of its page choice over the predictor's own scores, with the same bounds over exactly the pages it
 attends, its store reads counted, its resident set's preference for high scores, and a covering budget's bits against
 an exact step's.
@@ -733,10 +733,10 @@ def test_bench_smoke_measures_the_disk_floor(tmp_path) -> None:
     assert "sparse step (budget 2 + first 1 / recent 4, a new query each step) within 0.2x" in text
 
 
-# -- the sparse mode (SPEC §17.6) ----------------------------------------------------------------------------
+# -- the sparse mode (docs/design.md §17.6) ----------------------------------------------------------------------------
 def model_attended(ids: list[int], scores: list[float], budget: int, first: int, recent: int) -> list[int]:
-    """SPEC §17.6 in plain Python: the first ``first`` and last ``recent`` pages, then the ``budget`` others ranked by
-    (score descending, earlier page first; NaN below every number), in sequence order."""
+    """docs/design.md §17.6 in plain Python: the first ``first`` and last ``recent`` pages, then the ``budget`` others
+    ranked by (score descending, earlier page first; NaN below every number), in sequence order."""
     n = len(ids)
     forced = set(range(min(first, n))) | set(range(max(n - recent, 0), n))
     others = sorted((i for i in range(n) if i not in forced),
@@ -772,15 +772,15 @@ def count_reads(monkeypatch, s: Setup) -> list[int]:
 
 def check_sparse(s: Setup, layer: int, ids: list[int], q, q_dev, rec: StepRecord, got: np.ndarray, lbvs: int,
                  sparse: tuple[int, int, int], what: str) -> list[int]:
-    """The recorded scores are the predictor's own (bitwise); the attended set is SPEC §17.6's over them, the rest
-    recorded as skipped; the tiles cover exactly the attended pages (the last page of the sequence, if attended, with
-    ``lbvs``) and equal their in-HBM replay bit for bit; the output meets the bf16 bound against float64 attention
+    """The recorded scores are the predictor's own (bitwise); the attended set is docs/design.md §17.6's over them, the
+    rest recorded as skipped; the tiles cover exactly the attended pages (the last page of the sequence, if attended,
+    with ``lbvs``) and equal their in-HBM replay bit for bit; the output meets the bf16 bound against float64 attention
     over exactly those pages (and the bound bites). Returns the attended pages."""
     direct = predictor_scores(s, layer, q_dev, ids)
     assert np.array_equal(rec.block_scores.view(np.uint32), direct.view(np.uint32)), what
     assert rec.block_ids.tolist() == ids and rec.sparse == sparse, what
     want = model_attended(ids, direct.tolist(), *sparse)
-    assert list(rec.attended) == want, f"{what}: attended {rec.attended}, SPEC §17.6 says {want}"
+    assert list(rec.attended) == want, f"{what}: attended {rec.attended}, docs/design.md §17.6 says {want}"
     assert list(rec.skipped) == [b for b in ids if b not in want], what
     check_step(s, layer, want, q, q_dev, rec, got, lbvs if want and want[-1] == ids[-1] else s.model.block_size,
                what)
@@ -790,8 +790,8 @@ def check_sparse(s: Setup, layer: int, ids: list[int], q, q_dev, rec: StepRecord
 @pytest.mark.parametrize("store", ["host", "file"])
 def test_sparse_step_attends_reads_and_keeps_what_spec_says(ctx, tmp_path, rng, monkeypatch, store: str) -> None:
     """Sparse steps (various K / F / R, the last page partial) interleaved with exact ones over 24 pages in a
-    permuted order: each attends SPEC §17.6's pages and only those, reads exactly the attended pages that were not
-    resident, and leaves a resident set that prefers high scores (every resident page scores at least as well as
+    permuted order: each attends docs/design.md §17.6's pages and only those, reads exactly the attended pages that were
+    not resident, and leaves a resident set that prefers high scores (every resident page scores at least as well as
     every attended page left out of it; a cold step keeps the best attended pages)."""
     s = Setup(ctx, tmp_path, rng, store, resident_blocks=10, tile=2, max_blocks=28)     # 6 resident slots
     ids = [int(b) for b in rng.permutation(24)]

@@ -1,4 +1,4 @@
-"""Tests for hss.swap.layout, .eviction, .pool and the disk block-id allocator (SPEC §7.1, §7.4, §7.5, §8.4).
+"""Tests for hss.swap.layout, .eviction, .pool and the disk block-id allocator (docs/design.md §7.1, §7.4, §7.5, §8.4).
 
 Pure host logic (layouts, rankings, free lists, refcounts) is checked against hand-computed values and,
 for the ranking, a brute-force comparator; the scratch pool's device addressing is checked against

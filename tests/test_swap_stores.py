@@ -1,5 +1,5 @@
-"""Tests for hss.swap.stores (SPEC §7.1-7.3): file layout at the SPEC's offsets, O_DIRECT and buffered paths,
-reads into device memory (runs, bounce-ring reuse, a thread pool), the validity bitmap, short reads and I/O
+"""Tests for hss.swap.stores (docs/design.md §7.1-7.3): file layout at the design's offsets, O_DIRECT and buffered
+paths, reads into device memory (runs, bounce-ring reuse, a thread pool), the validity bitmap, short reads and I/O
 errors naming layer / page / kind, and the host store's write-after-queued-read guard.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_file_layout_at_spec_offsets(ctx, stream, rng, tmp_path, direct: bool) -
     raw = layer_path(tmp_path, 2).read_bytes()
     for kind, src in ((0, k), (1, v)):
         for h in range(3):
-            at = 3 * (2 * 3 * 4096) + kind * (3 * 4096) + h * 4096                    # SPEC §7.1
+            at = 3 * (2 * 3 * 4096) + kind * (3 * 4096) + h * 4096                    # docs/design.md §7.1
             assert raw[at:at + 4096] == np.ascontiguousarray(src[:, h, :]).tobytes()
     raw1 = layer_path(tmp_path, 1).read_bytes()
     at = g.group_offset(4, 1, 2)

@@ -11,8 +11,8 @@ inside the same budget. Reported: the mean and the worst decile (10th percentile
 per group of layers.
 
 Methods. Through hss's own kernels (``Predictor.project_kv_block`` / ``project_q`` / ``score_layer``: a GPU, or the
-CPU emulator): ``original`` (the seeded P, r 8/16/32), ``calibrated`` (SPEC §17.5's uncentered principal directions of
-the keys of a separate calibration text: never the text evaluated) and ``calibrated +norm`` (the same with
+CPU emulator): ``original`` (the seeded P, r 8/16/32), ``calibrated`` (docs/design.md §17.5's uncentered principal
+directions of the keys of a separate calibration text: never the text evaluated) and ``calibrated +norm`` (the same with
 ``head_temperature = sqrt(head_dim)``: per-head normalised scores summed over heads). Baselines in numpy: ``oracle``
 (the true mass: the best any page set of that size can do), ``exact max q.k`` (the predictor's rule on full keys),
 ``Quest min/max`` (per page and kv head the elementwise min and max key, bf16: 4 x head_dim / 16 = 16 bytes per token
@@ -20,7 +20,7 @@ at head_dim 64, as r = 8; score = sum_i max(q_i min_i, q_i max_i), max over head
 normalisation) and ``recency`` (the newest pages). The current page's future tokens are NaN for the predictor (its
 kernels skip NaN dots) and absent for the baselines, so no method sees a key after its query.
 
-The sparse swap section (SPEC §17.6): per text, every measured layer (``--swap-layers``) in a
+The sparse swap section (docs/design.md §17.6): per text, every measured layer (``--swap-layers``) in a
 :class:`~hss.swap.HighSpeedSwap` (HostStore, one shared resident set of ``--swap-resident`` of the pages, the original
 P at ``--swap-rank``) runs the ``--queries`` positions as consecutive decode steps, the page being written offloaded
 again at each, in the sparse mode (budget ``--swap-budget`` of the visible pages with the same +F/R pages) beside a
@@ -307,7 +307,7 @@ def recall(scores: np.ndarray, tot: np.ndarray, positions: np.ndarray, bs: int, 
     return out
 
 
-# -- the sparse swap mode (SPEC §17.6) over the same keys -----------------------------------------------------------
+# -- the sparse swap mode (docs/design.md §17.6) over the same keys ----------------------------------------------------
 def _swap_layers(args: argparse.Namespace, layers: list[int]) -> list[int]:
     """The measured layers the sparse swap section runs (``--swap-layers``, default every measured layer)."""
     if args.no_swap:
@@ -337,10 +337,10 @@ def swap_decode(ctx: cm.CudaCtx, layers: list[LayerData], bs: int, args: argpars
     measured layer, a shared scratch pool): one in the sparse mode, one exact. Every page is offloaded first; at the
     query at position p, for each layer in turn, page p // bs is offloaded again as it then stands (later tokens zero
     on the host, NaN in the device page the predictor projects, so no score sees a future key), then the sparse and
-    the exact step attend pages 0 .. p // bs (``q_pos=p``). The sparse budget is SPEC §17.6's ``budget_pages = max(0,
-    b - F - R)`` with ``b = max(1, round(f x visible pages))`` (the recall tables' +F/R accounting: the first F and
-    newest R inside b, whenever b >= F + R). Per layer: each step's output error against float64 attention over every
-    visible token (relative L2 over the heads, the swap's bf16 inputs), the attention mass its pages hold, hits,
+    the exact step attend pages 0 .. p // bs (``q_pos=p``). The sparse budget is docs/design.md §17.6's ``budget_pages =
+    max(0, b - F - R)`` with ``b = max(1, round(f x visible pages))`` (the recall tables' +F/R accounting: the first F
+    and newest R inside b, whenever b >= F + R). Per layer: each step's output error against float64 attention over
+    every visible token (relative L2 over the heads, the swap's bf16 inputs), the attention mass its pages hold, hits,
     misses, host wall time of each step (its stream waited for), the pages attended and budget_pages of each step,
     and the last sparse step replayed in HBM (bitwise)."""
     from hss.bench.swap import _replay_matches
@@ -641,7 +641,8 @@ def _swap_table(meta: dict, rows: list[dict]) -> list[str]:
     if not rows:
         return []
     sw = meta["swap"]
-    lines = ["", f"sparse swap mode (SPEC §17.6): HighSpeedSwap, HostStore, the original P at r = {sw['rank']} "
+    lines = ["", f"sparse swap mode (docs/design.md §17.6): HighSpeedSwap, HostStore, the original P at "
+             f"r = {sw['rank']} "
              f"(seed {sw['seed']:#x}); budget {sw['budget']} of the visible pages +F/R (first {meta['first']}, newest "
              f"{meta['recent']}); resident set {sw['resident']} of the pages (all swap layers share it), tiles of at "
              f"most {sw['tile']} pages; {rows[0]['steps_per_layer']} consecutive decode steps per (text, layer), "

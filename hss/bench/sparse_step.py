@@ -1,5 +1,5 @@
-"""Benchmark: the sparse swap step on the device (:class:`~hss.swap.device_step.DeviceSparseStep`, SPEC §17.8) next
-to the host sparse step and the exact step of the same :class:`~hss.swap.HighSpeedSwap`.
+"""Benchmark: the sparse swap step on the device (:class:`~hss.swap.device_step.DeviceSparseStep`, docs/design.md §17.8)
+next to the host sparse step and the exact step of the same :class:`~hss.swap.HighSpeedSwap`.
 
     python -m hss.bench.sparse_step [--tokens 32768] [--batches 1,8,32] [--budget 256] [--iters 20]
     python -m hss.bench.sparse_step --smoke      tiny sizes (runs on the CPU emulator in CI)

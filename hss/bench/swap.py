@@ -29,7 +29,7 @@ all in one run:
   ``--gather-min-runs N`` sets the swaps' choice between them for every step, exact and sparse (default: the
   library's: a sparse step's tiles of more than one run through the kernel, the rest batched copies; 0: every group
   into pool slots through the kernel; a large N: batched copies only);
-* the sparse swap mode (SPEC §17.6) on the HostStore swap, right after its exact steps: ``--sparse-steps``
+* the sparse swap mode (docs/design.md §17.6) on the HostStore swap, right after its exact steps: ``--sparse-steps``
   consecutive steps attending the first ``--keep-first`` and last ``--keep-recent`` pages plus ``--budget`` of the
   pages by predictor score, with the exact step's query every step (the resident set settles on what the query
   picks) and with a new random query every step (the worst case for the resident set: random keys make each

@@ -1,6 +1,6 @@
 """The bf16 projection GEMM through cuBLAS (``nvmath.bindings.cublas`` / ``cublasLt``), or the emulator's stand-in.
 
-``out[m, n] = act[m, k] · weight[n, k]ᵀ`` row-major, bf16 in and out, f32 compute (SPEC §9).
+``out[m, n] = act[m, k] · weight[n, k]ᵀ`` row-major, bf16 in and out, f32 compute (docs/design.md §9).
 In cuBLAS's column-major terms: C[n, m] = Aᵀ B with A = weight as a column-major [k, n] matrix (ld k,
 transposed), B = act as column-major [k, m] (ld k), C = out as column-major [n, m] (ld n).
 

@@ -1,4 +1,4 @@
-"""spark-runtime's GPU surface as the QSA indexer uses it (SPEC §9): ``DevicePtr``, ``KernelHandle``,
+"""spark-runtime's GPU surface as the QSA indexer uses it (docs/design.md §9): ``DevicePtr``, ``KernelHandle``,
 the ``GpuBackend`` protocol, ``CudaBackend``, its one implementation over :mod:`hss.cuda_min`, and the
 prepared hot-path operations :func:`launcher` and :func:`proj_dense`.
 

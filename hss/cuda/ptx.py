@@ -50,19 +50,19 @@ class ModuleSpec:
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("selftest", variants=("sm_90a",)),
-    # storage: predictor kernels (SPEC §3: built with --use_fast_math, as the original)
+    # storage: predictor kernels (docs/design.md §3: built with --use_fast_math, as the original)
     ModuleSpec("q_lowrank_project", fast_math=True),
     ModuleSpec("kv_lowrank_project", fast_math=True),
     ModuleSpec("predictor_score", fast_math=True),
-    # storage: tiled attention kernels (SPEC §3: built with --use_fast_math, as the original)
+    # storage: tiled attention kernels (docs/design.md §3: built with --use_fast_math, as the original)
     ModuleSpec("paged_decode_attn_tiled", fast_math=True),
     # the same source with programmatic dependent launch (ATT_PDL: griddepcontrol, sm_90), for overlapped tiles
     ModuleSpec("paged_decode_attn_pdl", fast_math=True, extra_flags=("-DATT_PDL",), base_arch="sm_90",
                source="paged_decode_attn_tiled"),
     ModuleSpec("attention_finalize", fast_math=True),
-    # qsa: indexer kernels (SPEC §3: no --use_fast_math, as the original)
+    # qsa: indexer kernels (docs/design.md §3: no --use_fast_math, as the original)
     ModuleSpec("qsa_indexer"),
-    # qsa: the device decode step (SPEC §17.2-§17.4), built like qsa_indexer
+    # qsa: the device decode step (docs/design.md §17.2-§17.4), built like qsa_indexer
     ModuleSpec("qsa_device"),
     # model: the decoder forward's small kernels (hss.model; no --use_fast_math)
     ModuleSpec("model"),

@@ -166,7 +166,7 @@ PREDICTOR_SCORE = declare(
     emulate=_emulate_score, check=_check_score)
 
 
-# -- per-head normalised scores (SPEC §17.5): predictor_score_heads -> predictor_head_max -> predictor_head_combine
+# -- per-head normalised scores (docs/design.md §17.5): predictor_score_heads -> _head_max -> _head_combine ---------
 HEAD_THREADS = 256   # predictor_head_max / predictor_head_combine: threads per CTA (HSS_PRED_HEAD_THREADS)
 
 
@@ -238,7 +238,7 @@ PREDICTOR_HEAD_COMBINE = declare(
     emulate=_emulate_head_combine, check=_check_head_combine)
 
 
-# -- the batched entry points of the device sparse step (SPEC §17.8) -----------------------------------------------
+# -- the batched entry points of the device sparse step (docs/design.md §17.8) -----------------------------------------
 def _rows(a: SimpleNamespace) -> int:
     """The real row count a batched launch reads from ``rows`` (i32 [1]) when it runs."""
     return int(a.rows[:4].view(np.int32)[0])

@@ -1,4 +1,4 @@
-"""Declarations of the QSA indexer kernels (``ptx/qsa_indexer.cu``, SPEC §12.1-12.4) and their emulation
+"""Declarations of the QSA indexer kernels (``ptx/qsa_indexer.cu``, docs/design.md §12.1-12.4) and their emulation
 through :mod:`hss.reference.qsa` (float64, stored rounded to bf16 / f32 once).
 
 Launch geometry (the contract each ``check`` enforces on the emulator; the kernels return untouched on a

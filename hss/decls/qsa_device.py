@@ -1,6 +1,6 @@
-"""Declarations of the device decode-step kernels (``ptx/qsa_device.cu``, SPEC §17.1-§17.4), their launch geometry,
-and their emulation through :mod:`hss.reference.qsa_device` and :mod:`hss.reference.qsa` (float64, stored rounded
-to the kernels' dtypes once).
+"""Declarations of the device decode-step kernels (``ptx/qsa_device.cu``, docs/design.md §17.1-§17.4), their launch
+geometry, and their emulation through :mod:`hss.reference.qsa_device` and :mod:`hss.reference.qsa` (float64, stored
+rounded to the kernels' dtypes once).
 
 Like the kernels, the emulations read ``slots``, ``pos`` and ``desc`` from device memory when they run (so a
 replayed graph follows the positions the step advances), and reach the per-slot ``raw_keys`` / ``block_keys``

@@ -1,4 +1,4 @@
-"""Declarations of the QSA prefill kernels (``ptx/qsa_prefill.cuh``; SPEC §12.5-12.8 as amended by §0), their
+"""Declarations of the QSA prefill kernels (``ptx/qsa_prefill.cuh``; docs/design.md §12.5-12.8 as amended by §0), their
 launch geometry, and their emulation through :mod:`hss.reference.qsa_prefill` (float64, stored rounded to
 f32 / bf16 once)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Declarations of ``ptx/sparse_step.cu`` (the device sparse swap step, SPEC §17.8: selection, residency, reads),
-their launch geometry, and their emulation through :mod:`hss.reference.sparse_step`.
+"""Declarations of ``ptx/sparse_step.cu`` (the device sparse swap step, docs/design.md §17.8: selection, residency,
+reads), their launch geometry, and their emulation through :mod:`hss.reference.sparse_step`.
 
 Every count (rows, pages, misses) is read from device memory when the kernel runs, so grids are sized for the worst
 case and the emulation reads the same counts; the state arrays are declared to their allocation's end and indexed
@@ -109,7 +109,7 @@ def _emulate_select(a: SimpleNamespace, launch: Launch) -> None:
         head_scores = a.head_scores[:4 * R * stride * heads].view(np.float32).reshape(R, stride, heads)
     for s in range(n_rows):
         n = min(max(int(counts[s]), 0), stride)
-        if heads and n > a.budget + a.keep_first + a.keep_recent:   # the folded per-head scores (SPEC §17.5)
+        if heads and n > a.budget + a.keep_first + a.keep_recent:   # the folded per-head scores (docs/design.md §17.5)
             scores[s, :n] = ref.head_scores(head_scores[s, :n], table[s, :n], a.max_blocks, a.exp2_scale)
         chosen = ref.select(scores[s, :n], n, a.budget, a.keep_first, a.keep_recent)
         if np.any(page_slot[s, :n][chosen] >= slots):

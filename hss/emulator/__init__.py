@@ -1,4 +1,4 @@
-"""A CPU stand-in for the subset of ``cuda.bindings.driver`` that hss calls (SPEC §0, "no GPU").
+"""A CPU stand-in for the subset of ``cuda.bindings.driver`` that hss calls (docs/design.md §0, "no GPU").
 
 Import it as a driver module: ``HSS_DRIVER=emulator`` makes :mod:`hss.cuda._driver` choose it, and it is
 chosen automatically where no CUDA driver exists. Memory is a page-aligned arena with real,

@@ -1,11 +1,11 @@
 """The capturable exact swap step (:class:`StagedPages`): each layer's complete KV pages stream from the swap's pinned
 ``HostStore`` into HBM in ONE copy per layer, on a copy stream, while the compute stream runs the layers.
 
-HBM holds one page pool in the store's page layout (``[K|V][kv head][stripe]``, SPEC §7.1, so a page's bytes are the
-store's bytes): a **resident** part, the first ``R`` complete pages of every layer (copied once, as they complete),
-then a **staging ring** of ``S`` layer slots, each room for one layer's other pages (up to ``max_pages - R``), then
-one **tail** page per layer: the layer's incomplete page, which the decode step's ``model_rope_kv`` writes in place
-(:meth:`StagedPages.tail_cache`) and which is offloaded from there when it completes. Table row l lists layer l's
+HBM holds one page pool in the store's page layout (``[K|V][kv head][stripe]``, docs/design.md §7.1, so a page's bytes
+are the store's bytes): a **resident** part, the first ``R`` complete pages of every layer (copied once, as they
+complete), then a **staging ring** of ``S`` layer slots, each room for one layer's other pages (up to ``max_pages -
+R``), then one **tail** page per layer: the layer's incomplete page, which the decode step's ``model_rope_kv`` writes in
+place (:meth:`StagedPages.tail_cache`) and which is offloaded from there when it completes. Table row l lists layer l's
 pages 0 .. full - 1 (the resident pages, then slot l % S), then its tail page (entry ``full``, rewritten on the
 stream whenever ``full`` changes). A decode step, in queue order:
 

@@ -1,4 +1,4 @@
-"""Calibrated predictor projections (SPEC §17.5): the top uncentered principal directions of a model's keys.
+"""Calibrated predictor projections (docs/design.md §17.5): the top uncentered principal directions of a model's keys.
 
 :func:`calibrate_projection` turns calibration keys (one ``[tokens, num_kv_heads, head_dim]`` array per layer, e.g.
 the post-RoPE keys :func:`hss.checkpoint.forward` captures) into the per-layer, per-kv-head projection that
@@ -62,7 +62,7 @@ def _layers(keys: np.ndarray | Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def calibrate_projection(keys: np.ndarray | Sequence[np.ndarray], r: int) -> np.ndarray:
-    """A per-layer, per-kv-head predictor projection from calibration keys (SPEC §17.5).
+    """A per-layer, per-kv-head predictor projection from calibration keys (docs/design.md §17.5).
 
     keys: one ``[tokens, num_kv_heads, head_dim]`` array per layer (any real dtype; a list, or one
     ``[num_layers, tokens, num_kv_heads, head_dim]`` array), at least r tokens each, all finite; use keys of

@@ -1,9 +1,9 @@
-"""The block predictor (SPEC §4): P, the per-token K_lr store A_g, and its three kernels.
+"""The block predictor (docs/design.md §4): P, the per-token K_lr store A_g, and its three kernels.
 
 ``Predictor`` owns P (``[head_dim, r]`` bf16, immutable: the original's seeded matrix for every layer and head, or,
-SPEC §17.5, a caller's ``[num_layers, num_kv_heads, head_dim, r]`` such as :func:`hss.predictor.calibrate_projection`
-gives) and A_g (``[num_layers, max_blocks, num_kv_heads, block_size, r]`` bf16, zero-filled at construction, so
-unwritten slots score 0), and
+docs/design.md §17.5, a caller's ``[num_layers, num_kv_heads, head_dim, r]`` such as
+:func:`hss.predictor.calibrate_projection` gives) and A_g (``[num_layers, max_blocks, num_kv_heads, block_size, r]``
+bf16, zero-filled at construction, so unwritten slots score 0), and
 launches ``project_q`` (per decode step), ``project_kv_block`` (when a KV page is written) and the
 block scores (``score_blocks`` over any run of slots, ``score_layer`` over a layer's own slots).
 Scores are advisory: they order eviction and prefetch and never gate attention correctness.
@@ -77,8 +77,8 @@ class PredictorDims:
         if self.num_q_heads % self.num_kv_heads:
             raise HssError(f"PredictorDims.num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                            f"({self.num_kv_heads}): each kv head serves num_q_heads / num_kv_heads q heads")
-        limits = (("head_dim", 256, "the projection's limit (SPEC §2.1)"),
-                  ("r", 128, "the projection's limit (SPEC §2.1)"),
+        limits = (("head_dim", 256, "the projection's limit (docs/design.md §2.1)"),
+                  ("r", 128, "the projection's limit (docs/design.md §2.1)"),
                   ("block_size", 65535, "kv_lowrank_project puts tokens on grid.y"),
                   ("max_blocks", _I32_MAX, "block counts are i32 kernel parameters"))
         for name, hi, why in limits:
@@ -144,7 +144,7 @@ def preflight_a_g(dims: PredictorDims, free_bytes: int) -> int:
 
 
 def check_projection(projection: Any, dims: PredictorDims) -> np.ndarray:
-    """A caller's projection (SPEC §17.5) checked against ``dims``: returned as a read-only C-contiguous copy.
+    """A caller's projection (docs/design.md §17.5) checked against ``dims``: returned as a read-only C-contiguous copy.
 
     ``projection``: ``[num_layers, num_kv_heads, head_dim, r]`` ``ml_dtypes.bfloat16`` (a numpy array), all finite;
     q head h of layer l is projected with ``projection[l, h // gqa_ratio]``, the keys of kv head j with
@@ -169,22 +169,22 @@ def check_projection(projection: Any, dims: PredictorDims) -> np.ndarray:
 
 
 class Predictor:
-    """P, A_g and the predictor kernels for one model shape (SPEC §4).
+    """P, A_g and the predictor kernels for one model shape (docs/design.md §4).
 
     ``Predictor(ctx, dims, projection_seed)`` works on ``ctx.stream``;
     :meth:`new_on_stream` on a caller's stream in the current context. Construction validates
     ``dims``, runs :func:`preflight_a_g` against free device memory before allocating anything, loads
-    the three PTX modules, uploads P (SPEC §2, bit-exact with the original for ``projection_seed``),
+    the three PTX modules, uploads P (docs/design.md §2, bit-exact with the original for ``projection_seed``),
     zero-fills A_g (one memset) and then **synchronizes the stream**, as the original did.
     ``close()`` (or leaving a ``with`` block) frees A_g, P and the modules once.
 
-    ``projection=`` (keyword, instead of ``projection_seed``; SPEC §17.5): a ``[num_layers, num_kv_heads, head_dim,
-    r]`` bf16 projection (:func:`check_projection`), e.g. :func:`hss.predictor.calibrate_projection`'s. Then
+    ``projection=`` (keyword, instead of ``projection_seed``; docs/design.md §17.5): a ``[num_layers, num_kv_heads,
+    head_dim, r]`` bf16 projection (:func:`check_projection`), e.g. :func:`hss.predictor.calibrate_projection`'s. Then
     ``project_q`` needs ``layer=``; ``project_kv_block`` uses its layer's matrices. A projection whose every
     matrix is the seeded P gives the default's bits.
 
-    ``head_temperature=`` (keyword; SPEC §17.5): ``None`` (the default) scores a block by the max over q heads and
-    tokens, as the original; a positive ``c`` scores it by per-head normalised scores instead: with ``s[b, h]`` the
+    ``head_temperature=`` (keyword; docs/design.md §17.5): ``None`` (the default) scores a block by the max over q heads
+    and tokens, as the original; a positive ``c`` scores it by per-head normalised scores instead: with ``s[b, h]`` the
     max over the block's tokens of head h's dot, ``score[b] = sum_h exp((s[b, h] - max_b' s[b', h]) / c)`` over the
     n blocks of the call (each head's best block adds 1; ``c = sqrt(head_dim)`` is the attention's own scale), so
     no head's offset or scale dominates the others. Three launches per call instead of one, through a scratch of
@@ -268,8 +268,9 @@ class Predictor:
         self._a_g_end = self._a_g_base + self._a_g.bytes
         self._num_layers, self._max_blocks = d.num_layers, d.max_blocks
         bf16 = "bf16"
-        # one P for every head (the original's launch: stride 0, one matrix serving all q heads), or SPEC §17.5's
-        # matrix per (layer, kv head): layer l's at p + l * layer bytes, kv head j's head_dim * r elements further
+        # one P for every head (the original's launch: stride 0, one matrix serving all q heads), or docs/design.md
+        # §17.5's matrix per (layer, kv head): layer l's at p + l * layer bytes, kv head j's head_dim * r elements
+        # further
         self._layered = self._p_host.ndim == 4
         self._p_base, self._p_layer_bytes = p, (2 * nkv * hd * r if self._layered else 0)
         stride, heads_per_p = (hd * r, d.gqa_ratio()) if self._layered else (0, nq)

@@ -1,4 +1,4 @@
-"""The predictor's random projection matrix P (SPEC §2), bit-exact with the Rust original.
+"""The predictor's random projection matrix P (docs/design.md §2), bit-exact with the Rust original.
 
 P is a plain scaled Gaussian `[head_dim, r]` bf16 matrix (no orthogonalisation). The original drew it
 with `ChaCha8Rng::seed_from_u64(seed)` and rand_distr's Ziggurat `StandardNormal`; this module replays

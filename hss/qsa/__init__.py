@@ -1,4 +1,4 @@
-"""The QSA sparse-attention indexer (SPEC §10-§12): decode and prefill selection over the paged KV cache, and
+"""The QSA sparse-attention indexer (docs/design.md §10-§12): decode and prefill selection over the paged KV cache, and
 per-sequence snapshots, and the batched, graph-capturable decode on the device (``decode_select_batch``,
 ``sparse_decode_attention``)."""
 from hss.qsa.device import DEFAULT_MAX_SEQS, QsaDeviceSelection

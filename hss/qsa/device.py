@@ -1,4 +1,4 @@
-"""Device-resident batched QSA decode (SPEC §17.2-§17.4): the host side of ``decode_select_batch`` and
+"""Device-resident batched QSA decode (docs/design.md §17.2-§17.4): the host side of ``decode_select_batch`` and
 ``sparse_decode_attention``. A :class:`DeviceState` owns everything below (buffers, pinned pool, prepared launches,
 cached compositions) and runs both calls; each indexer holds one and delegates to it.
 
@@ -64,8 +64,8 @@ _FIXED = frozenset({int, DevicePtr, cm.DeviceBuffer, cm.DeviceView, type(None)})
 
 @dataclass(frozen=True)
 class QsaDeviceSelection:
-    """One batched step's selection, on the device (SPEC §17.3): ``tokens_dev`` i32 ``[R, sel_cap]`` (row r's first
-    ``counts_dev[r]`` entries are its selected positions, ascending), ``counts_dev`` i32 ``[R]``; ``sel_cap`` =
+    """One batched step's selection, on the device (docs/design.md §17.3): ``tokens_dev`` i32 ``[R, sel_cap]`` (row r's
+    first ``counts_dev[r]`` entries are its selected positions, ascending), ``counts_dev`` i32 ``[R]``; ``sel_cap`` =
     budget + ratio. ``block_tables`` (address of i32 ``[R, max_pages]``) and ``block_size`` are the step's page
     tables, which :meth:`QsaIndexer.sparse_decode_attention` reads by default. Views of the indexer's buffers:
     valid until its next ``decode_select_batch``."""

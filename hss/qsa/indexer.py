@@ -1,5 +1,5 @@
-"""The QSA indexer (SPEC §10, §11): ``QsaIndexer`` (the ``QsaSeqState`` and ``QsaSelection`` it hands out are in
-:mod:`hss.qsa.state`).
+"""The QSA indexer (docs/design.md §10, §11): ``QsaIndexer`` (the ``QsaSeqState`` and ``QsaSelection`` it hands out are
+in :mod:`hss.qsa.state`).
 
 The attention layer's input is projected to ``n_heads`` query heads and one raw key per token; the visible
 prefix is cut into blocks of ``ratio`` tokens whose keys are mean-pooled, RMS-normed and roped at the
@@ -11,7 +11,7 @@ ordinary paged decode attention reads through an identity block table. ``prefill
 :mod:`hss.qsa.prefill`) rewrites the selective rows of a prefill chunk's attention output;
 ``snapshot_aux`` / ``restore_aux`` (in :mod:`hss.qsa.snapshot`) save and restore a sequence.
 
-The device-resident batched decode (SPEC §17.2-§17.4; host code in :mod:`hss.qsa.device`):
+The device-resident batched decode (docs/design.md §17.2-§17.4; host code in :mod:`hss.qsa.device`):
 ``decode_select_batch`` runs ingest and selection for R sequences with the positions on the device (no host sync,
 graph-capturable) and ``sparse_decode_attention`` attends each sequence's selected tokens through its page table.
 Every state holds a slot of the indexer's device arrays; every host path keeps ``pos_dev[slot]`` equal to
@@ -22,7 +22,7 @@ The indexer's other parts live beside it: :mod:`hss.qsa.settings` (its scalar ru
 keys written, blocks pooled, counters committed). They and the modules above reach the indexer only through its
 internal API (``resources``, ``check_open``, ``check_state``, ``device_state``, ``pool_new_blocks``).
 
-Differences from the original (SPEC §0): methods use the indexer's own ``gpu`` (no ``gpu`` argument);
+Differences from the original (docs/design.md §0): methods use the indexer's own ``gpu`` (no ``gpu`` argument);
 every argument is read by :mod:`hss._args` (ints, floats, device pointers checked against the bytes the call
 reads or writes, streams) and every input error (an :class:`~hss.errors.HssError`, a ``TypeError`` for a wrong
 type) is raised before any device work or state change; ``block_size < 8`` is rejected (the identity table holds
@@ -72,7 +72,7 @@ def _free_all(res: IndexerResources, states: weakref.WeakSet, raising: bool = Fa
 
 
 class QsaIndexer:
-    """One full-attention layer's QSA indexer (SPEC §11.1).
+    """One full-attention layer's QSA indexer (docs/design.md §11.1).
 
     ``qk_proj_w`` ``[(n_heads + 1) * hd, hidden]`` bf16 row-major, ``q_norm_w`` / ``k_norm_w`` ``[hd]`` bf16
     (offsets from 1): device arrays in any form :func:`hss._args.pointer` reads (int, DevicePtr, DeviceBuffer,
@@ -162,7 +162,7 @@ class QsaIndexer:
         self._k_qprep = gpu.kernel(MODULE, "qsa_qprep")
         self._k_score = gpu.kernel(MODULE, "qsa_score")
         self._k_gather = gpu.kernel(MODULE, "qsa_gather")
-        # prefill selection (SPEC §11.5): three kernels required, the tensor-core variants optional
+        # prefill selection (docs/design.md §11.5): three kernels required, the tensor-core variants optional
         self._prefill = prefill.PrefillKernels(self)
         self.uses_tc_scorer = (bool(self._prefill.score_tc) and not score_scalar
                                and (self.n_heads, self.hd) == (kp.TC_HEADS, kp.TC_HD))
@@ -358,7 +358,7 @@ class QsaIndexer:
         """Pool the blocks of ``st`` complete by ``st.ingested`` but not yet pooled (a partial restore leaves some)."""
         self._keys.pool_new_blocks(st, s)
 
-    # -- prefill ingest (SPEC §11.3) -----------------------------------------------------------------
+    # -- prefill ingest (docs/design.md §11.3) -----------------------------------------------------------------
     def prefill_ingest(self, st: QsaSeqState, hidden: Any, num_tokens: int, seq_start: int, stream: Any) -> None:
         """Project ``num_tokens`` rows of ``hidden`` (``[num_tokens, hidden]`` bf16, the attention layer's input
         for positions ``seq_start ..``), store their raw keys and pool every newly complete block, on ``stream``.
@@ -388,7 +388,7 @@ class QsaIndexer:
             self.resources.check_caller("prefill_ingest", (("hidden", src, num_tokens * row, False),))
         self._keys.ingest(st, src, num_tokens, seq_start, s)
 
-    # -- prefill selection (SPEC §11.5) ------------------------------------------------------------------
+    # -- prefill selection (docs/design.md §11.5) ------------------------------------------------------------------
     def prefill_scratch_bytes(self, total_tokens: int) -> int:
         """Bytes of the scratch ``prefill_select`` needs while the sequence holds ``total_tokens`` tokens (it
         grows with the sequence; size it for the longest, e.g. ``max_tokens``). Layout in :mod:`hss.qsa.prefill`."""
@@ -423,11 +423,11 @@ class QsaIndexer:
                                       seq_block_table, seq_start, num_tokens, nq, block_size, inv_sqrt_d, scratch,
                                       stream)
 
-    # -- snapshots (SPEC §11.6, §17.7) ---------------------------------------------------------------------
+    # -- snapshots (docs/design.md §11.6, §17.7) ---------------------------------------------------------------------
     def snapshot_aux(self, st: QsaSeqState, stream: Any) -> bytes:
         """``st`` as a blob: ``ingested`` u64 LE | ``pooled`` u64 LE | raw keys of tokens 0..ingested-1 (bf16) --
         the original's layout -- then a 20-byte hss trailer (magic ``HSSQ``, version, config fingerprint, CRC32 of
-        the rest; SPEC §17.7).
+        the rest; docs/design.md §17.7).
 
         Blocking, as the original: the raw keys' D2H is ordered after prior work on ``stream`` and waited for."""
         return snapshot.snapshot_aux(self, st, stream)
@@ -444,7 +444,7 @@ class QsaIndexer:
         ingested, pooled, raw, s = snapshot.checked_restore(self, st, blob, stream)
         self._keys.restore(st, ingested, pooled, raw, s)
 
-    # -- decode (SPEC §11.4) -----------------------------------------------------------------------------
+    # -- decode (docs/design.md §11.4) -----------------------------------------------------------------------------
     def decode_select(self, st: QsaSeqState, normed: Any, pos: int, k_pool: Any, v_pool: Any, block_table_dev: Any,
                       block_size: int, stream: Any) -> QsaSelection | None:
         """Ingest the token at 0-based ``pos`` and, past the inert bound, select what it attends.
@@ -493,11 +493,12 @@ class QsaIndexer:
         st.table_len = max(st.table_len, sel.max_blocks)
         return sel
 
-    # -- batched device decode (SPEC §17.2-§17.4) ------------------------------------------------
+    # -- batched device decode (docs/design.md §17.2-§17.4) ------------------------------------------------
     def decode_select_batch(self, states: list[QsaSeqState] | tuple[QsaSeqState, ...], normed: Any, block_tables: Any,
                             block_size: int, stream: Any, *, max_pages: int | None = None) -> QsaDeviceSelection:
         """One decode step of R sequences on the device: ingest each one's token at its device position, pool a
-        block it completes, and select what it attends (SPEC §17.1: the inert regime selects every visible token).
+        block it completes, and select what it attends (docs/design.md §17.1: the inert regime selects every visible
+        token).
 
         ``states``: R distinct live states of this indexer (1 <= R <= max_seqs; a tuple is cached fastest), each
         with ``ingested < max_tokens``; ``normed`` bf16 ``[R, hidden]``: row r is sequence r's attention input for
@@ -525,7 +526,8 @@ class QsaIndexer:
                                 selection: QsaDeviceSelection, out: Any, stream: Any, scale: float | None = None, *,
                                 nq: int | None = None) -> None:
         """Attention of each sequence's queries over exactly its selected tokens, read through its page table (no
-        gather; SPEC §17.4): ``out[r, h] = softmax_t(q[r, h] . K[t, h // (nq / nkv_attn)] * scale) V[t, ...]``.
+        gather; docs/design.md §17.4): ``out[r, h] = softmax_t(q[r, h] . K[t, h // (nq / nkv_attn)] * scale) V[t,
+        ...]``.
 
         ``q`` bf16 ``[R, nq, hd_attn]`` (the main attention's roped queries; ``nq`` from its shape or ``nq=``, a
         multiple of ``nkv_attn``, at most 16 per KV head); ``k_pool`` / ``v_pool``: paged NHD caches ``[pages,

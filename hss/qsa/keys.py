@@ -1,5 +1,6 @@
-"""A sequence's keys on the device (SPEC §11.3, §11.6): raw keys written from the qk projection, complete blocks
-pooled with ``qsa_block_pool``, and the counters committed last, together with the device position (SPEC §17.2).
+"""A sequence's keys on the device (docs/design.md §11.3, §11.6): raw keys written from the qk projection, complete
+blocks pooled with ``qsa_block_pool``, and the counters committed last, together with the device position
+(docs/design.md §17.2).
 
 A restart (``prefill_ingest`` at 0) or a restore overwrites a state's first raw-key rows: they are saved first
 (a device copy into a backup buffer of the indexer, allocated at the first such call) and put back if the call fails,
@@ -81,7 +82,7 @@ class KeyWriter:
             if ingested:
                 self.gpu.copy_h2d_async(raw, st.raw_keys, s)   # pageable: staged before the call returns
             self.pool(st, 0, pooled, s)
-            self.commit(st, ingested, pooled, s)   # the device position follows the mirror (SPEC §17.2)
+            self.commit(st, ingested, pooled, s)   # the device position follows the mirror (docs/design.md §17.2)
         except BaseException:
             if saved:
                 self._put_back(st, keep, old, pooled, s)

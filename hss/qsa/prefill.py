@@ -1,4 +1,4 @@
-"""Prefill selection (SPEC §11.5, "stage 2"): rows of a prefill chunk past the inert bound attend their own
+"""Prefill selection (docs/design.md §11.5, "stage 2"): rows of a prefill chunk past the inert bound attend their own
 selected token set instead of every earlier token.
 
 ``QsaIndexer.prefill_select`` delegates here. Per slab of up to ``SELECT_SLAB`` (2048) selective rows:

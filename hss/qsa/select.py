@@ -1,4 +1,5 @@
-"""The indexer's host top-k (SPEC §11.4 steps 6-7) as pure functions, under SPEC §17.1's total order.
+"""The indexer's host top-k (docs/design.md §11.4 steps 6-7) as pure functions, under docs/design.md §17.1's total
+order.
 
 Blocks are ranked by (score descending, block index ascending) in a total order where NaN ranks below every
 number (-inf ranks above NaN) and -0.0 equals +0.0; the first k are chosen. The device top-k
@@ -36,14 +37,14 @@ def _scores(scores: Any, complete: int, what: str) -> np.ndarray:
 
 
 def _full_order(s: np.ndarray) -> np.ndarray:
-    """Every id in the SPEC §17.1 order: numbers by (score desc, index asc), then the NaNs by index."""
+    """Every id in the docs/design.md §17.1 order: numbers by (score desc, index asc), then the NaNs by index."""
     nan = np.isnan(s)
     return np.lexsort((np.arange(s.size), -np.where(nan, 0, s), nan))   # the last key sorts first
 
 
 def top_blocks(scores: Any, k: int) -> np.ndarray:
-    """The first ``min(k, n)`` ids of ``scores [n]`` in the SPEC §17.1 order (score desc, index asc; NaN below every
-    number), in that order (not re-sorted), int64."""
+    """The first ``min(k, n)`` ids of ``scores [n]`` in the docs/design.md §17.1 order (score desc, index asc; NaN below
+    every number), in that order (not re-sorted), int64."""
     s = _scores(scores, np.asarray(scores).size if np.ndim(scores) == 1 else 0, "top_blocks")
     k = min(_args.as_int("top_blocks: k", k, 0), s.size)
     if 0 < k < s.size:   # order just the k chosen
@@ -54,8 +55,8 @@ def top_blocks(scores: Any, k: int) -> np.ndarray:
 
 
 def _top_set(s: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k first in the SPEC §17.1 order, ascending, for 0 < k < n: the numbers' top k, or every number
-    and the lowest-id NaNs when fewer than k scores are numbers."""
+    """The ids of the k first in the docs/design.md §17.1 order, ascending, for 0 < k < n: the numbers' top k, or every
+    number and the lowest-id NaNs when fewer than k scores are numbers."""
     n = s.size
     top = np.partition(s, n - k)[n - k:]   # a NaN sorts last in a partition: s has one iff top has one
     if np.isnan(top).any():
@@ -82,8 +83,8 @@ def select_tokens(scores: Any, block_topk: int, ratio: int, visible: int, out: n
     """The tokens the query at 0-based position ``visible - 1`` attends: the chosen blocks' tokens, then the tail.
 
     ``scores``: at least ``complete = visible // ratio`` block scores (only the first ``complete`` are read).
-    The ``min(block_topk, complete)`` first blocks under (score desc, index asc; SPEC §17.1: NaN below every number)
-    are chosen, sorted ascending and expanded to tokens ``b*ratio .. b*ratio + ratio - 1``; the tail
+    The ``min(block_topk, complete)`` first blocks under (score desc, index asc; docs/design.md §17.1: NaN below every
+    number) are chosen, sorted ascending and expanded to tokens ``b*ratio .. b*ratio + ratio - 1``; the tail
     ``complete*ratio .. visible-1`` follows. Returns int32 ``[selection_size(block_topk, ratio, visible)]``,
     ascending; written into ``out[:size]`` (and a view of it returned) when ``out`` is given.
     """

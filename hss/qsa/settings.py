@@ -1,5 +1,5 @@
-"""The indexer's settings and scalar argument rules (SPEC §11.1): environment flags, ``max_tokens``, float32 reals,
-page sizes, and the layer's dimensions checked together (:func:`layer_dims`)."""
+"""The indexer's settings and scalar argument rules (docs/design.md §11.1): environment flags, ``max_tokens``, float32
+reals, page sizes, and the layer's dimensions checked together (:func:`layer_dims`)."""
 from __future__ import annotations
 
 import math

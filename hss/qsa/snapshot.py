@@ -1,5 +1,5 @@
-"""Indexer snapshots (SPEC §11.6, §17.7): a sequence's raw keys and counters as one blob, for prefix-cache hits and
-rejected speculative drafts.
+"""Indexer snapshots (docs/design.md §11.6, §17.7): a sequence's raw keys and counters as one blob, for prefix-cache
+hits and rejected speculative drafts.
 
 Blob: ``ingested`` u64 LE | ``pooled`` u64 LE | the raw keys of tokens ``0 .. ingested - 1`` (``ingested * hd``
 bf16, little-endian) -- the original's layout -- then hss's trailer (:data:`TRAILER`, 20 bytes): magic ``HSSQ``,

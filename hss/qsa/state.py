@@ -1,4 +1,4 @@
-"""What the indexer hands out (SPEC §11.1, §11.4): :class:`QsaSeqState`, one sequence's carry, and
+"""What the indexer hands out (docs/design.md §11.1, §11.4): :class:`QsaSeqState`, one sequence's carry, and
 :class:`QsaSelection`, one host-path decode step's selection."""
 from __future__ import annotations
 

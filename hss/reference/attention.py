@@ -1,4 +1,4 @@
-"""References for tiled decode attention (SPEC §6.3-6.5): the original's online-softmax tile step, the
+"""References for tiled decode attention (docs/design.md §6.3-6.5): the original's online-softmax tile step, the
 split + merge form the kernels compute (per-chunk partial states folded into the running state), finalize,
 and plain softmax attention.
 

@@ -1,4 +1,4 @@
-"""Reference for the bf16 projection GEMM (SPEC §9 ``cublas_bf16_proj_dense``)."""
+"""Reference for the bf16 projection GEMM (docs/design.md §9 ``cublas_bf16_proj_dense``)."""
 from __future__ import annotations
 
 import numpy as np

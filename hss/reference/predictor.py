@@ -1,7 +1,7 @@
-"""Float64 references for the predictor kernels (SPEC §5.1-5.4).
+"""Float64 references for the predictor kernels (docs/design.md §5.1-5.4).
 
 Inputs are the values a kernel actually reads (bf16 arrays, or anything numpy converts); everything is
-computed in float64 and returned unrounded, so a test can judge one kernel at a time (SPEC §0, staged
+computed in float64 and returned unrounded, so a test can judge one kernel at a time (docs/design.md §0, staged
 references). Layouts are the kernels': row-major, outermost first.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _f64(x: np.ndarray) -> np.ndarray:
 def project_q(q: np.ndarray, p: np.ndarray, heads_per_p: int | None = None) -> np.ndarray:
     """``q [num_q_heads, head_dim]`` projected to ``[num_q_heads, r]`` (no scaling).
 
-    ``p``: one ``[head_dim, r]`` for every head (the original), or ``[G, head_dim, r]`` (SPEC §17.5): q head h
+    ``p``: one ``[head_dim, r]`` for every head (the original), or ``[G, head_dim, r]`` (docs/design.md §17.5): q head h
     uses ``p[h // heads_per_p]``; ``heads_per_p`` defaults to num_q_heads / G (the GQA ratio when G is the
     number of kv heads).
     """
@@ -37,7 +37,7 @@ def project_q(q: np.ndarray, p: np.ndarray, heads_per_p: int | None = None) -> n
 def project_kv_block(k_block: np.ndarray, p: np.ndarray) -> np.ndarray:
     """One NHD page ``k_block [block_size, num_kv_heads, head_dim]`` projected per token, in the A_g slot layout
     ``[num_kv_heads, block_size, r]``; ``p`` is one ``[head_dim, r]`` for every kv head (the original) or
-    ``[num_kv_heads, head_dim, r]``, kv head j through ``p[j]`` (SPEC §17.5)."""
+    ``[num_kv_heads, head_dim, r]``, kv head j through ``p[j]`` (docs/design.md §17.5)."""
     k, pp = _f64(k_block), _f64(p)
     if pp.ndim == 2:
         return np.ascontiguousarray((k @ pp).transpose(1, 0, 2))
@@ -94,14 +94,14 @@ def head_combine(head_scores: np.ndarray, best: np.ndarray, exp2_scale: float) -
 
 
 def head_normalised_score(q_proj: np.ndarray, k_lr: np.ndarray, gqa_ratio: int, temperature: float) -> np.ndarray:
-    """SPEC §17.5's per-head normalised block scores ``[n]`` end to end: ``sum over qh of exp((s[b, qh] -
+    """docs/design.md §17.5's per-head normalised block scores ``[n]`` end to end: ``sum over qh of exp((s[b, qh] -
     max_b' s[b', qh]) / temperature)`` with ``s`` = :func:`predictor_score_heads` (each head's best block adds 1)."""
     hs = predictor_score_heads(q_proj, k_lr, gqa_ratio)
     return head_combine(hs, head_max(hs), np.log2(np.e) / temperature)
 
 
 def ground_truth_block_weights(q: np.ndarray, k_pages: np.ndarray, num_kv_heads: int | None = None) -> np.ndarray:
-    """The recall oracle (SPEC §5.4): the attention mass of each KV block, max over q heads.
+    """The recall oracle (docs/design.md §5.4): the attention mass of each KV block, max over q heads.
 
     ``q [num_q_heads, head_dim]`` (one decode query), ``k_pages [n, block_size, num_kv_heads, head_dim]``
     (NHD pages). Per q head qh (kv head qh // gqa): logits over every token = q.k / sqrt(head_dim),

@@ -1,11 +1,11 @@
-"""Float64 references for the QSA indexer (SPEC §10, §12.1-12.4).
+"""Float64 references for the QSA indexer (docs/design.md §10, §12.1-12.4).
 
 Two kinds of reference live here:
 
 * **staged kernel references** (``block_pool``, ``qprep``, ``score``, ``gather``): each starts from the
   inputs a kernel actually reads (bf16 or f32 arrays as stored on the device) and computes in float64,
-  unrounded, so a test judges one kernel at a time (SPEC §0);
-* **the model** (``indexer_step``): SPEC §10's forward for one query, run end to end in float64 from the
+  unrounded, so a test judges one kernel at a time (docs/design.md §0);
+* **the model** (``indexer_step``): docs/design.md §10's forward for one query, run end to end in float64 from the
   weights and hidden states (projection, RMS norm with ``(1 + w)``, RoPE with double-precision angles,
   block pooling, relu-summed scores, top-k by (score desc, index asc), tokens + tail).
 
@@ -111,7 +111,7 @@ def expand_tokens(blocks: np.ndarray, ratio: int, visible: int) -> np.ndarray:
 
 @dataclass
 class IndexerStep:
-    """SPEC §10 for one query: every intermediate in float64, and the allowed token set."""
+    """docs/design.md §10 for one query: every intermediate in float64, and the allowed token set."""
     qk: np.ndarray           # [visible, (n_heads + 1) * hd] projections of the visible tokens
     raw_keys: np.ndarray     # [visible, hd]
     block_keys: np.ndarray   # [complete, hd]
@@ -124,7 +124,7 @@ class IndexerStep:
 
 def indexer_step(hidden: np.ndarray, qk_proj_w: np.ndarray, q_norm_w: np.ndarray, k_norm_w: np.ndarray, pos: int,
                  n_heads: int, hd: int, ratio: int, budget: int, rot: int, theta: float, eps: float) -> IndexerStep:
-    """The indexer forward (SPEC §10) for the query at 0-based ``pos`` from ``hidden [>= pos + 1, H]`` (the
+    """The indexer forward (docs/design.md §10) for the query at 0-based ``pos`` from ``hidden [>= pos + 1, H]`` (the
     attention layer's input rows) and ``qk_proj_w [(n_heads + 1) * hd, H]``; no intermediate rounding."""
     visible = pos + 1
     qk = _f64(hidden[:visible]) @ _f64(qk_proj_w).T

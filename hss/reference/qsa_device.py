@@ -1,4 +1,4 @@
-"""Float64 references for the device decode step (SPEC §17.1-§17.4; kernels in ``ptx/qsa_device.cu``).
+"""Float64 references for the device decode step (docs/design.md §17.1-§17.4; kernels in ``ptx/qsa_device.cu``).
 
 * :func:`order_keys` / :func:`select_blocks_nan_low`: the §17.1 top-k rule (score descending, block index
   ascending; NaN below every number, -inf above NaN; -0.0 == +0.0);
@@ -41,7 +41,7 @@ def order_keys(scores: np.ndarray) -> np.ndarray:
 
 
 def select_blocks_nan_low(scores: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the first ``min(k, n)`` of ``scores [n]`` under SPEC §17.1, ascending (int64)."""
+    """Ids of the first ``min(k, n)`` of ``scores [n]`` under docs/design.md §17.1, ascending (int64)."""
     with np.errstate(invalid="ignore"):   # a signalling NaN stays a NaN
         s = np.asarray(scores, dtype=np.float64).ravel()
     nan = np.isnan(s)
@@ -90,9 +90,9 @@ def _weighted_v(w: np.ndarray, v: np.ndarray, nq: int) -> np.ndarray:
 
 def sparse_attention(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, table: np.ndarray, tokens: np.ndarray,
                      block_size: int, scale: float) -> np.ndarray:
-    """SPEC §17.4 for one request: ``softmax_t((q[h] . K[t]) * scale) V[t]`` over the valid ``tokens``, K/V rows of
-    the NHD pools ``[pages, block_size, nkv, hd]`` read through ``table`` (logical -> physical page). ``q [nq, hd]``;
-    returns float64 ``[nq, hd]`` (zeros when no token is valid)."""
+    """docs/design.md §17.4 for one request: ``softmax_t((q[h] . K[t]) * scale) V[t]`` over the valid ``tokens``, K/V
+    rows of the NHD pools ``[pages, block_size, nkv, hd]`` read through ``table`` (logical -> physical page). ``q [nq,
+    hd]``; returns float64 ``[nq, hd]`` (zeros when no token is valid)."""
     q = np.asarray(q, dtype=np.float64)
     page, slot, valid = page_rows(tokens, table, block_size)
     if not valid.any():

@@ -1,7 +1,7 @@
-"""Float64 references for the QSA prefill kernels (SPEC §12.5-12.8, §11.5), staged from each kernel's inputs.
+"""Float64 references for the QSA prefill kernels (docs/design.md §12.5-12.8, §11.5), staged from each kernel's inputs.
 
 Every function takes the values a kernel actually reads (bf16 arrays, f32 arrays, or anything numpy
-converts) and computes in float64, unrounded, so a test judges one kernel at a time (SPEC §0). Layouts
+converts) and computes in float64, unrounded, so a test judges one kernel at a time (docs/design.md §0). Layouts
 are the kernels': row-major, outermost first. Scalars that the kernels take as f32 (theta, eps,
 inv_sqrt_d) are used at their float32 values.
 
@@ -27,7 +27,7 @@ def _f32val(x: float) -> float:
     return float(np.float32(x))
 
 
-# -- norm + RoPE (SPEC §10, §12 common RoPE) ---------------------------------------------------
+# -- norm + RoPE (docs/design.md §10, §12 common RoPE) ---------------------------------------------------
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """``x [..., hd]`` * rsqrt(mean(x^2) + eps) * (1 + w), the last axis being one group."""
     x = _f64(x)
@@ -65,7 +65,7 @@ def qprep_rows(qk: np.ndarray, q_norm_w: np.ndarray, first_pos: int, n_heads: in
     return rope(rms_norm(x, q_norm_w, eps), pos, rot, theta)
 
 
-# -- scores (SPEC §12.6, §12.7) ------------------------------------------------------------------
+# -- scores (docs/design.md §12.6, §12.7) ------------------------------------------------------------------
 def complete_counts(first_pos: int, rows: int, ratio: int) -> np.ndarray:
     """complete_r = (first_pos + r + 1) // ratio for r < rows (int64)."""
     return (first_pos + np.arange(rows, dtype=np.int64) + 1) // ratio
@@ -99,7 +99,7 @@ def split_hi_lo(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi.astype(np.float64), lo.astype(np.float64)
 
 
-# -- selective attention (SPEC §12.8) -------------------------------------------------------------
+# -- selective attention (docs/design.md §12.8) -------------------------------------------------------------
 def selected_tokens(list_r: np.ndarray, pos: int, ratio: int) -> np.ndarray:
     """Row tokens in kernel order: each listed block expanded to ``ratio`` tokens (list order, duplicates
     kept), then the tail complete*ratio .. pos."""
@@ -148,7 +148,7 @@ def prefill_attn(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
     return out
 
 
-# -- prefill selection (SPEC §11.5 d) and the whole stage ------------------------------------------
+# -- prefill selection (docs/design.md §11.5 d) and the whole stage ------------------------------------------
 def topk_lists(scores: np.ndarray, first_pos: int, ratio: int, topk: int) -> np.ndarray:
     """Per row, the first ``topk`` of blocks 0..complete_r-1 ordered by (score desc, index asc), kept in
     that score-descending order -> int32 ``[rows, topk]``. Needs complete_r >= topk on every row."""

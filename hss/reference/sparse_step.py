@@ -1,4 +1,4 @@
-"""Reference of the device sparse swap step (SPEC §17.8): the page selection and the residency of C slots.
+"""Reference of the device sparse swap step (docs/design.md §17.8): the page selection and the residency of C slots.
 
 Integer logic, so exact: the kernels must match it entry for entry. One sequence and one layer per call; the
 state arrays are updated in place.
@@ -13,8 +13,8 @@ __all__ = ["score_keys", "head_scores", "select", "residency_step"]
 
 
 def score_keys(scores: np.ndarray) -> np.ndarray:
-    """uint32 keys ordering scores (float32) as SPEC §17.1 ranks them: a higher score a higher key, NaN lowest, -0.0
-    and 0.0 one key (equal scores)."""
+    """uint32 keys ordering scores (float32) as docs/design.md §17.1 ranks them: a higher score a higher key, NaN
+    lowest, -0.0 and 0.0 one key (equal scores)."""
     s = np.asarray(scores, dtype=np.float32) + np.float32(0.0)   # -0.0 becomes 0.0: the two scores tie
     b = s.view(np.uint32)
     keys = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
@@ -23,10 +23,10 @@ def score_keys(scores: np.ndarray) -> np.ndarray:
 
 
 def head_scores(per_head: np.ndarray, table: np.ndarray, max_blocks: int, exp2_scale: float) -> np.ndarray:
-    """float32 ``[n]``: the per-head normalised scores sparse_select folds in (SPEC §17.5) from the ``[n, heads]``
-    per-head scores of one row's pages (block ids ``table[:n]``): each head's max over the n pages (NaN skipped), then
-    the sum over heads of 2^((score - max) * exp2_scale) (a NaN exponent left out), each rounded to float32 as the
-    kernels store them; NaN for a block id outside 0..max_blocks-1."""
+    """float32 ``[n]``: the per-head normalised scores sparse_select folds in (docs/design.md §17.5) from the ``[n,
+    heads]`` per-head scores of one row's pages (block ids ``table[:n]``): each head's max over the n pages (NaN
+    skipped), then the sum over heads of 2^((score - max) * exp2_scale) (a NaN exponent left out), each rounded to
+    float32 as the kernels store them; NaN for a block id outside 0..max_blocks-1."""
     best = pref.head_max(per_head).astype(np.float32) if per_head.shape[0] else np.full(per_head.shape[1], -np.inf)
     got = pref.head_combine(per_head, best, exp2_scale).astype(np.float32)
     ids = np.asarray(table)
@@ -35,9 +35,9 @@ def head_scores(per_head: np.ndarray, table: np.ndarray, max_blocks: int, exp2_s
 
 
 def select(scores: np.ndarray, n: int, budget: int, keep_first: int, keep_recent: int) -> np.ndarray:
-    """bool ``[n]``: the pages S attends (SPEC §17.8): every page when ``n <= keep_first + keep_recent + budget``,
-    else the first ``keep_first``, the last ``keep_recent`` and the ``budget`` best others (score descending, page
-    ascending; NaN below every number)."""
+    """bool ``[n]``: the pages S attends (docs/design.md §17.8): every page when ``n <= keep_first + keep_recent +
+    budget``, else the first ``keep_first``, the last ``keep_recent`` and the ``budget`` best others (score descending,
+    page ascending; NaN below every number)."""
     chosen = np.zeros(n, dtype=bool)
     if n <= keep_first + keep_recent + budget:
         chosen[:] = True

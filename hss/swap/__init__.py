@@ -1,4 +1,5 @@
-"""High-speed swap: scratch pool, predictor-driven eviction, backing stores, streamed exact attention (SPEC §7-§8).
+"""High-speed swap: scratch pool, predictor-driven eviction, backing stores, streamed exact attention (docs/design.md
+§7-§8).
 
 Modules: :mod:`~hss.swap.layout` (GroupLayout: where a page's stripes live), :mod:`~hss.swap.eviction`
 (EvictionPolicy), :mod:`~hss.swap.pool` (ScratchPool), :mod:`~hss.swap.backing` (BackingStore, PreparedReads: the
@@ -9,8 +10,8 @@ store interface), :mod:`~hss.swap.stores` (HostStore; the store names), :mod:`~h
 of the other pages, reads overlapping attention through CUDA events on a copy stream), :mod:`~hss.swap.step`
 (SwapStep and StepRecord: one step, plan -> issue -> settle), :mod:`~hss.swap.plans` (its exact and sparse plans),
 :mod:`~hss.swap.promotion` (which misses enter the resident set), :mod:`~hss.swap.stall` (read-stall timers),
-:mod:`~hss.swap.sparse` (the sparse mode's page choice, SPEC §17.6), :mod:`~hss.swap.tp` (kv heads split across
-devices), :mod:`~hss.swap.device_step` (the sparse step on the device).
+:mod:`~hss.swap.sparse` (the sparse mode's page choice, docs/design.md §17.6), :mod:`~hss.swap.tp` (kv heads split
+across devices), :mod:`~hss.swap.device_step` (the sparse step on the device).
 """
 from hss.swap.config import DiskBlockAllocator, HighSpeedSwapConfig, HighSpeedSwapDiagnostic, ModelDims
 from hss.swap.eviction import EvictionPolicy

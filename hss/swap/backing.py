@@ -1,5 +1,5 @@
-"""The interface of the backing stores for KV pages (SPEC §7.1-7.3): :class:`BackingStore` and the reads it plans,
-:class:`PreparedReads`. The stores themselves: :class:`~hss.swap.stores.HostStore` (pinned host memory) and
+"""The interface of the backing stores for KV pages (docs/design.md §7.1-7.3): :class:`BackingStore` and the reads it
+plans, :class:`PreparedReads`. The stores themselves: :class:`~hss.swap.stores.HostStore` (pinned host memory) and
 :class:`~hss.swap.file_store.FileStore` (one preallocated file per layer).
 
 Every store keeps every layer in the :class:`~hss.swap.layout.GroupLayout` page layout, so a page is one

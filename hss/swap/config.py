@@ -1,4 +1,4 @@
-"""What a :class:`~hss.swap.orchestrator.HighSpeedSwap` is built from (SPEC §8.1, §8.2, §8.4, §8.5):
+"""What a :class:`~hss.swap.orchestrator.HighSpeedSwap` is built from (docs/design.md §8.1, §8.2, §8.4, §8.5):
 :class:`HighSpeedSwapConfig`, :class:`ModelDims`, the disk block-id allocator and the diagnostic record.
 Pure host code."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ class HighSpeedSwapConfig:
     read (consecutive pages in one pread; default 1 MiB; at least one page is read at a time); ``projection``: the
     predictor's P per layer and kv head (bf16 ``[num_layers, num_kv_heads, head_dim, rank]``, e.g. from
     :func:`hss.predictor.calibrate_projection`; None: the seeded P of ``projection_seed``); ``head_temperature``: the
-    predictor's per-head normalised scores (SPEC §17.5; None: max over heads).
+    predictor's per-head normalised scores (docs/design.md §17.5; None: max over heads).
     """
 
     dir: str | os.PathLike
@@ -140,7 +140,8 @@ class ModelDims:
 
 
 class DiskBlockAllocator:
-    """Disk block ids 0..capacity-1 with reference counts (SPEC §8.4); an id names the same page in every layer.
+    """Disk block ids 0..capacity-1 with reference counts (docs/design.md §8.4); an id names the same page in every
+    layer.
 
     ``alloc`` pops the free list (LIFO) or takes the next never-used id (None when all are taken);
     ``inc_ref`` of a free id raises; ``dec_ref`` saturates at 0 and frees the id when it reaches 0
@@ -215,7 +216,8 @@ class HighSpeedSwapDiagnostic:
     where ``HighSpeedSwap.time_sparse_stalls`` is set), ``host_read_ms`` (host time in
     store reads: planning and checking a step's reads, issuing them, file I/O, bounce waits),
     ``score_wait_ms`` (host time blocked on the predictor scores event), ``sparse_steps`` (steps in the sparse
-    mode, SPEC §17.6) and ``skipped`` (pages those steps did not attend; hits and misses count attended pages).
+    mode, docs/design.md §17.6) and ``skipped`` (pages those steps did not attend; hits and misses count attended
+    pages).
     """
 
     num_layers: int

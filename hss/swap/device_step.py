@@ -1,4 +1,4 @@
-"""The sparse swap step on the device (SPEC §17.8): :class:`DeviceSparseStep`.
+"""The sparse swap step on the device (docs/design.md §17.8): :class:`DeviceSparseStep`.
 
 For R sequences of one :class:`~hss.swap.HighSpeedSwap` (its ``HostStore`` holding every layer's pages in pinned host
 memory), a decode step of one layer is five launches on the caller's stream and no host work beyond queueing them:
@@ -8,11 +8,11 @@ memory), a decode step of one layer is five launches on the caller's stream and 
 2. ``predictor_score_table``: each sequence's complete pages scored through its block table (the same bits as
    ``score_layer``; a block id outside A_g scores NaN, ranked lowest);
 3. ``sparse_select``: one CTA per sequence picks S (the first ``keep_first`` and last ``keep_recent`` pages plus the
-   ``budget_pages`` best others, SPEC §17.1's order), finds its hits among the sequence's ``slots`` HBM slots of the
-   layer, gives each miss a slot (free slots first, then the least recently selected), lists the misses' reads and
-   S's slots in page order, and counts hits and misses; with the predictor's ``head_temperature`` the scores of 2.
+   ``budget_pages`` best others, docs/design.md §17.1's order), finds its hits among the sequence's ``slots`` HBM slots
+   of the layer, gives each miss a slot (free slots first, then the least recently selected), lists the misses' reads
+   and S's slots in page order, and counts hits and misses; with the predictor's ``head_temperature`` the scores of 2.
    are per head (``predictor_score_heads_table``) and this launch folds in each head's max and the normalised sum
-   (SPEC §17.5, the predictor's arithmetic and bits) first;
+   (docs/design.md §17.5, the predictor's arithmetic and bits) first;
 4. ``sparse_fetch``: the misses read straight from the store's mapped pinned memory into their slots (16-byte loads,
    many in flight);
 5. the tiled attention over exactly S's slots (one tile; ``output=`` ends the step, or the caller adds the newest,
@@ -71,8 +71,8 @@ class DeviceStepCounters:
 class DeviceSparseStep:
     """The device sparse step of up to ``max_seqs`` sequences over ``swap``'s pages (see the module docstring).
 
-    ``budget_pages``, ``keep_first``, ``keep_recent``: the selection (SPEC §17.8; ``sel_cap`` = their sum pages are
-    attended at most); ``slots``: HBM slots per (sequence, layer), at least ``sel_cap`` (default ``sel_cap``);
+    ``budget_pages``, ``keep_first``, ``keep_recent``: the selection (docs/design.md §17.8; ``sel_cap`` = their sum
+    pages are attended at most); ``slots``: HBM slots per (sequence, layer), at least ``sel_cap`` (default ``sel_cap``);
     ``max_pages``: the longest sequence in complete pages (default the swap's ``max_blocks_per_layer``); ``ctx``: the
     swap's context (None: the thread's current one); ``stream``: where the initial reset is queued. Allocates the
     slot pool (``num_layers * max_seqs * slots`` pages), the residency state and a :class:`TiledAttention` for
@@ -143,7 +143,8 @@ class DeviceSparseStep:
             self.attend_counts = alloc(4 * R)
             self.fetch = alloc(8 * R * self.sel_cap)
             self.fetch_counts = alloc(4 * R)
-            self._temperature = pred.head_temperature   # per-head normalised scores (SPEC §17.5) when not None
+            # per-head normalised scores (docs/design.md §17.5) when not None
+            self._temperature = pred.head_temperature
             heads = m.num_q_heads if self._temperature is not None else 0
             self.head_scores = alloc(4 * R * self.max_pages * heads)
             self.page_counts = alloc(4 * R)     # begin_step(token_counts=): complete pages, then the newest page's

@@ -1,4 +1,4 @@
-"""Which resident scratch slot to overwrite (SPEC §7.5): :class:`EvictionPolicy`, where predictor scores go.
+"""Which resident scratch slot to overwrite (docs/design.md §7.5): :class:`EvictionPolicy`, where predictor scores go.
 
 Per slot the policy keeps the last predictor score recorded for the page it holds (f32, initially -inf)
 and the epoch of its last touch (u64, initially 0; the global epoch starts at 1 and wraps). ``rank``

@@ -1,5 +1,5 @@
-"""The file backing store (SPEC §7.2): :class:`FileStore`, one preallocated file per layer, read through a pinned
-bounce ring (the store interface: :mod:`hss.swap.backing`).
+"""The file backing store (docs/design.md §7.2): :class:`FileStore`, one preallocated file per layer, read through a
+pinned bounce ring (the store interface: :mod:`hss.swap.backing`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def layer_path(directory: str | os.PathLike, layer: int) -> Path:
-    """``<dir>/layer_{layer:05}.kv`` (SPEC §7.2)."""
+    """``<dir>/layer_{layer:05}.kv`` (docs/design.md §7.2)."""
     return Path(directory) / f"layer_{layer:05}.kv"
 
 
@@ -80,7 +80,7 @@ class _Files:
 
 
 class FileStore(BackingStore):
-    """One file per layer, ``<dir>/layer_{layer:05}.kv``, preallocated to ``bytes_per_layer`` (SPEC §7.2).
+    """One file per layer, ``<dir>/layer_{layer:05}.kv``, preallocated to ``bytes_per_layer`` (docs/design.md §7.2).
 
     ``direct``: True opens with O_DIRECT (raises if the filesystem refuses it), False uses buffered I/O,
     None (default) tries O_DIRECT and falls back to buffered I/O; :attr:`direct` says which is in use.

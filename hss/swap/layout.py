@@ -1,4 +1,4 @@
-"""Where a KV page lives in a backing store and in a scratch slot (SPEC §7.1): :class:`GroupLayout`.
+"""Where a KV page lives in a backing store and in a scratch slot (docs/design.md §7.1): :class:`GroupLayout`.
 
 A *group* is one (layer, page, kind, kv_head) stripe, kind K = 0 or V = 1: bf16 ``[block_size, head_dim]``,
 ``group_bytes`` long, stored ``group_stride`` bytes apart (rounded up to the filesystem block, 4 KiB, so
@@ -50,7 +50,7 @@ def host_bytes(name: str, data: Any) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Byte layout of the pages of one layer (SPEC §7.1).
+    """Byte layout of the pages of one layer (docs/design.md §7.1).
 
     ``num_blocks`` pages per layer, ``num_kv_heads``, ``block_size`` tokens per page, ``head_dim``,
     ``elem_bytes`` per element (2: bf16), ``fs_block_size`` the alignment of every group (4096).

@@ -1,4 +1,4 @@
-"""Exact decode attention over a KV history kept in a backing store (SPEC §8): :class:`HighSpeedSwap`.
+"""Exact decode attention over a KV history kept in a backing store (docs/design.md §8): :class:`HighSpeedSwap`.
 
 The scratch pool (``resident_blocks`` page slots in HBM) is split in two:
 
@@ -10,7 +10,8 @@ The scratch pool (``resident_blocks`` page slots in HBM) is split in two:
 
 The swap owns the parts (store, pool, predictor, tiled attention, eviction policy, disk block ids), checks every
 argument and offloads pages; a step (``attend_layer_on_stream``) is a plan (:mod:`hss.swap.plans`: the exact one, or
-the sparse one of SPEC §17.6) run by its :class:`~hss.swap.step.SwapStep`, whose module doc gives the queue order.
+the sparse one of docs/design.md §17.6) run by its :class:`~hss.swap.step.SwapStep`, whose module doc gives the queue
+order.
 
 Besides a step's one wait for its scores, nothing synchronizes the host, except as documented: FileStore reads
 (pread, and reusing a bounce page only after its copy ran), HostStore writes (wait for queued reads of the bytes
@@ -415,7 +416,7 @@ class HighSpeedSwap:
         error, a driver error, an interrupt) changes no page: the pool keeps only resident pages whose copies were
         queued, and the next step is exact.
 
-        The sparse mode (SPEC §17.6; opt in with ``budget_pages``, an int >= 0): the step attends the first
+        The sparse mode (docs/design.md §17.6; opt in with ``budget_pages``, an int >= 0): the step attends the first
         ``keep_first`` (None: 1) and the last ``keep_recent`` (None: 4; the sparse mode's one set of defaults, the
         recall bench's best, :data:`hss.swap.sparse.KEEP_FIRST` / ``KEEP_RECENT``; 0 / 0 is the plain top-K) pages
         of ``seq_block_ids`` plus the ``budget_pages`` others with the highest predictor scores (ties to the earlier

@@ -1,5 +1,5 @@
-"""The two plans of a swap step (:mod:`hss.swap.step`): :class:`ExactPlan` (SPEC §8) and :class:`SparsePlan`
-(SPEC §17.6), behind one protocol, :class:`StepPlan`.
+"""The two plans of a swap step (:mod:`hss.swap.step`): :class:`ExactPlan` (docs/design.md §8) and :class:`SparsePlan`
+(docs/design.md §17.6), behind one protocol, :class:`StepPlan`.
 
 A plan is made before any device work (so everything it checks raises first), then the step calls its hooks in queue
 order: ``open`` (once the step is ordered after the previous one), ``choose`` (the :class:`~hss.swap.step.Tiles`),
@@ -156,9 +156,9 @@ class ExactPlan(StepPlan):
 
 
 class SparsePlan(StepPlan):
-    """The sparse step (SPEC §17.6): the first ``budget.keep_first`` and last ``budget.keep_recent`` pages of ``ids``
-    plus the ``budget.budget_pages`` others that score best (a budget that does not cover them all). Every page is
-    checked readable when the plan is made. ``open`` queues the scores and looks the pages up in the pool while the
+    """The sparse step (docs/design.md §17.6): the first ``budget.keep_first`` and last ``budget.keep_recent`` pages of
+    ``ids`` plus the ``budget.budget_pages`` others that score best (a budget that does not cover them all). Every page
+    is checked readable when the plan is made. ``open`` queues the scores and looks the pages up in the pool while the
     device scores; ``choose`` waits for them, picks the pages, records this query's score for every resident page,
     and decides the promotions before any read: those misses are read straight into their resident slots (no
     device-to-device copy), their bookkeeping done at once in ``settle`` for the tiles whose reads were queued (the

@@ -1,10 +1,10 @@
-"""The HBM scratch pool (SPEC §7.4): :class:`ScratchPool`, page slots in one device buffer and who holds them.
+"""The HBM scratch pool (docs/design.md §7.4): :class:`ScratchPool`, page slots in one device buffer and who holds them.
 
 A slot holds one KV page in the backing stores' page layout (:class:`~hss.swap.layout.GroupLayout`):
 ``[K|V][kv_head][stripe]``, stripes ``group_stride`` bytes apart (padded to 4 KiB), each bf16
 ``[block_size, head_dim]``. The tiled-attention strides come from
 :meth:`TiledAttention.scratch_pool_strides(group_stride) <hss.attention.TiledAttention.scratch_pool_strides>`,
-so padded stripes are addressed correctly (SPEC §7.4's latent assumption gs == block_size*head_dim*2 is gone).
+so padded stripes are addressed correctly (docs/design.md §7.4's latent assumption gs == block_size*head_dim*2 is gone).
 
 Bookkeeping covers the first ``num_slots - reserved_slots`` slots: residents[slot] = (layer, page) or free (two
 int arrays), a lookup table, and a FIFO free list (initially 0, 1, ...). :meth:`ScratchPool.put_many` places many

@@ -1,4 +1,4 @@
-"""Which misses of a swap step enter the resident set (SPEC §8): :class:`Promoter`.
+"""Which misses of a swap step enter the resident set (docs/design.md §8): :class:`Promoter`.
 
 The rule: the misses are promoted best score first (NaN last): into free slots, then replacing the first-ranked
 resident (:meth:`EvictionPolicy.rank <hss.swap.eviction.EvictionPolicy.rank>`: lowest score, then least recently

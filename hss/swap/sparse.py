@@ -1,11 +1,11 @@
-"""Which pages a sparse swap step attends (SPEC §17.6): :func:`select_pages` (:func:`select_mask`, the same as a
-mask). Pure host code.
+"""Which pages a sparse swap step attends (docs/design.md §17.6): :func:`select_pages` (:func:`select_mask`, the same as
+a mask). Pure host code.
 
 A step over the pages ``seq_block_ids`` (n of them, in sequence order) in the sparse mode attends the first
 ``keep_first`` and the last ``keep_recent`` pages of the sequence, plus the ``budget_pages`` others with the highest
 predictor scores, ranked by (score descending, sequence position ascending) under a total order in which NaN ranks
-below every number (SPEC §17.1's rule), in sequence order. A budget that covers every other page attends all n:
-the exact step.
+below every number (docs/design.md §17.1's rule), in sequence order. A budget that covers every other page attends all
+n: the exact step.
 """
 from __future__ import annotations
 

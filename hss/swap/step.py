@@ -1,7 +1,7 @@
-"""One decode step of :class:`~hss.swap.HighSpeedSwap` (SPEC §8): :class:`SwapStep` runs a plan in three phases,
-*plan* (host metadata: hits, misses, reads, promotions; :mod:`hss.swap.plans`), *issue* (reads on the copy stream,
-tiles on the caller's stream) and *settle* (the pool and eviction bookkeeping of what was queued), and makes the
-step's :class:`StepRecord`. The exact step and the sparse step (SPEC §17.6) are two plans of this one step.
+"""One decode step of :class:`~hss.swap.HighSpeedSwap` (docs/design.md §8): :class:`SwapStep` runs a plan in three
+phases, *plan* (host metadata: hits, misses, reads, promotions; :mod:`hss.swap.plans`), *issue* (reads on the copy
+stream, tiles on the caller's stream) and *settle* (the pool and eviction bookkeeping of what was queued), and makes the
+step's :class:`StepRecord`. The exact step and the sparse step (docs/design.md §17.6) are two plans of this one step.
 
 A step, in queue order on the caller's stream ``s`` and the copy stream ``c``:
 
@@ -30,8 +30,8 @@ A step, in queue order on the caller's stream ``s`` and the copy stream ``c``:
 5. The step's last tile also writes ``out`` (the bits ``finalize`` would write; a step with no page
    finalizes the empty state instead); ``s`` records ``step_done``.
 
-The **sparse mode** (SPEC §17.6; ``budget_pages=K, keep_first=F, keep_recent=R``, opt in: exact stays the default)
-attends only the first F and last R pages plus the K others that score best. Its step checks that every page is
+The **sparse mode** (docs/design.md §17.6; ``budget_pages=K, keep_first=F, keep_recent=R``, opt in: exact stays the
+default) attends only the first F and last R pages plus the K others that score best. Its step checks that every page is
 readable, then on ``s`` (after ``step_done``, as above) queues the scores and the host waits for them at
 once; it picks the pages (:func:`~hss.swap.sparse.select_mask`), records this query's scores for every resident
 page (so those it skips are the first victims when they score low), and runs 1-5 above over the pages picked
@@ -113,8 +113,8 @@ class StepRecord:
     and misses, and the promotions ((block id, resident slot)) and evictions (((layer, page), slot)) in decision
     order: the best-scoring miss first, the first-ranked (lowest score, least recent) victim first.
 
-    A sparse step (SPEC §17.6) also records its arguments (``sparse``; None for an exact step) and the blocks it
-    did not attend (``skipped``, sequence order); hits and misses are of the attended blocks, and ``block_ids`` /
+    A sparse step (docs/design.md §17.6) also records its arguments (``sparse``; None for an exact step) and the blocks
+    it did not attend (``skipped``, sequence order); hits and misses are of the attended blocks, and ``block_ids`` /
     ``block_scores`` cover every block of the step, attended or not. A step keeps only its arrays: ``tiles``,
     ``hits``, ``misses``, ``promoted``, ``evicted`` and ``skipped`` are made from them when one is first read."""
     layer: int

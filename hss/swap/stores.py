@@ -1,4 +1,4 @@
-"""The backing stores for KV pages (SPEC §7.1-7.3): :class:`HostStore` (pinned host memory, here) and
+"""The backing stores for KV pages (docs/design.md §7.1-7.3): :class:`HostStore` (pinned host memory, here) and
 :class:`~hss.swap.file_store.FileStore` (one preallocated file per layer), behind one small interface,
 :class:`~hss.swap.backing.BackingStore` (validity, all-or-nothing writes, prepared reads: see
 :mod:`hss.swap.backing`). This module is also where the store names are imported from: it re-exports
