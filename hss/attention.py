@@ -31,6 +31,7 @@ from typing import Any
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import Closeable
 from hss.cuda._launch import launcher
 from hss.cuda.ptx import load_module
 from hss.decls.attention import (
@@ -123,7 +124,7 @@ class TiledAttentionDims:
         return 2 * self.block_size * self.head_dim
 
 
-class TiledAttention:
+class TiledAttention(Closeable):
     """Running (m, l, o) state for up to ``dims.max_seqs`` sequences and the kernels that use it.
 
     ``TiledAttention(ctx, dims)`` (or ``TiledAttention.new(dims)``, the original's name) loads the PTX and
@@ -263,12 +264,6 @@ class TiledAttention:
         do nothing."""
         self._closed = True
         self._owned.close()
-
-    def __enter__(self) -> TiledAttention:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _live(self) -> None:
         if self._closed:

@@ -1,5 +1,7 @@
 // hss_common.cuh: helpers shared by every hss kernel: constants, bf16 conversions, warp and block reductions.
-// Concept headers beside it: hss_async.cuh (cp.async), hss_mma.cuh (bf16 tensor-core mma), hss_rope.cuh (RoPE).
+// Concept headers beside it: hss_async.cuh (cp.async), hss_mma.cuh (bf16 tensor-core mma), hss_rope.cuh (RoPE),
+// hss_softmax.cuh (online softmax and merge), hss_headscore.cuh (per-head normalised scores), hss_copy.cuh (page
+// copies), hss_lowrank.cuh (low-rank projection staging); qsa_common.cuh for the QSA modules.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>

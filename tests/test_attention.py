@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.cuda import _driver
 from hss.errors import HssError
@@ -79,7 +80,7 @@ def schedule(pages: list[np.ndarray], tile: int, capacity: int, block_size: int,
     """Tiles of ``tile`` pages per sequence: (blocks i32 [ns, capacity], counts i32 [ns], lbvs) each; the
     final tile gets ``last_valid``, the others full pages. Unused entries hold -1, which must never be read."""
     ns = len(pages)
-    ntiles = max([1] + [-(-len(p) // tile) for p in pages])
+    ntiles = max([1] + [ceil_div(len(p), tile) for p in pages])
     out = []
     for t in range(ntiles):
         blocks = np.full((ns, capacity), -1, dtype=np.int32)
@@ -200,10 +201,10 @@ def test_units_are_balanced(n: int, ctas: int, hdp: int) -> None:
     """A tile's units: at most the launch's wanted count, multiples of a step for each warp, at least the HDP's
     smallest unit, and within one 64-token step of an even cut (no unit left near empty by rounding)."""
     from hss.decls import attention as ka
-    want = min(ka.MAX_UNITS, -(-ka.target_ctas(hdp) // ctas))
+    want = min(ka.MAX_UNITS, ceil_div(ka.target_ctas(hdp), ctas))
     u = ka.unit_tokens(n, ctas, hdp)
-    assert u % ka.UNIT_STEP == 0 and u >= ka.unit_min(hdp) and -(-n // u) <= want
-    assert u == ka.unit_min(hdp) or u - -(-n // want) < ka.UNIT_STEP
+    assert u % ka.UNIT_STEP == 0 and u >= ka.unit_min(hdp) and ceil_div(n, u) <= want
+    assert u == ka.unit_min(hdp) or u - ceil_div(n, want) < ka.UNIT_STEP
     assert ka.unit_tokens(2052, 64, 256) == 1088 and ka.unit_tokens(33000, 8, 128) == 1088   # 2 and 31 units
 
 
@@ -657,7 +658,7 @@ def test_token_count_tiles(ctx, stream, counts: list[int], offset: int, seed: in
     lens = [min(max(c - offset, 0), 6 * 16) for c in counts]
     cnt = upload(np.array(counts, np.int32), stream)
     outs = [poisoned(2 * 2 * 8 * 64, stream) for _ in range(2)]
-    tokens = [(np.repeat(p[:-(-n // 16)].astype(np.int64), 16)[:n], np.arange(n, dtype=np.int64) % 16)
+    tokens = [(np.repeat(p[:ceil_div(n, 16)].astype(np.int64), 16)[:n], np.arange(n, dtype=np.int64) % 16)
               for p, n in zip(pages, lens)]
     ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides).tile_tokens(blocks, cnt, offset, outs[0])
     got = Result(download(outs[0], (2, 8, 64), BF16, stream), *(np.zeros(0, np.float32) for _ in range(3)))
@@ -674,7 +675,7 @@ def test_token_count_tiles(ctx, stream, counts: list[int], offset: int, seed: in
     step.tile_tokens(blocks, same, offset, outs[0])
     step = ta.begin_tiles(stream, q_dev, pool.k_ptr, pool.v_ptr, 2, *pool.strides)
     step.tile(blocks, upload(np.full(2, 1, np.int32), stream), 16)
-    step.tile(blocks, upload(np.full(2, -(-n // 16), np.int32), stream), n - 16 * (-(-n // 16) - 1) if n else 0,
+    step.tile(blocks, upload(np.full(2, ceil_div(n, 16), np.int32), stream), n - 16 * (ceil_div(n, 16) - 1) if n else 0,
               outs[1])
     a, b = (download(o, (2, 8, 64), BF16, stream) for o in outs)
     assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"token tile of {n} tokens vs its page tile"
@@ -944,7 +945,7 @@ def test_reference_recurrence(rng) -> None:
     state = init
     for part in (slice(0, 37), slice(37, 50)):
         parts = ref.chunk_partials(q, k[part], v[part], 8)
-        assert parts[0].shape == (-(-(part.stop - part.start) // 8), 6)
+        assert parts[0].shape == (ceil_div(part.stop - part.start, 8), 6)
         state = ref.merge_partials(*state, *parts)
     assert np.abs(ref.finalize(state[1], state[2]) - want).max() < 1e-5
     exact = ref.merge_partials(*init, *ref.chunk_partials(q, k, v, 16, state_dtype=None), state_dtype=None)

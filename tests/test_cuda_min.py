@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hss import CudaError, HssError, inject_fault
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda import _driver, _memory, ptx
 from hss.decls.selftest import SELFTEST_AXPY, SELFTEST_BLOCK_SUM, SELFTEST_EMPTY, SELFTEST_FILL
 from hss.reference import selftest as ref
@@ -139,7 +140,7 @@ def test_untyped_launch_and_prepared_refill(ctx, stream, selftest):
 @given(n=st.integers(1, 3000), log_block=st.integers(5, 9))
 def test_shared_memory_block_sum(ctx, stream, selftest, n, log_block):
     block = 1 << log_block
-    nb = -(-n // block)
+    nb = ceil_div(n, block)
     x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     with upload(x, stream) as dx, poisoned(4 * nb, stream) as out:
         cm.launch_kernel(selftest.function("selftest_block_sum"), nb, block, 4 * block, stream,

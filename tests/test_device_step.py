@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 from test_predictor import check_scores
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda import _driver
 from hss.cuda.ptx import load_module
 from hss.decls import sparse_step as ks
@@ -232,7 +233,7 @@ def test_predictor_score_table_is_score_blocks_through_the_table(ctx, stream, sh
                                           scores=out.ptr, num_q_heads=nq, num_kv_heads=nkv, block_size=bs, r=r,
                                           gqa_ratio=d.gqa_ratio(), table_stride=stride, max_blocks=M)
         with load_module("predictor_score", ctx) as mod:
-            cm.launch_kernel(mod.function("predictor_score_table"), (-(-stride // w), rows, 1), (32 * w, 1, 1), 0,
+            cm.launch_kernel(mod.function("predictor_score_table"), (ceil_div(stride, w), rows, 1), (32 * w, 1, 1), 0,
                              stream, pack)
             got = download(out, (rows, stride), np.float32, stream)
         one = poisoned(4 * M, stream)

@@ -30,6 +30,7 @@ from test_qsa_indexer import driver_calls
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda._driver import CudaError, HssError
 from hss.cuda.gpu import CudaBackend
 from hss.qsa import QsaIndexer, select_tokens
@@ -80,7 +81,7 @@ class QsaMachine(RuleBasedStateMachine):
         self.ref_raw = proj_dense(self.hidden, self.w)[:, N_HEADS * HD:]
         self.k = rng.standard_normal((PAGES, BS, NKV, HD_ATTN)).astype(BF16)
         self.v = rng.standard_normal((PAGES, BS, NKV, HD_ATTN)).astype(BF16)
-        self.table = rng.permutation(PAGES)[:-(-MAX_TOKENS // BS)].astype(np.int32)
+        self.table = rng.permutation(PAGES)[:ceil_div(MAX_TOKENS, BS)].astype(np.int32)
         self.bufs = [upload(a, s) for a in (self.w, (rng.standard_normal(HD) * 0.1).astype(BF16), self.kn,
                                             self.hidden, self.k, self.v, self.table,
                                             np.tile(self.table, (MAX_SEQS, 1)),   # every sequence's page table
@@ -388,7 +389,7 @@ class QsaMachine(RuleBasedStateMachine):
             call = lambda: self.idx.decode_select(seq, self.row(r), pos, self.d_k, self.d_v, self.d_table, BS, s)  # noqa: E731
             new = Seq(m.rows + [r], (pos + 1) // RATIO, m.table_len)
             if pos + 1 > BOUND:
-                new.table_len = max(m.table_len, -(-((pos + 1) % RATIO + BUDGET) // BS))
+                new.table_len = max(m.table_len, ceil_div((pos + 1) % RATIO + BUDGET, BS))
         elif op in ("ingest", "restart"):
             start = 0 if op == "restart" else pos
             n = min(5, MAX_TOKENS - start)

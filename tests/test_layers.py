@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / "hss"
 # Lowest first. A module may import modules of its own layer or of a lower one; the package face (``hss``
 # itself) is for users only. Prefixes name a module and everything under it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hss.errors", "hss._version"),                    # every exception; the version
+    ("hss.errors", "hss._version", "hss._util"),       # every exception; the version; the shared helpers
     ("hss.reference",),                                # float64 numpy references (numpy and ml_dtypes only)
     ("hss.checkpoint",),                               # model files (GGUF, safetensors, HF), tokenizers, numpy forward
     ("hss._interop",),                                 # reading foreign arrays and streams (torch, CuPy, CAI, DLPack)

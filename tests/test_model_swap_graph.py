@@ -13,6 +13,7 @@ import pytest
 
 import hss.model.staged as staged_mod
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.demo.model import random_model
 from hss.errors import HssError
 from hss.model import DeviceModel, swap_block_size
@@ -88,7 +89,7 @@ def test_swap_graph_tokens_equal_hbm_across_page_boundaries(model, bs, hbm, resi
     assert sum(a == b for a, b in zip(tokens, want)) >= 0.95 * n
     assert [p for p, _ in info["switches"]] == switches(len(ids) + 2, len(ids) + n - 1, bs, ring)
     st, layers = info["stats"], model.config.n_layer
-    r = min(resident // layers, -(-(len(ids) + n + 1) // bs))
+    r = min(resident // layers, ceil_div(len(ids) + n + 1, bs))
     pages = sum((len(ids) + i) // bs for i in range(n - 1))      # complete pages per layer over the steps
     hits = sum(min((len(ids) + i) // bs, r) for i in range(n - 1))
     assert st["steps"] == n - 1

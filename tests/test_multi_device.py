@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
@@ -289,7 +290,7 @@ def test_qsa_indexer_on_device_1_selects_what_device_0_selects(ctxs) -> None:
         c.make_current()   # the helpers allocate in the current context
         gpu = CudaBackend(c)
         layer = tq.make_layer(np.random.default_rng(12), c.stream)
-        cache = tq.kv_cache(np.random.default_rng(13), len(lengths), -(-tq.D["max_tokens"] // tq.BS), c.stream)
+        cache = tq.kv_cache(np.random.default_rng(13), len(lengths), ceil_div(tq.D["max_tokens"], tq.BS), c.stream)
         picks = []
         with layer.indexer(gpu) as idx:
             states, rows = tq.start(idx, lengths, np.random.default_rng(7), c.stream)
@@ -338,7 +339,7 @@ def test_qsa_indexer_refuses_another_devices_weights_streams_and_memory(ctxs) ->
         assert rec.calls == [] and seen == [], "device work before the error"
     lengths = [tq.BOUND + 6, 9]
     R, nq, hd = len(lengths), tq.D["nq"], tq.D["hd_attn"]
-    cache = tq.kv_cache(rng, R, -(-tq.D["max_tokens"] // tq.BS), c1.stream)
+    cache = tq.kv_cache(rng, R, ceil_div(tq.D["max_tokens"], tq.BS), c1.stream)
     k, v, _ = cache.dev
     s0, s1 = c0.stream, c1.stream
     with layer1.indexer(gpu) as idx:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import hss.predictor.predictor as hp
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda import _driver
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims, preflight_a_g, read_k_lr_slot
@@ -969,8 +970,9 @@ def launch_head_max_and_combine(ctx, stream, hs: np.ndarray, best: np.ndarray | 
         m = download(m_dev, (nq,), np.float32, stream)
         if best is not None:
             cm.copy_h_to_d_async(m_dev, np.ascontiguousarray(best, np.float32), 4 * nq, stream)
-        cm.launch_kernel(mod.function("predictor_head_combine"), (-(-n // HEAD_THREADS), 1, 1), (HEAD_THREADS, 1, 1),
-                         0, stream, PREDICTOR_HEAD_COMBINE.pack(hs_dev, m_dev, out, nq, n, exp2_scale))
+        cm.launch_kernel(mod.function("predictor_head_combine"), (ceil_div(n, HEAD_THREADS), 1, 1),
+                         (HEAD_THREADS, 1, 1), 0, stream,
+                         PREDICTOR_HEAD_COMBINE.pack(hs_dev, m_dev, out, nq, n, exp2_scale))
         return m, download(out, (n,), np.float32, stream)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda import _driver
 from hss.errors import CudaError, HssError
 from hss.qsa import QsaDeviceSelection, QsaIndexer, device
@@ -159,7 +160,7 @@ def test_slots_positions_and_descriptors_follow_every_host_path(gpu, stream, rng
         assert desc[a.slot].tolist() == [int(a.raw_keys), int(a.block_keys)], "the descriptor went with the first call"
         idx.prefill_ingest(a, h.ptr + 30 * D["hidden"] * 2, 5, 30, stream)
         assert pos(a) == 35
-        k, v, t = kv_cache(rng, 1, -(-D["max_tokens"] // BS), stream).dev
+        k, v, t = kv_cache(rng, 1, ceil_div(D["max_tokens"], BS), stream).dev
         idx.decode_select(a, h.ptr + 35 * D["hidden"] * 2, 35, k, v, t, BS, stream)
         assert pos(a) == a.ingested == 36 and a.sync(stream) == 36
         blob = idx.snapshot_aux(a, stream)
@@ -168,7 +169,7 @@ def test_slots_positions_and_descriptors_follow_every_host_path(gpu, stream, rng
         idx.restore_aux(a, blob, stream)
         assert pos(a) == 36 and a.sync(stream) == 36
         # a fresh state goes straight into a device step (its descriptor and position 0 are there already)
-        sel = idx.decode_select_batch([c], h, t, BS, stream, max_pages=-(-D["max_tokens"] // BS))
+        sel = idx.decode_select_batch([c], h, t, BS, stream, max_pages=ceil_div(D["max_tokens"], BS))
         assert c.ingested == 1 and pos(c) == 1 and sel.R == 1
         assert selected(sel, stream)[0].tolist() == [0]
         # sync() reads the device: a position changed behind the mirror's back is picked up (and pooled follows)
@@ -199,7 +200,7 @@ def lengths_around_the_bound() -> list[int]:
 def test_batch_equals_single_sequence_host_path(gpu, stream, rng, layer):
     lengths = lengths_around_the_bound()
     R, steps = len(lengths), 9
-    max_pages = -(-D["max_tokens"] // BS)
+    max_pages = ceil_div(D["max_tokens"], BS)
     cache = kv_cache(rng, R, max_pages, stream)
     with layer.indexer(gpu) as batch_idx, layer.indexer(gpu) as host_idx:
         states, rows = start(batch_idx, lengths, np.random.default_rng(7), stream)
@@ -255,7 +256,7 @@ def near_tie(idx, st, r: int, got: np.ndarray, pos: int, stream) -> None:
 def test_sparse_attention_matches_the_float64_reference(gpu, stream, rng, layer, nq, nkv, hd):
     lengths = [3, BOUND + 2, 2 * BUDGET + 5] if not ON_GPU else [100, BOUND + 2, 5000]
     R = len(lengths)
-    max_pages = -(-D["max_tokens"] // BS)
+    max_pages = ceil_div(D["max_tokens"], BS)
     cache = kv_cache(rng, R, max_pages, stream, nkv, hd)
     cache.tables[1, 0] = -1          # a negative page id: its tokens contribute nothing
     cm.copy_h_to_d_async(cache.dev[2], cache.tables, cache.tables.nbytes, stream)
@@ -300,7 +301,7 @@ class World:
             states, _ = start(idx, lengths, np.random.default_rng(seed + i), stream)
             self.states.append(tuple(states))
         rng = np.random.default_rng(seed + 100)
-        self.max_pages = -(-D["max_tokens"] // BS)
+        self.max_pages = ceil_div(D["max_tokens"], BS)
         self.cache = kv_cache(rng, R, self.max_pages, stream)
         self.tables = table_view(self.cache)
         H, nq, hd = D["hidden"], D["nq"], D["hd_attn"]
@@ -390,7 +391,7 @@ def test_replay_stops_at_max_tokens(gpu, stream, rng, layer):
     with layer.indexer(gpu, max_tokens=mt, nq_attn=D["nq"]) as idx:
         states, rows = start(idx, [mt - 2], rng, stream)
         st = states[0]
-        cache = kv_cache(rng, 1, -(-mt // BS), stream)
+        cache = kv_cache(rng, 1, ceil_div(mt, BS), stream)
         x = upload(rows[0][:1], stream)
         q = upload(rng.standard_normal((1, D["nq"], D["hd_attn"])).astype(BF16), stream)
         out = cm.DeviceBuffer(D["nq"] * D["hd_attn"] * 2)
@@ -419,7 +420,7 @@ def test_first_capture_needs_partials_and_compositions_are_kept(gpu, stream, rng
     monkeypatch.setattr(device, "_RESERVE", 3)
     with layer.indexer(gpu) as idx:
         states, rows = start(idx, [3, 8, 21, 30, 2, 9], rng, stream)
-        cache = kv_cache(rng, len(states), -(-D["max_tokens"] // BS), stream)
+        cache = kv_cache(rng, len(states), ceil_div(D["max_tokens"], BS), stream)
         x = upload(hidden_rows(rng, len(states)), stream)
         q = upload(rng.standard_normal((len(states), D["nq"], D["hd_attn"])).astype(BF16), stream)
         out = cm.DeviceBuffer(len(states) * D["nq"] * D["hd_attn"] * 2)
@@ -520,7 +521,7 @@ def test_bad_arguments_raise_before_any_device_work(gpu, stream, rng, layer):
         states, _ = start(idx, [3, BOUND + 1, 10], rng, stream)
         full, _ = start(idx, [D["max_tokens"]], rng, stream)
         R = len(states)
-        mp = -(-D["max_tokens"] // BS)
+        mp = ceil_div(D["max_tokens"], BS)
         cache = kv_cache(rng, R, mp, stream)
         k, v, tables = cache.dev
         tv = table_view(cache)

@@ -19,6 +19,7 @@ from test_qsa_indexer import driver_calls
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.errors import HssError
 
 from conftest import ON_GPU
@@ -111,13 +112,13 @@ class World:
         return {("decode_select_batch", "normed"): R * H * 2, ("decode_select", "normed"): H * 2,
                 ("prefill_select", "normed"): CHUNK * H * 2, ("prefill_ingest", "hidden"): CHUNK * H * 2,
                 ("decode_select_batch", "block_tables"): 4 * R * MP, ("sparse_decode_attention", "block_tables"):
-                4 * R * MP, ("decode_select", "block_table_dev"): 4 * -(-(n + 1) // BS),
+                4 * R * MP, ("decode_select", "block_table_dev"): 4 * ceil_div(n + 1, BS),
                 ("prefill_select", "scratch"): self.idx.prefill_scratch_bytes(n),
                 ("prefill_select", "k_pool"): self.prefill_pool(), ("prefill_select", "v_pool"): self.prefill_pool(),
                 }.get((call, name), {"q": ROW, "out": ROW, "q_roped": ATTN, "attn_ctx": ATTN}.get(name, PAGE))
 
     def prefill_pool(self) -> int:
-        return -(-self.states[0].ingested // BS) * PAGE
+        return ceil_div(self.states[0].ingested, BS) * PAGE
 
     def observed(self) -> list:
         """What a failed call must leave alone: each state's counters, device position and keys; the selection."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda._driver import CudaError, HssError, inject_fault
 from hss.qsa import INGEST_SLAB, QsaIndexer, QsaSelection
 from hss.reference import qsa as ref
@@ -70,7 +71,7 @@ class Pool:
 
 
 def kv_pool(rng, tokens: int, stream) -> Pool:
-    logical = -(-tokens // BS)
+    logical = ceil_div(tokens, BS)
     physical = logical + 5
     k = (rng.standard_normal((physical, BS, NKV, HD_ATTN))).astype(BF16)
     v = (rng.standard_normal((physical, BS, NKV, HD_ATTN))).astype(BF16)
@@ -109,7 +110,7 @@ def check_gather(sel: QsaSelection, pool: Pool, stream) -> None:
     want_k, want_v = ref.gather(pool.k, pool.v, pool.table, sel.tokens, BS)
     assert np.array_equal(got_k, want_k.view(np.uint16)) and np.array_equal(got_v, want_v.view(np.uint16))
     assert download(sel.table_dev, (sel.max_blocks,), np.int32, stream).tolist() == list(range(sel.max_blocks))
-    assert sel.max_blocks == -(-n // BS)
+    assert sel.max_blocks == ceil_div(n, BS)
     assert download(sel.seq_len_dev, (1,), np.int32, stream)[0] == n
 
 

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda import ptx
 from hss.decls import qsa_prefill as kq
 from hss.reference import qsa_prefill as ref
@@ -188,7 +189,7 @@ def test_score_rows_tc_shapes(mod, stream, data):
                                     _std(data.draw(st.sampled_from(SCALES)), kq.TC_HD))
     n_blocks = data.draw(st.integers(1, max(n_max, 1)), label="n_blocks")
     stride = n_blocks + data.draw(st.integers(0, 6), label="stride extra")
-    groups = data.draw(st.integers(1, -(-n_blocks // kq.TC_BLOCKS)), label="grid.y")
+    groups = data.draw(st.integers(1, ceil_div(n_blocks, kq.TC_BLOCKS)), label="grid.y")
     full = _run_scores(mod, stream, q, keys, first_pos, ratio, n_blocks, stride, tc=True, chunk_groups=groups)
     got, valid = _check_score_layout(full, rows, n_blocks, first_pos, ratio, "qsa_score_rows_tc")
     want = ref.score_rows(q, keys, first_pos, ratio, n_blocks)
@@ -236,7 +237,7 @@ ATTN_KERNELS = ("general", "tc")
 
 
 def _attn_case(rng, rows, nq, nkv, hd, topk, ratio, bs, first_pos, std, extra_pages=3):
-    pages = -(-(first_pos + rows) // bs)
+    pages = ceil_div(first_pos + rows, bs)
     table = rng.permutation(pages + extra_pages)[:pages].astype(np.int32)
     k_cache = _normal(rng, (pages + extra_pages, bs, nkv, hd), std)
     v_cache = _normal(rng, (pages + extra_pages, bs, nkv, hd), std)
@@ -307,7 +308,7 @@ def test_prefill_attn_original_small_case(mod, stream, kernel):
     """The upstream attention test (docs/design.md §14): rows 3, nq 24, nkv 2, hd 256, ratio 4, topk 8, bs 16, first_pos
     41, list_r[i] = (5i + r) mod 10 (duplicates included), identity table, LCG data (seed 1; q, then K, then V)."""
     rows, nq, nkv, hd, ratio, topk, bs, first_pos = 3, 24, 2, 256, 4, 8, 16, 41
-    pages = -(-(first_pos + rows) // bs)
+    pages = ceil_div(first_pos + rows, bs)
     s = 1
     q, s = _lcg_bf16(rows * nq * hd, s)
     k, s = _lcg_bf16(pages * bs * nkv * hd, s)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda._driver import HssError
 from hss.cuda.gpu import KernelHandle
 from hss.qsa import QsaIndexer
@@ -87,7 +88,7 @@ class Case:
 
 
 def make_case(rng, T: int, stream, nq: int = NQ, hd_attn: int = HD_ATTN, dense: str = "values") -> Case:
-    logical = -(-T // BS)
+    logical = ceil_div(T, BS)
     physical = logical + 3
     c = Case(hidden=(rng.standard_normal((T, HIDDEN)) * 0.5).astype(BF16),
              q=rng.standard_normal((T, nq, hd_attn)).astype(BF16),
@@ -244,7 +245,7 @@ def test_2200_tokens_against_staged_references(gpu, stream, rng, layer, monkeypa
         assert ("qsa_score_rows_tc" in launched) == (scorer == "tc") and ("qsa_score_rows" in launched) == (
             scorer == "scalar")
         assert ("qsa_prefill_attn_tc" in launched) and "qsa_prefill_attn" not in launched   # tc-supported shape
-        pages = -(-T // BS)
+        pages = ceil_div(T, BS)
         assert download(idx.prefill_table_dev, (pages,), np.int32, stream).tolist() == case.table.tolist()
         assert len(spy.slabs) == 1 and spy.slabs[0]["rows"] == T - BOUND
         check_slabs(idx, layer, st, case, spy.slabs, stream)
@@ -405,7 +406,7 @@ def test_scratch_layout_and_forms(gpu, stream, rng, layer):
         last = 0
         for total in (0, 1, 2051, 2052, 4095, MAX_TOKENS):
             lay = prefill_mod.scratch_layout(total, QKW, N_HEADS, HD, RATIO, topk)
-            assert lay.stride == -(-total // RATIO)
+            assert lay.stride == ceil_div(total, RATIO)
             assert lay.qk_buf == 0 and lay.qpost >= rows * QKW * 2 and lay.scores >= lay.qpost + rows * N_HEADS * HD * 4
             assert lay.lists >= lay.scores + rows * lay.stride * 4 and lay.nbytes == lay.lists + rows * topk * 4
             assert all(off % prefill_mod.SCRATCH_ALIGN == 0 for off in lay[1:5])

@@ -14,6 +14,7 @@ import pytest
 from test_qsa_indexer import driver_calls
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda._driver import CudaError, HssError
 from hss.qsa import QsaIndexer, snapshot
 
@@ -53,7 +54,7 @@ def row(buf, i: int) -> int:
 
 
 def pools(rng, tokens: int, stream) -> tuple:
-    pages = -(-tokens // BS)
+    pages = ceil_div(tokens, BS)
     k = rng.standard_normal((pages, BS, NKV, HD_ATTN)).astype(BF16)
     v = rng.standard_normal((pages, BS, NKV, HD_ATTN)).astype(BF16)
     return upload(k, stream), upload(v, stream), upload(np.arange(pages, dtype=np.int32), stream)

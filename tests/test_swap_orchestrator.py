@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.cuda import _driver
 from hss.cuda._driver import HssError
@@ -1054,7 +1055,7 @@ def test_sparse_misses_go_out_as_one_batch_per_tile_straight_into_their_slots(ct
         monkeypatch.undo()
         check_sparse(s, 0, ids, q, q_dev, rec, got, 5, (7, 1, 1), f"step {n}")
         streamed = [t for t in rec.tiles if t.streamed]
-        assert len(streamed) == -(-len(rec.misses) // T)
+        assert len(streamed) == ceil_div(len(rec.misses), T)
         assert calls.count("cuMemcpyBatchAsync") == len(streamed), f"step {n}: {calls}"
         assert calls.count("cuMemcpyDtoDAsync") == 0 and calls.count("cuMemcpyHtoDAsync") == 1, f"step {n}: {calls}"
         promoted = dict(rec.promoted)
@@ -1365,7 +1366,7 @@ def test_promotion_planning_is_the_scalar_rule(ctx) -> None:
                 ev.last_access[:] = rng.integers(0, 4, R)
                 m = int(rng.integers(1, 3 * T + 1))
                 miss = (rng.standard_normal(m) + 0.5).astype(np.float32) if distinct else rng.choice(values, m)
-                ns = -(-m // T)
+                ns = ceil_div(m, T)
                 hits = rng.permutation(held_slots)[:int(rng.integers(0, n_held + 1))].astype(np.int64)
                 pending = trial % 2 == 1 and hits.size > 0
                 promoter = Promoter(pool, ev, T, np.arange(0, (ns + 2) * T, T, dtype=np.int64))

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from hss._util import ceil_div
+
 TARGET_TP = 0.6   # a 2-rank step / the one-device step
 
 
@@ -110,7 +112,7 @@ def tp_rows(args: argparse.Namespace) -> list[dict]:
         if have < n:
             rows.append(dict(row, note=f"skipped: the driver offers {have} device(s), --tp {n} needs {n}"))
             continue
-        pages = -(-tokens // bs)
+        pages = ceil_div(tokens, bs)
         rng = np.random.default_rng(tokens)
         k = (rng.standard_normal((pages, bs, nkv, hd), dtype=np.float32) / np.sqrt(hd)).astype(ml_dtypes.bfloat16)
         v = rng.standard_normal((pages, bs, nkv, hd), dtype=np.float32).astype(ml_dtypes.bfloat16)

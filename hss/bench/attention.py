@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from hss._util import ceil_div
+
 SMOKE = dict(shapes="4/2/64", contexts="64", batches="2x32", tiles="1,2", iters=2, warmup=1, split_tokens=64)
 
 
@@ -76,7 +78,7 @@ class _Setup:
         bf16 = ml_dtypes.bfloat16
         nq, nkv, hd = shape
         self.cm, self.shape, self.batch, self.stream, self.bs = cm, shape, batch, stream, bs
-        self.pages = -(-tokens // bs)
+        self.pages = ceil_div(tokens, bs)
         self.tokens = self.pages * bs
         total = batch * self.pages
         self.owned: list[Any] = []
@@ -86,7 +88,7 @@ class _Setup:
         self.order = rng.permutation(total).astype(np.int32).reshape(batch, self.pages)   # logical -> pool page
         self.kv_bytes = 2 * batch * self.tokens * nkv * hd * 2
         self.k_dev, self.v_dev, self.q_dev = self.dev(self.k), self.dev(self.v), self.dev(self.q)
-        per = -(-self.pages // tiles)
+        per = ceil_div(self.pages, tiles)
         self.ta = TiledAttention(ctx, TiledAttentionDims(batch, nq, nkv, hd, bs, per))
         self.owned.append(self.ta)
         self.tables = []

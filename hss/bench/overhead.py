@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.bench._timer import Case, Timing, host_us
 from hss.bench.launch import raw_launch
 from hss.cuda import ptx
@@ -298,7 +299,7 @@ def _decode_select(ctx: cm.CudaCtx, forms: _Forms, smoke: bool, rng: np.random.G
     stack.callback(idx.release_seq_state, st)
     for start in range(0, n - 1, slab.shape[0]):
         idx.prefill_ingest(st, d_slab, min(slab.shape[0], n - 1 - start), start, s)
-    pages = -(-total // bs)
+    pages = ceil_div(total, bs)
     pool = np.ones((pages, bs, d["nkv_attn"], d["hd_attn"]), BF16)
     table = rng.permutation(pages).astype(np.int32)
     pos = itertools.count(n - 1)   # one sequence: every call, whatever its form, decodes the next position

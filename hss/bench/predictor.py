@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.bench._timer import Case, gpu_us, host_us, rotating
 from hss.predictor import Predictor, PredictorDims
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             nbytes = n * slot
             per_layer = dims.max_blocks // n
             windows = [(layer, w * n) for w in range(per_layer) for layer in range(layers)]
-            windows = windows[:max(2, -(-ROTATE_BYTES // nbytes))]
+            windows = windows[:max(2, ceil_div(ROTATE_BYTES, nbytes))]
             inner = max(1, min(64, SAMPLE_BYTES // nbytes))
             scores = cm.DeviceBuffer(4 * n)
 

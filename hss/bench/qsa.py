@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.bench._timer import Case, Flush, gpu_us, host_us, rotating
 from hss.cuda.gpu import CudaBackend
 from hss.decls import qsa as kq
@@ -77,7 +78,7 @@ def _context_row(gpu: CudaBackend, stream: int, timer: _Timer, n: int, d: dict, 
     w = (rng.standard_normal((qkw, H)) / math.sqrt(H)).astype(BF16)
     qn, kn = (rng.standard_normal(hd) * 0.1).astype(BF16), (rng.standard_normal(hd) * 0.1).astype(BF16)
     slab = (rng.standard_normal((SLAB, H)) * 0.5).astype(BF16)
-    pages = -(-total // bs)
+    pages = ceil_div(total, bs)
     row_bytes = d["nkv_attn"] * d["hd_attn"] * 2
     table = rng.permutation(pages).astype(np.int32)
     bufs = [_upload(a, stream) for a in (w, qn, kn, slab, table)]

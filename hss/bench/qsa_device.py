@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.bench._timer import Case, Flush, gpu_us, host_us
 
 BF16 = ml_dtypes.bfloat16
@@ -101,14 +102,14 @@ class _Context:
         self.owned: list[Any] = []
         H, hd, nh, bs = d["hidden"], d["hd"], d["n_heads"], d["block_size"]
         qkw = (nh + 1) * hd
-        self.max_tokens = -(-(n + margin) // d["ratio"]) * d["ratio"]
+        self.max_tokens = ceil_div(n + margin, d["ratio"]) * d["ratio"]
         w = (rng.standard_normal((qkw, H)) / math.sqrt(H)).astype(BF16)
         norms = [(rng.standard_normal(hd) * 0.1).astype(BF16) for _ in range(2)]
         self.host = dict(w=w, qn=norms[0], kn=norms[1])
         self.weights = [self._own(_upload(a, stream)) for a in (w, *norms)]
         slab = (rng.standard_normal((SLAB, H)) * 0.5).astype(BF16)
         self.slab = self._own(_upload(slab, stream))
-        self.pps = -(-self.max_tokens // bs)                      # pages per sequence
+        self.pps = ceil_div(self.max_tokens, bs)                      # pages per sequence
         row = d["nkv"] * d["hd_attn"] * 2
         self.k_pool, self.v_pool = (self._own(cm.DeviceBuffer(max_batch * self.pps * bs * row)) for _ in range(2))
         for pool in (self.k_pool, self.v_pool):
@@ -240,7 +241,7 @@ def _host_path(c: _Context, R: int, steps: int) -> float:
     idx, states = c.layers[0]
     d, s, bs = c.d, c.s, c.d["block_size"]
     ta = TiledAttention(idx.gpu.ctx, TiledAttentionDims(1, d["nq"], d["nkv"], d["hd_attn"], bs,
-                                                        -(-idx.sel_cap // bs)))
+                                                        ceil_div(idx.sel_cap, bs)))
     counts = cm.DeviceBuffer(4)
     strides = ta.paged_strides()
     row, qrow = d["hidden"] * 2, d["nq"] * d["hd_attn"] * 2

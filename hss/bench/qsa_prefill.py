@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.bench._timer import gpu_us
 from hss.cuda import ptx
 from hss.decls import qsa_prefill as kq
@@ -118,7 +119,7 @@ def _attn_setup(dev: _Dev, c: dict, L: int) -> tuple[list[int], int, int]:
     """Device inputs of one slab's attention at context L: (pointers q..lists, out pointer, first_pos)."""
     rows, nq, nkv, hd, bs, ratio, topk = c["rows"], c["nq"], c["nkv"], c["hd_attn"], c["bs"], c["ratio"], c["topk"]
     first_pos = L - rows
-    pages = -(-L // bs)
+    pages = ceil_div(L, bs)
     q = dev.randn((rows, nq, hd))
     kc = dev.randn((pages, bs, nkv, hd))
     vc = dev.randn((pages, bs, nkv, hd))

@@ -56,6 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
 from hss.predictor.calibrate import calibrate_projection
@@ -181,7 +182,7 @@ def synthetic_workload(args: argparse.Namespace) -> Workload:
 def _pages(x: np.ndarray, bs: int, fill: float) -> np.ndarray:
     """``x [..., T]`` padded with ``fill`` to whole pages: ``[..., n_pages, bs]``."""
     t = x.shape[-1]
-    n = -(-t // bs)
+    n = ceil_div(t, bs)
     pad = np.full((*x.shape[:-1], n * bs - t), fill)
     return np.concatenate([x, pad], axis=-1).reshape(*x.shape[:-1], n, bs)
 
@@ -243,7 +244,7 @@ def kernel_scores(ctx: cm.CudaCtx, layers: list[LayerData], bs: int, r: int, see
     s = ctx.stream
     t, nkv, hd = layers[0].keys.shape
     nq, nqry = layers[0].queries.shape[1], len(layers[0].positions)
-    n_pages = -(-t // bs)
+    n_pages = ceil_div(t, bs)
     dims = PredictorDims(num_layers=len(layers), num_q_heads=nq, num_kv_heads=nkv, head_dim=hd, r=r, block_size=bs,
                          max_blocks=n_pages)
     page_bytes, row_bytes = bs * nkv * hd * 2, nkv * hd * 2
@@ -349,7 +350,7 @@ def swap_decode(ctx: cm.CudaCtx, layers: list[LayerData], bs: int, args: argpars
     n_layers = len(layers)
     t, nkv, hd = layers[0].keys.shape
     nq = layers[0].queries.shape[1]
-    n_pages = -(-t // bs)
+    n_pages = ceil_div(t, bs)
     frac, first, recent = Fraction(args.swap_budget), args.first, args.recent
     keys = np.zeros((n_layers, n_pages * bs, nkv, hd), BF16)
     values = np.zeros_like(keys)

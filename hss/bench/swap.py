@@ -60,6 +60,8 @@ from typing import Any
 
 import numpy as np
 
+from hss._util import ceil_div
+
 SMOKE = dict(tokens="256,512", num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tile=2, iters=1, warmup=1,
              disk_threads="1,2", disk_sizes="64K,256K", sparse_steps=4)
 TARGET_ATTN = 0.5      # in-HBM tiled attention bandwidth / copy bandwidth at 32K
@@ -237,10 +239,10 @@ def disk_probe(directory: str, nbytes: int, threads: list[int], sizes: list[int]
     """The disk's read bandwidth under ``directory``: a probe file of about ``nbytes`` read whole for every
     (threads, request size); returns {"direct", "bytes", "runs": [(threads, size, GB/s)], "best": (threads, size,
     GB/s)}. The probe file is removed."""
-    sizes = sorted({max(4096, -(-s // 4096) * 4096) for s in sizes})
+    sizes = sorted({max(4096, ceil_div(s, 4096) * 4096) for s in sizes})
     unit = max(_CHUNK, max(sizes))
-    unit = -(-unit // min(sizes)) * min(sizes)
-    nbytes = max(unit, -(-nbytes // unit) * unit)
+    unit = ceil_div(unit, min(sizes)) * min(sizes)
+    nbytes = max(unit, ceil_div(nbytes, unit) * unit)
     fd, path = tempfile.mkstemp(prefix="hss-disk-", suffix=".bin", dir=directory)
     os.close(fd)
     try:
@@ -280,7 +282,7 @@ def _one_length(args: argparse.Namespace, ctx: Any, tokens: int) -> list[dict]:
     from hss.bench._timer import gpu_us
 
     nq, nkv, hd, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
-    pages = -(-tokens // bs)
+    pages = ceil_div(tokens, bs)
     stream = ctx.stream
     rng = np.random.default_rng(tokens)
     k = _data(rng, (pages, bs, nkv, hd), 1.0 / np.sqrt(hd))

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from hss._util import Closeable, ceil_div
 from hss.checkpoint._files import describe_start, map_file, release
 from hss.checkpoint.quants import GGML_TYPES, dequantize, type_name
 from hss.errors import HssError
@@ -148,7 +149,7 @@ class _Cursor:
         return out
 
 
-class GgufFile:
+class GgufFile(Closeable):
     """An open GGUF: ``metadata`` (key → value: int, float, bool, str or list), ``value_types`` (key → GGUF type
     name, e.g. ``ARRAY[STRING]``), ``tensors`` (name → :class:`TensorInfo`, in file order), ``version``,
     ``alignment``, ``data_offset``. :meth:`tensor` gives one tensor as float32; :meth:`close` (or ``with``) unmaps."""
@@ -196,7 +197,7 @@ class GgufFile:
             self.value_types[key] = name
         self.alignment = self._alignment(cur)
         infos = [self._tensor_info(cur, i) for i in range(n_tensors)]
-        self.data_offset = -(-cur.pos // self.alignment) * self.alignment
+        self.data_offset = ceil_div(cur.pos, self.alignment) * self.alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, ggml_type, rel in infos:
             self.tensors[name] = self._placed(name, shape, ggml_type, rel)
@@ -262,12 +263,6 @@ class GgufFile:
         """Unmap the file (idempotent); arrays from :meth:`tensor` are copies and stay valid."""
         mapped, self._map = getattr(self, "_map", None), None
         release(mapped)
-
-    def __enter__(self) -> GgufFile:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"GgufFile({str(self.path)!r}, version {self.version}, {len(self.metadata)} keys, " \

@@ -17,6 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hss._util import Closeable
 from hss.checkpoint._files import atomic_writer, describe_start, map_file, release
 from hss.errors import HssError
 
@@ -43,7 +44,7 @@ class TensorEntry:
     nbytes: int
 
 
-class SafetensorsFile:
+class SafetensorsFile(Closeable):
     """An open safetensors file: ``tensors`` (name → :class:`TensorEntry`), ``metadata`` (the ``__metadata__``
     map, or {}). :meth:`tensor` reads one as float32, :meth:`array` in its own dtype; :meth:`close` unmaps."""
 
@@ -137,12 +138,6 @@ class SafetensorsFile:
         """Unmap the file (idempotent); arrays already read are copies."""
         mapped, self._map = getattr(self, "_map", None), None
         release(mapped)
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def read_safetensors(path: str | Path) -> SafetensorsFile:

@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 from hss import _args
+from hss._util import Closeable
 from hss.cuda._driver import api, check, cuda_error, driver_status
 from hss.errors import CudaError, HssError
 
@@ -200,7 +201,7 @@ def _destroy(call: str | None, handle: int, pctx: PrimaryContext, forget: Any, r
         pctx.drop()
 
 
-class Owner:
+class Owner(Closeable):
     """Idempotent close / context manager / finalizer, shared by every owner class.
 
     ``_own(call, handle, pctx, forget)`` takes a hold on ``pctx`` and arranges ``forget()`` and ``call(handle)``
@@ -240,12 +241,6 @@ class Owner:
 
     def _on_close(self) -> None:
         pass
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # -- contexts ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 from hss import _args
 from hss import cuda_min as cm
 from hss._params import ParamPack
+from hss._util import Closeable
 from hss.cuda import _launch, ptx
 from hss.cuda._blas import Blas
 from hss.cuda._context import ensure_context
@@ -100,7 +101,7 @@ def _host_nbytes(obj: Any, name: str) -> int:
                         f"{type(obj).__name__}") from None
 
 
-class CudaBackend:
+class CudaBackend(Closeable):
     """``GpuBackend`` over ``hss.cuda_min``: PTX modules loaded once, allocations tracked by address
     (``free`` of an unknown address is an error; ``close`` frees what is left), one cuBLAS handle.
 
@@ -232,12 +233,6 @@ class CudaBackend:
         for mod in self._modules.values():
             mod.close()
         self._modules.clear()
-
-    def __enter__(self) -> CudaBackend:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # -- prepared hot-path operations ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import KernelDecl, Launch, declare, f32
 from hss.errors import MemoryFault
 from hss.reference import attention as ref
@@ -69,7 +70,7 @@ def step_shared_bytes(head_dim: int) -> int:
 
 def head_groups(gqa_ratio: int) -> int:
     """CTAs per (sequence, kv head) along grid.y: one per HEAD_GROUP query heads."""
-    return -(-gqa_ratio // HEAD_GROUP)
+    return ceil_div(gqa_ratio, HEAD_GROUP)
 
 
 def unit_min(hdp: int) -> int:
@@ -81,23 +82,23 @@ def unit_tokens(n: int, ctas: int, hdp: int) -> int:
     """Tokens per unit for a tile of ``n`` >= 1 tokens in a launch of ``ctas`` = num_seqs * grid.y CTAs per unit
     index (the kernel's unit_tokens): ``want`` = min(MAX_UNITS, ceil(target / ctas)) units, the unit
     ceil(n / want) rounded up to a multiple of UNIT_STEP, at least :func:`unit_min`."""
-    want = min(MAX_UNITS, max(1, -(-target_ctas(hdp) // max(ctas, 1))))
-    need = -(-n // want)
-    u = -(-need // UNIT_STEP) * UNIT_STEP
+    want = min(MAX_UNITS, max(1, ceil_div(target_ctas(hdp), max(ctas, 1))))
+    need = ceil_div(n, want)
+    u = ceil_div(need, UNIT_STEP) * UNIT_STEP
     return max(u, unit_min(hdp))
 
 
 def step_grid_z(max_units_: int, ctas_yx: int, hdp: int) -> int:
     """grid.z of the step kernel: as many CTAs per (sequence, CTA row) as a tile of the launch can have units
     (``want`` of :func:`unit_tokens`, at most ``max_units_``); any value in 1..max_units gives the same bits."""
-    want = min(MAX_UNITS, max(1, -(-target_ctas(hdp) // max(ctas_yx, 1))))
+    want = min(MAX_UNITS, max(1, ceil_div(target_ctas(hdp), max(ctas_yx, 1))))
     return max(1, min(max_units_, want))
 
 
 def max_units(tile_capacity: int, block_size: int, hdp: int) -> int:
     """Partial states per (sequence, query head) a tile can need at padded head dim ``hdp``: min(MAX_UNITS,
     ceil(tile_capacity*block_size / unit_min(hdp))), at least 1."""
-    return max(1, min(MAX_UNITS, -(-tile_capacity * block_size // unit_min(hdp))))
+    return max(1, min(MAX_UNITS, ceil_div(tile_capacity * block_size, unit_min(hdp))))
 
 
 def counters(num_seqs: int, num_kv_heads: int, gqa_ratio: int) -> int:

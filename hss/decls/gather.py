@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Launch, declare
 from hss.decls.qsa_prefill import Geometry
 from hss.errors import MemoryFault
@@ -29,7 +30,7 @@ MAX_CHUNKS = 65535        # grid.y: a page of more than MAX_CHUNKS * CHUNK vecto
 
 def gather_geometry(n_pages: int, page_vecs: int) -> Geometry:
     """grid (n_pages, ceil(page_vecs / CHUNK)), block (THREADS): a CTA per 32 KiB of each page."""
-    return Geometry((n_pages, -(-page_vecs // CHUNK), 1), (THREADS, 1, 1), 0)
+    return Geometry((n_pages, ceil_div(page_vecs, CHUNK), 1), (THREADS, 1, 1), 0)
 
 
 def _check(a: SimpleNamespace, launch: Launch) -> str | None:

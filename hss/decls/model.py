@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Launch, declare, f32
 from hss.decls.qsa_prefill import Geometry
 from hss.reference import model as ref
@@ -44,10 +45,6 @@ ATTN_KEYS = 64          # MODEL_ATTN_KEYS: keys per staged tile
 ATTN_THREADS = 256      # MODEL_ATTN_THREADS
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # -- geometry (one place; the emulator's checks hold launches to it) --------------------------------
 def row_geometry(m: int) -> Geometry:
     """``model_embed_norm``, ``model_add_norm``, ``model_rope_kv``: one CTA per row."""
@@ -55,7 +52,7 @@ def row_geometry(m: int) -> Geometry:
 
 
 def silu_geometry(m: int, ffn: int) -> Geometry:
-    return Geometry((_cdiv(ffn, THREADS), m, 1), (THREADS, 1, 1), 0)
+    return Geometry((ceil_div(ffn, THREADS), m, 1), (THREADS, 1, 1), 0)
 
 
 def argmax_geometry() -> Geometry:
@@ -63,7 +60,7 @@ def argmax_geometry() -> Geometry:
 
 
 def prefill_attn_geometry(m: int, n_head: int) -> Geometry:
-    return Geometry((_cdiv(m, ATTN_ROWS), n_head, 1), (ATTN_THREADS, 1, 1), 0)
+    return Geometry((ceil_div(m, ATTN_ROWS), n_head, 1), (ATTN_THREADS, 1, 1), 0)
 
 
 def _held_to(want: Geometry, launch: Launch) -> str | None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Extent, Launch, declare, f32
 from hss.errors import MemoryFault
 from hss.reference import predictor as ref
@@ -60,7 +61,7 @@ def _p_reads(count: Callable[[SimpleNamespace], int]) -> Extent:
 
 def _q_groups(a: SimpleNamespace) -> int:
     """Matrices q_lowrank_project reads: ceil(num_q_heads / heads_per_p)."""
-    return -(-a.num_q_heads // a.heads_per_p) if a.heads_per_p > 0 and a.num_q_heads > 0 else 0
+    return ceil_div(a.num_q_heads, a.heads_per_p) if a.heads_per_p > 0 and a.num_q_heads > 0 else 0
 
 
 def _emulate_q(a: SimpleNamespace, launch: Launch) -> None:
@@ -89,7 +90,7 @@ def _check_q(a: SimpleNamespace, launch: Launch) -> str | None:
 def q_lowrank_geometry(r: int, num_q_heads: int, heads_per_p: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
     """(block, (grid.x, grid.y)) of q_lowrank_project as hss launches it: heads_per_p q heads share a matrix."""
     rows = lowrank_rows(r, heads_per_p)
-    return (r, rows, 1), (-(-heads_per_p // rows), -(-num_q_heads // heads_per_p))
+    return (r, rows, 1), (ceil_div(heads_per_p, rows), ceil_div(num_q_heads, heads_per_p))
 
 
 Q_LOWRANK_PROJECT = declare(

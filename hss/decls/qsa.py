@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Launch, declare, f32
 from hss.errors import MemoryFault
 from hss.reference import qsa as ref
@@ -51,7 +52,7 @@ def score_blocks_per_cta(hd: int) -> int:
 def score_grid(n_blocks: int, hd: int) -> int:
     """grid.x for ``qsa_score`` over ``n_blocks`` (>= 1 even for zero blocks; the kernel is grid-stride)."""
     per = score_blocks_per_cta(hd)
-    return max(1, -(-n_blocks // per))
+    return max(1, ceil_div(n_blocks, per))
 
 
 def _bf16(view: np.ndarray, *shape: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls import qsa as kq
 from hss.decls._decl import Launch, declare, f32
 from hss.decls.qsa_prefill import Geometry
@@ -54,10 +55,6 @@ ATTN_MAX_GROUP = 16        # QSA_ATTN_MAX_G: query heads per kv head
 ATTN_MAX_HD = 256          # QSA_ATTN_MAX_HD
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # -- geometry -----------------------------------------------------------------------------------------------
 def prep_smem_bytes(hd: int) -> int:
     """Dynamic shared memory of ``qsa_dev_prep``: the normed row and 32 warp sums."""
@@ -79,7 +76,7 @@ def score_grid(max_blocks: int, hd: int) -> int:
     ``max_blocks``, capped at ``SCORE_MAX_CTAS`` (the kernel is grid-stride, so any grid.x >= 1 gives the same bits)."""
     warps = SCORE_THREADS // 32
     per = warps * (256 // hd) * SCORE_STEPS if hd in (32, 64, 128, 256) else warps
-    return min(max(1, _cdiv(max_blocks, per)), SCORE_MAX_CTAS)
+    return min(max(1, ceil_div(max_blocks, per)), SCORE_MAX_CTAS)
 
 
 def score_geometry(rows: int, max_blocks: int, n_heads: int, hd: int) -> Geometry:
@@ -100,7 +97,7 @@ def topk_geometry(rows: int, max_blocks: int) -> Geometry:
 
 def splits(sel_cap: int) -> int:
     """Splits of a selection of up to ``sel_cap`` tokens: ceil(sel_cap / SPLIT) (grid.z of qsa_sparse_attn)."""
-    return _cdiv(sel_cap, SPLIT)
+    return ceil_div(sel_cap, SPLIT)
 
 
 def attn_hd_problem(hd: int) -> str | None:
@@ -125,7 +122,7 @@ def attn_geometry(rows: int, nkv: int, sel_cap: int, hd: int) -> Geometry:
 
 def merge_threads(hd: int) -> int:
     """Block of ``qsa_sparse_merge``: hd rounded up to a warp, at most 256 (the kernel strides over hd)."""
-    return min(_cdiv(hd, 32) * 32, 256)
+    return min(ceil_div(hd, 32) * 32, 256)
 
 
 def merge_geometry(rows: int, nq: int, hd: int) -> Geometry:
@@ -424,7 +421,7 @@ def _emulate_merge(a: SimpleNamespace, launch: Launch) -> None:
     out = _bf16(a.out).reshape(rows, nq, hd)
     for r in range(rows):
         c = _count(a, r)
-        c = -(-c // SPLIT)
+        c = ceil_div(c, SPLIT)
         out[r] = to_bf16(dref.merge_splits(part_ml[r, :, :c, 0].T, part_ml[r, :, :c, 1].T,
                                            part_o[r, :, :c].transpose(1, 0, 2)))
 

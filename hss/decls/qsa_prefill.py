@@ -9,6 +9,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Launch, declare, f32
 from hss.errors import MemoryFault
 from hss.reference import qsa_prefill as ref
@@ -30,29 +31,25 @@ class Geometry(NamedTuple):
     shared: int
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # -- geometry (one place; the emulator's checks hold launches to it) --------------------------------
 def qprep_rows_geometry(rows: int, n_heads: int, hd: int) -> Geometry:
     return Geometry((rows, n_heads, 1), (hd, 1, 1), (hd + 32) * 4)
 
 
 def score_rows_geometry(rows: int, n_blocks: int) -> Geometry:
-    return Geometry((_cdiv(n_blocks, SCORE_TILE), _cdiv(rows, SCORE_TILE), 1), (256, 1, 1), 0)
+    return Geometry((ceil_div(n_blocks, SCORE_TILE), ceil_div(rows, SCORE_TILE), 1), (256, 1, 1), 0)
 
 
 def score_rows_tc_geometry(rows: int, n_blocks: int, chunk_groups: int | None = None) -> Geometry:
     """grid (ceil(rows/32), ``chunk_groups``, 1): grid.y defaults to runs of TC_CHUNKS_PER_CTA 64-block chunks;
     any value in [1, ceil(n_blocks/64)] is valid, ceil(n_blocks/64) being one chunk per CTA."""
-    chunks = max(_cdiv(n_blocks, TC_BLOCKS), 1)
-    gy = chunk_groups if chunk_groups is not None else _cdiv(chunks, TC_CHUNKS_PER_CTA)
-    return Geometry((_cdiv(rows, TC_ROWS), max(1, min(gy, chunks)), 1), (256, 1, 1), 0)
+    chunks = max(ceil_div(n_blocks, TC_BLOCKS), 1)
+    gy = chunk_groups if chunk_groups is not None else ceil_div(chunks, TC_CHUNKS_PER_CTA)
+    return Geometry((ceil_div(rows, TC_ROWS), max(1, min(gy, chunks)), 1), (256, 1, 1), 0)
 
 
 def prefill_attn_geometry(rows: int, nq: int, nkv: int, hd: int) -> Geometry:
-    groups = _cdiv(nq // nkv, ATTN_HEAD_GROUP)
+    groups = ceil_div(nq // nkv, ATTN_HEAD_GROUP)
     return Geometry((rows, nkv * groups, 1), (ATTN_THREADS, 1, 1), 128 * hd + 256)
 
 
@@ -170,9 +167,9 @@ def _check_score_tc(a: SimpleNamespace, launch: Launch) -> str | None:
         return "ratio must be positive"
     if a.n_blocks > a.score_stride:
         return f"n_blocks ({a.n_blocks}) exceeds score_stride ({a.score_stride})"
-    chunks = max(_cdiv(a.n_blocks, TC_BLOCKS), 1)
-    if launch.grid[0] != _cdiv(a.rows, TC_ROWS) or not 1 <= launch.grid[1] <= chunks or launch.grid[2] != 1:
-        return f"needs grid (ceil(rows/{TC_ROWS}) = {_cdiv(a.rows, TC_ROWS)}, 1..{chunks}, 1)"
+    chunks = max(ceil_div(a.n_blocks, TC_BLOCKS), 1)
+    if launch.grid[0] != ceil_div(a.rows, TC_ROWS) or not 1 <= launch.grid[1] <= chunks or launch.grid[2] != 1:
+        return f"needs grid (ceil(rows/{TC_ROWS}) = {ceil_div(a.rows, TC_ROWS)}, 1..{chunks}, 1)"
     if launch.block != (256, 1, 1):
         return "needs block (256, 1, 1)"
     return None
@@ -193,7 +190,7 @@ ATTN_SIGNATURE = ("ptr q, ptr k_cache, ptr v_cache, ptr block_table, ptr lists, 
 
 
 def _table_entries(a: SimpleNamespace) -> int:
-    return _cdiv(a.first_pos + a.grid[0], a.block_size) if a.block_size else 0
+    return ceil_div(a.first_pos + a.grid[0], a.block_size) if a.block_size else 0
 
 
 def _gather(flat: np.ndarray, table: np.ndarray, tokens: np.ndarray, a: SimpleNamespace, what: str) -> np.ndarray:

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Launch, declare, f32
 from hss.reference import selftest as ref_selftest
 
@@ -29,8 +30,8 @@ def _check_block_sum(a: SimpleNamespace, launch: Launch) -> str | None:
         return f"block must be (power of two, 1, 1), got {launch.block}"
     if launch.shared < 4 * bx:
         return f"needs {4 * bx} bytes of dynamic shared memory, got {launch.shared}"
-    if launch.grid != (-(-a.n // bx), 1, 1):
-        return f"grid must be (ceil(n / block.x), 1, 1) = ({-(-a.n // bx)}, 1, 1), got {launch.grid}"
+    if launch.grid != (ceil_div(a.n, bx), 1, 1):
+        return f"grid must be (ceil(n / block.x), 1, 1) = ({ceil_div(a.n, bx)}, 1, 1), got {launch.grid}"
     return None
 
 

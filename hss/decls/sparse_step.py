@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from hss._util import ceil_div
 from hss.decls._decl import Launch, declare
 from hss.decls.gather import CHUNK, THREADS, VECTOR
 from hss.decls.qsa_prefill import Geometry
@@ -42,11 +43,11 @@ def select_geometry(rows: int, stride: int, slots: int, sel_cap: int) -> Geometr
 
 
 def fetch_geometry(rows: int, sel_cap: int, page_vecs: int) -> Geometry:
-    return Geometry((sel_cap, -(-page_vecs // CHUNK), rows), (THREADS, 1, 1), 0)
+    return Geometry((sel_cap, ceil_div(page_vecs, CHUNK), rows), (THREADS, 1, 1), 0)
 
 
 def advance_geometry(rows: int) -> Geometry:
-    return Geometry((-(-rows // ADVANCE_THREADS), 1, 1), (ADVANCE_THREADS, 1, 1), 0)
+    return Geometry((ceil_div(rows, ADVANCE_THREADS), 1, 1), (ADVANCE_THREADS, 1, 1), 0)
 
 
 def _i32(view: np.ndarray, count: int | None = None) -> np.ndarray:

@@ -4,13 +4,13 @@ behind the high-speed swap (``--kv hbm | swap | sparse``), the text streamed as 
 The weights are uploaded once as bf16; every matmul is a cuBLAS GEMM, everything else a small hss kernel, and a
 decode step reads nothing from the host, so it replays as a CUDA graph (``--graph``, the default on a GPU). In the
 exact swap mode the graph also streams each layer's history from pinned host memory in one copy per layer while
-the GPU computes (captured again, ahead of time, as each page completes); in the sparse mode each stretch between
-two attentions is a graph. The end of the run prints tokens/s of the prefill and the decode, GPU time per stage,
-the KV bytes per token and, in the swap modes, the measured host-to-device bandwidth, the floor it sets (streamed
-bytes per token / bandwidth) and the resident hit rate. ``--kv sparse`` also compares next-token agreement and
-cross-entropy with ``hbm`` on the prompt's last tokens (teacher forced). Without a GPU the same code runs on the CPU
-emulator for a short prompt and a few tokens, and every time, rate and bandwidth it prints is marked as no hardware
-measurement.
+the GPU computes (captured again, ahead of time, as each page completes); in the sparse mode the device sparse step
+(selection, residency, the misses' reads and the attention) runs inside the step graph too. The end of the run prints
+tokens/s of the prefill and the decode, GPU time per stage, the KV bytes per token and, in the swap modes, the measured
+host-to-device bandwidth, the floor it sets (streamed bytes per token / bandwidth) and the resident hit rate. ``--kv
+sparse`` also compares next-token agreement and cross-entropy with ``hbm`` on the prompt's last tokens (teacher forced).
+Without a GPU the same code runs on the CPU emulator for a short prompt and a few tokens, and every time, rate and
+bandwidth it prints is marked as no hardware measurement.
 
 The model: ``--model PATH`` (a GGUF file, a Hugging Face checkpoint directory, ``hf:ORG/NAME``), ``--model random``
 (a tiny random model, no file), or by default SmolLM2-135M-Instruct's GGUF from hss's cache, fetched there on first

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.cuda.gpu import CudaBackend
 from hss.demo.model import NOT_MEASURED, int_at_least
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or (3 if emulated else 8)
     hidden = args.hidden or (256 if emulated else 2560)
     total = prefill + steps
-    pages = -(-total // BS)
+    pages = ceil_div(total, BS)
     rng = np.random.default_rng(args.seed)
     ctx = cm.CudaCtx(args.device)
     s = ctx.stream
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     host_select_ms, rows = [], []
     for pos in range(prefill, prefill + steps):
         visible = pos + 1
-        n_pages = -(-visible // BS)
+        n_pages = ceil_div(visible, BS)
         q = rng.standard_normal((NQ, HD_ATTN)).astype(BF16)
         cm.copy_h_to_d_async(q_dev, q, q.nbytes, s)
 

@@ -14,6 +14,7 @@ import struct
 from types import SimpleNamespace
 from typing import Any
 
+from hss._util import ceil_div
 from hss.errors import EmulatorError, MemoryFault
 
 from .driver import S, _needs_ctx, enqueue, stream_of, view_on
@@ -112,7 +113,7 @@ def cuFuncGetParamInfo(f: Any, index: int) -> tuple:
     offset = 0
     for kind in decl.kinds[:index + 1]:
         size = _SIZE[kind]
-        offset = -(-offset // size) * size
+        offset = ceil_div(offset, size) * size
         here = offset
         offset += size
     return (R.CUDA_SUCCESS, here, _SIZE[decl.kinds[index]])

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hss._util import ceil_div
 from hss.errors import MemoryFault
 
 __all__ = ["Arena", "Allocation", "MemoryFault", "host_view", "PAGE"]
@@ -139,4 +140,4 @@ def host_view(addr: int, nbytes: int) -> np.ndarray:
 
 
 def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
+    return ceil_div(n, m) * m

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.checkpoint import Config
 from hss.errors import HssError
@@ -54,7 +55,7 @@ class HbmKV:
         try:
             self.k = own(cm.DeviceBuffer(c.n_layer * max_tokens * self._row, ctx))
             self.v = own(cm.DeviceBuffer(c.n_layer * max_tokens * self._row, ctx))
-            pages = -(-max_tokens // HBM_PAGE)
+            pages = ceil_div(max_tokens, HBM_PAGE)
             self.table = own(cm.DeviceBuffer(4 * pages, ctx))
             ids = np.arange(pages, dtype=np.int32)
             cm.copy_h_to_d_async(self.table, ids, ids.nbytes, stream)
@@ -206,7 +207,7 @@ class SwapKV:
             if budget is not None:
                 self._sparse = {"budget_pages": budget, "keep_first": keep_first, "keep_recent": keep_recent}
             extra = {"projection": projection, "head_temperature": head_temperature}
-        dims = ModelDims(c.n_layer, -(-max_tokens // bs), c.n_head, c.n_kv_head, c.head_dim, bs)
+        dims = ModelDims(c.n_layer, ceil_div(max_tokens, bs), c.n_head, c.n_kv_head, c.head_dim, bs)
         layout = GroupLayout(dims.max_blocks_per_layer, c.n_kv_head, bs, c.head_dim)
         self._dir = tempfile.mkdtemp(prefix="hss-model-swap-")
         swap_resident, swap_tile = (0, 1) if exact else (resident, tile)   # exact: the swap's scratch is unused

@@ -4,11 +4,11 @@ greedy decode steps (eager, or replayed as CUDA graphs), teacher forcing, per-st
 A decode step is a program of prepared operations (:mod:`hss.model.forward`) with the KV mode's attention between
 them. In the ``hbm`` and exact ``swap`` modes the attention is capturable, so the whole step (every layer, the LM
 head and the argmax that feeds the next step) is one CUDA graph (the swap's copy stream forks from and joins back
-into it); in the ``sparse`` mode ``attend_layer`` waits on the host for the predictor's scores, so each stretch
-between two attentions is a graph and the attentions run eagerly between them. A KV mode's ``graph_epoch`` changes
-when its step's work does (the swap: a page completed, every ``block_size`` tokens); the step is then captured
-again before its next replay. Tokens are copied to pinned memory behind each step and read by the host a few steps
-later (:meth:`Session.generate`), so the host never stalls the device to print.
+into it); so is the ``sparse`` mode's device step (the default; with ``device_step=False`` the host step waits for
+the predictor's scores, so each stretch between two attentions is a graph, the attentions eager). A KV mode's
+``graph_epoch`` changes when its step's work does (the swap: a page completed, every ``block_size`` tokens); the step is
+then captured again before its next replay. Tokens are copied to pinned memory behind each step and read by the host a
+few steps later (:meth:`Session.generate`), so the host never stalls the device to print.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import Closeable
 from hss.checkpoint import Weights
 from hss.cuda.gpu import CudaBackend
 from hss.decls import model as km
@@ -35,7 +36,7 @@ KV_MODES = ("hbm", "swap", "sparse")
 AHEAD = 8   # decode steps queued ahead of the host's token reads
 
 
-class DeviceModel:
+class DeviceModel(Closeable):
     """``weights`` on the device: bf16 matrices uploaded once (:class:`~hss.model.weights.DeviceWeights`), the
     ``model`` kernels and a cuBLAS handle (:class:`~hss.cuda.gpu.CudaBackend`). ``ctx``: a CudaCtx (None: a new one on
     ``device``, closed with this model). :meth:`session` starts a sequence."""
@@ -59,12 +60,6 @@ class DeviceModel:
 
     def close(self) -> None:
         self._owned.close()
-
-    def __enter__(self) -> DeviceModel:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 class StageTimer:
@@ -101,7 +96,7 @@ def _positive(name: str, value: Any, low: int = 1) -> int:
     return int(value)
 
 
-class Session:
+class Session(Closeable):
     """One sequence on a :class:`DeviceModel`: ``prefill(ids)``, then ``generate(n)`` (or ``step()`` /
     ``feed(token)`` / ``logits()`` for teacher forcing).
 
@@ -465,9 +460,3 @@ class Session:
                 cm.stream_sync(self.stream)
             owned, self._owned = self._owned, None
             owned.close()
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import Closeable
 from hss.checkpoint import Config, Weights
 from hss.checkpoint.forward import rope_cos_sin
 from hss.errors import HssError
@@ -49,7 +50,7 @@ class LayerBuffers:
     ffn_norm: int
 
 
-class DeviceWeights:
+class DeviceWeights(Closeable):
     """``weights`` on the device of ``ctx``, uploaded on ``stream`` (asynchronously: the host copies may be dropped
     at once, the driver stages pageable memory). ``layers[l]``: :class:`LayerBuffers`; ``embed`` bf16 ``[vocab,
     dim]``; ``output`` the LM head bf16 ``[vocab, dim]`` (``embed`` when tied); ``final_norm`` f32 ``[dim]``;
@@ -91,9 +92,3 @@ class DeviceWeights:
     def close(self) -> None:
         """Free every buffer (idempotent)."""
         self._owned.close()
-
-    def __enter__(self) -> DeviceWeights:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

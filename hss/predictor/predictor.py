@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import _args, cuda_min
+from hss._util import Closeable, ceil_div
 from hss.cuda._launch import launcher
 from hss.cuda.ptx import load_module
 from hss.cuda_min import CudaCtx, DeviceBuffer, copy_d_to_h_async, copy_h_to_d_async, memset_d8_async, stream_sync
@@ -168,7 +169,7 @@ def check_projection(projection: Any, dims: PredictorDims) -> np.ndarray:
     return out
 
 
-class Predictor:
+class Predictor(Closeable):
     """P, A_g and the predictor kernels for one model shape (docs/design.md §4).
 
     ``Predictor(ctx, dims, projection_seed)`` works on ``ctx.stream``;
@@ -289,7 +290,7 @@ class Predictor:
                                                        p_stride=stride)
         self._kv_in, self._kv_out, self._kv_p = pack.slot("k_block"), pack.slot("k_lr"), pack.slot("p")
         self._run_kv = launcher(f_kv, (r, ky, 1), 0, pack)
-        self._kv_grid = (nkv, -(-bs // ky))
+        self._kv_grid = (nkv, ceil_div(bs, ky))
         self._k_block_arg = ptr_arg("k_block", 2 * bs * nkv * hd, 2, bf16,
                                               what="one [block_size, num_kv_heads, head_dim] bf16 KV page")
         # predictor_score: one K_lr block per warp
@@ -494,7 +495,7 @@ class Predictor:
         self._sc_k.value = k_lr
         self._sc_out.value = sp
         self._sc_n.value = n
-        self._run_score(s, -(-n // self._warps))
+        self._run_score(s, ceil_div(n, self._warps))
 
     def _score_heads(self, s: int, qp: int, k_lr: int, sp: int, n: int) -> None:
         """Per-head normalised scores: per-(block, head) maxima, each head's best, then the sum of exp."""
@@ -507,9 +508,9 @@ class Predictor:
         self._hs_q.value, self._hs_k.value, self._hs_n.value = qp, k_lr, n
         self._hm_n.value = self._hc_n.value = n
         self._hc_out.value = sp
-        self._run_heads(s, -(-n // self._warps))
+        self._run_heads(s, ceil_div(n, self._warps))
         self._run_max(s, self._dims.num_q_heads)
-        self._run_combine(s, -(-n // HEAD_THREADS))
+        self._run_combine(s, ceil_div(n, HEAD_THREADS))
 
     # -- host helpers, lifetime -----------------------------------------------------------------
     def read_k_lr_slot(self, ctx: Any, layer: int, block: int) -> np.ndarray:
@@ -541,12 +542,6 @@ class Predictor:
             return
         self._closed = True
         self._owned.close()
-
-    def __enter__(self) -> Predictor:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         dims = getattr(self, "_dims", None)

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from hss import _args
+from hss._util import ceil_div
 
 __all__ = ["PredictorShape", "build_projection", "fnv1a64_bf16"]
 
@@ -140,7 +141,7 @@ class _Draws:
 
     def extend(self, n_draws: int) -> None:
         """Append at least `n_draws` more draws (whole ChaCha blocks)."""
-        n_blocks = max(_MIN_BLOCKS, -(-n_draws // 8))
+        n_blocks = max(_MIN_BLOCKS, ceil_div(n_draws, 8))
         new = _chacha8_u64(self.key, self.blocks, n_blocks)
         x, ok = _attempt(new)
         self.fail = np.concatenate([self.fail, np.flatnonzero(~ok) + self.bits.size])

@@ -40,6 +40,7 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import Closeable, ceil_div
 from hss.cuda._context import owner_context
 from hss.cuda.gpu import DevicePtr, GpuBackend, launcher, proj_dense
 from hss.decls import qsa as kq
@@ -71,7 +72,7 @@ def _free_all(res: IndexerResources, states: weakref.WeakSet, raising: bool = Fa
     res.free_all(raising)
 
 
-class QsaIndexer:
+class QsaIndexer(Closeable):
     """One full-attention layer's QSA indexer (docs/design.md §11.1).
 
     ``qk_proj_w`` ``[(n_heads + 1) * hd, hidden]`` bf16 row-major, ``q_norm_w`` / ``k_norm_w`` ``[hd]`` bf16
@@ -182,8 +183,8 @@ class QsaIndexer:
         self.sel_dev = self.seq_len_dev.offset(_SEL_HEAD * 4)
         self.k_scratch = alloc(self.sel_cap * self.kv_row, "the indexer's gathered K scratch")
         self.v_scratch = alloc(self.sel_cap * self.kv_row, "the indexer's gathered V scratch")
-        self.table_dev = alloc(-(-self.sel_cap // MIN_BLOCK_SIZE) * 4, "the indexer's identity table")
-        self.prefill_table_dev = alloc(-(-max_tokens // MIN_BLOCK_SIZE) * 4, "the indexer's prefill table")
+        self.table_dev = alloc(ceil_div(self.sel_cap, MIN_BLOCK_SIZE) * 4, "the indexer's identity table")
+        self.prefill_table_dev = alloc(ceil_div(max_tokens, MIN_BLOCK_SIZE) * 4, "the indexer's prefill table")
         # host side: pinned scores (the blocking D2H of every selective step), pageable uploads
         self._pinned = cm.PinnedBuffer(max_tokens // ratio * 4, getattr(gpu, "ctx", None))
         self.resources.own(self._pinned.ptr, self._pinned.bytes, "the indexer's pinned scores")   # the D2H writes it
@@ -191,7 +192,7 @@ class QsaIndexer:
         self._upload = np.zeros(_SEL_HEAD + self.sel_cap, dtype=np.int32)   # what a step uploads to seq_len_dev
         self._sel_host = self._upload[_SEL_HEAD:]   # the host top-k writes the selection here
         self._staged: np.ndarray | None = None      # the selection _host_select left in _sel_host
-        self._ident = np.arange(-(-self.sel_cap // MIN_BLOCK_SIZE), dtype=np.int32)
+        self._ident = np.arange(ceil_div(self.sel_cap, MIN_BLOCK_SIZE), dtype=np.int32)
 
     def _prepare_decode(self) -> None:
         """The per-token stages' prepared work: packs filled once by name (per call only the named slots that change
@@ -262,12 +263,6 @@ class QsaIndexer:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> QsaIndexer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"QsaIndexer(n_heads={self.n_heads}, hd={self.hd}, ratio={self.ratio}, budget={self.budget}, "
@@ -469,7 +464,7 @@ class QsaIndexer:
         block_size = block_size_arg(block_size)
         visible = pos + 1
         page = block_size * self.kv_row
-        table_bytes = 4 * -(-visible // block_size)
+        table_bytes = 4 * ceil_div(visible, block_size)
         s = self.resources.stream(stream, "decode_select")
         with _args.deferred_joins():
             x = self._normed_arg(normed, s)
@@ -587,7 +582,7 @@ class QsaIndexer:
         self._gather_table.value = table
         self._gather_bs.value = block_size
         self._run_gather(s, n_sel)
-        pages = -(-n_sel // block_size)
+        pages = ceil_div(n_sel, block_size)
         if table_len < pages:
             gpu.copy_h2d_async(self._ident[:pages], self._table_addr, s)
         return QsaSelection(self.k_scratch, self.v_scratch, self.table_dev, self.seq_len_dev, n_sel, pages,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from hss import _args
+from hss._util import ceil_div
 from hss.decls import qsa_prefill as kp
 from hss.errors import HssError
 from hss.qsa.select import top_blocks
@@ -49,13 +50,13 @@ class ScratchLayout(NamedTuple):
 
 
 def _align(n: int) -> int:
-    return -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return ceil_div(n, SCRATCH_ALIGN) * SCRATCH_ALIGN
 
 
 def scratch_layout(total: int, qkw: int, n_heads: int, hd: int, ratio: int, topk: int) -> ScratchLayout:
     """The scratch layout for a sequence of ``total`` tokens (``SELECT_SLAB`` rows per part)."""
     rows = SELECT_SLAB
-    stride = -(-total // ratio)
+    stride = ceil_div(total, ratio)
     qpost = _align(rows * qkw * 2)
     scores = _align(qpost + rows * n_heads * hd * 4)
     lists = _align(scores + rows * stride * 4)
@@ -174,7 +175,7 @@ def _check(idx: QsaIndexer, st: QsaSeqState, normed: Any, q_roped: Any, attn_ctx
                        "(qsa_prefill_attn's lanes hold hd_attn / 32 dims each)")
     block_size = block_size_arg(block_size)
     inv = f32_arg("inv_sqrt_d", inv_sqrt_d, positive=True)
-    pages = -(-total // block_size)
+    pages = ceil_div(total, block_size)
     table = _host_table(seq_block_table, pages, total, block_size)
     layout = scratch_layout(total, idx.qk_width, idx.n_heads, idx.hd, idx.ratio, idx.block_topk)
     # the chunk's rows (nothing is read of an empty chunk) and every page the table names

@@ -36,6 +36,7 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import Closeable
 from hss.errors import HssError, StoreError, StoreIOError
 from hss.swap._checks import StreamCheck
 from hss.swap.layout import GroupLayout, host_bytes
@@ -185,7 +186,7 @@ class PreparedReads:
                 f"{self.run_starts.size} transfers)")
 
 
-class BackingStore:
+class BackingStore(Closeable):
     """Pages of ``num_layers`` layers in ``layout``; subclasses move the bytes.
 
     ``write_page(layer, page, image)`` / ``write_group(layer, page, kind, kv_head, data)``: synchronous host
@@ -521,9 +522,3 @@ class BackingStore:
 
     def close(self) -> None:
         self._closed = True
-
-    def __enter__(self) -> BackingStore:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

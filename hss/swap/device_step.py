@@ -39,6 +39,7 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import Closeable, ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.cuda._launch import launcher
 from hss.cuda.ptx import load_module
@@ -68,7 +69,7 @@ class DeviceStepCounters:
     bytes_read: np.ndarray
 
 
-class DeviceSparseStep:
+class DeviceSparseStep(Closeable):
     """The device sparse step of up to ``max_seqs`` sequences over ``swap``'s pages (see the module docstring).
 
     ``budget_pages``, ``keep_first``, ``keep_recent``: the selection (docs/design.md §17.8; ``sel_cap`` = their sum
@@ -191,7 +192,7 @@ class DeviceSparseStep:
         self._a_g = pred.a_g_dev_ptr
         self._a_g_layer = d.max_blocks * d.slot_bytes()
         w = score_warps()
-        self._score_grid = (-(-self.max_pages // w), R, 1)
+        self._score_grid = (ceil_div(self.max_pages, w), R, 1)
         if geo.shared > _SHARED_DEFAULT:
             f_sel.set_max_dynamic_shared(geo.shared)
         # one prepared score and select launch per layer (its A_g, state and slot offsets filled once; the step's
@@ -285,12 +286,6 @@ class DeviceSparseStep:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> DeviceSparseStep:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _live(self, what: str) -> None:
         if self._closed:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.cuda._launch import launcher
 from hss.cuda.ptx import load_module
 from hss.decls.gather import CHUNK, MAX_CHUNKS, MODULE, PAGE_GATHER, THREADS, VECTOR
@@ -44,7 +45,7 @@ def gather_fits(block_bytes: int, num_blocks: int) -> bool:
     """Whether pages of ``block_bytes`` (``num_blocks`` of them in a layer) can go through ``page_gather``: whole
     16-byte vectors, indices and the vector count within int32, at most ``MAX_CHUNKS`` CTAs per page."""
     vecs, rest = divmod(block_bytes, VECTOR)
-    return not rest and 0 < vecs < 2**31 and -(-vecs // CHUNK) <= MAX_CHUNKS and num_blocks < 2**31
+    return not rest and 0 < vecs < 2**31 and ceil_div(vecs, CHUNK) <= MAX_CHUNKS and num_blocks < 2**31
 
 
 class ReadFences:
@@ -192,7 +193,7 @@ class PageGather:
             self._table[slot, :n] = pairs
         self._dst.value, self._src.value, self._n.value, self._vecs.value = dst, src, n, page_vecs
         self._pairs.value = self._ring_dev + 8 * slot * self.capacity
-        self._run(stream, n, -(-page_vecs // CHUNK))
+        self._run(stream, n, ceil_div(page_vecs, CHUNK))
 
     def close(self) -> None:
         """Free the index slots and the module (the caller waited for the launches); later calls do nothing."""

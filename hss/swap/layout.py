@@ -18,6 +18,7 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.errors import HssError
 
 __all__ = ["GroupLayout", "K", "V", "KIND_NAMES", "host_bytes"]
@@ -27,7 +28,7 @@ KIND_NAMES = ("K", "V")
 
 
 def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
+    return ceil_div(n, to) * to
 
 
 def host_bytes(name: str, data: Any) -> np.ndarray:

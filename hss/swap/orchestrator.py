@@ -32,6 +32,7 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import Closeable
 from hss.attention import TiledAttention, TiledAttentionDims
 from hss.errors import HssError
 from hss.predictor import Predictor, PredictorDims
@@ -68,7 +69,7 @@ def _buffer_devices(obj: Any) -> set[int]:
 _BUFFER_NAMES = {"_a_g": "A_g store", "_p": "projection P"}
 
 
-class HighSpeedSwap:
+class HighSpeedSwap(Closeable):
     """Streams a layer's KV pages from a backing store through HBM scratch for exact decode attention.
 
     ``HighSpeedSwap(ctx, cfg, model)`` sets up on ``ctx.stream``; :meth:`new_on_stream` on a caller's stream in
@@ -491,12 +492,6 @@ class HighSpeedSwap:
         finally:
             for obj in reversed(owned):
                 obj.close()
-
-    def __enter__(self) -> HighSpeedSwap:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         if self.closed:

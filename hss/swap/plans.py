@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.swap.promotion import Picked, Promotions
 from hss.swap.sparse import SparseBudget, select_mask
 from hss.swap.step import Tiles, never_offloaded
@@ -229,7 +230,7 @@ class SparsePlan(StepPlan):
         miss_ids = miss_pos if self._in_order else self.ids[miss_pos]     # (pages 0..n-1: position = page)
         if hit_pos.size:
             step.promoter.defer_touch(hit_slots)
-        ns = -(-m // step.tile_blocks)
+        ns = ceil_div(m, step.tile_blocks)
         picked = self._picked = step.promoter.pick(scores, miss_pos, ns, hit_slots)
         if picked is None:
             miss_slots, dsts, dst_slots = None, step.stream_dsts[:m], step.stream_slots[:m]

@@ -26,6 +26,7 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
+from hss._util import Closeable
 from hss.errors import HssError, PoolExhausted
 from hss.swap.layout import GroupLayout, K, V
 
@@ -34,7 +35,7 @@ __all__ = ["ScratchPool", "PoolExhausted"]
 Key = tuple[int, int]   # (layer, page)
 
 
-class ScratchPool:
+class ScratchPool(Closeable):
     """``num_slots`` page slots of ``layout`` in one device buffer (not zeroed), keys (layer, page).
 
     ``num_layers`` bounds the layer of a key (pages are bounded by ``layout.num_blocks``). ``ctx`` None
@@ -335,12 +336,6 @@ class ScratchPool:
     def close(self) -> None:
         """Free the device buffer (the driver waits for work using it); later calls do nothing."""
         self.buffer.close()
-
-    def __enter__(self) -> ScratchPool:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"ScratchPool({self.num_slots} slots of {self.slot_bytes} bytes, {self.reserved_slots} reserved, "

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 
 from hss import cuda_min as cm
+from hss._util import ceil_div
 from hss.errors import StoreError
 from hss.swap.backing import BackingStore, PreparedReads
 from hss.swap.config import ModelDims
@@ -172,7 +173,7 @@ def _record_fields(ids: np.ndarray, slots: np.ndarray, hit_pos: np.ndarray, miss
         out.append(TileRecord(tuple(slots[hit_pos].tolist()), hits, lbvs if last_is_hit else bs, False))
     misses = tuple(miss_ids.tolist())
     where = None if miss_slots is None else miss_slots.tolist()
-    ns = -(-len(misses) // T)
+    ns = ceil_div(len(misses), T)
     for i in range(ns):
         part = misses[i * T:(i + 1) * T]
         out.append(TileRecord(buffer_slots[i % 2][:len(part)] if where is None else tuple(where[i * T:(i + 1) * T]),
@@ -324,7 +325,7 @@ class SwapStep:
         self.block_size = model.block_size
         self.tile_capacity = cap = attn.dims.tile_capacity
         nb = model.max_blocks_per_layer
-        self._max_tiles = 1 + -(-nb // T)
+        self._max_tiles = 1 + ceil_div(nb, T)
         self._parts = contextlib.ExitStack()
         own = self._own
         try:
@@ -332,7 +333,7 @@ class SwapStep:
             self.scores_dev = own(cm.DeviceBuffer(4 * nb, ctx))
             self.scores_host = own(cm.PinnedBuffer(4 * nb, ctx))
             # per-tile entry counts (i32 [max_tiles]), then at _tables_offset the slot tables (i32 [max_tiles, cap])
-            self._tables_offset = -(-4 * self._max_tiles // 256) * 256
+            self._tables_offset = ceil_div(4 * self._max_tiles, 256) * 256
             index_bytes = self._tables_offset + 4 * self._max_tiles * cap
             self.tile_index_dev = own(cm.DeviceBuffer(index_bytes, ctx))
             self.tile_index_host = own(cm.PinnedBuffer(index_bytes, ctx))
@@ -469,7 +470,7 @@ class SwapStep:
         ``i * T:(i + 1) * T``, one group each)."""
         t0 = time.perf_counter()
         m = miss_ids.size
-        ns = -(-m // self.tile_blocks)                      # streamed tiles: the misses in sequence order
+        ns = ceil_div(m, self.tile_blocks)                      # streamed tiles: the misses in sequence order
         edges = self._edges.get(m)
         if edges is None:         # (a few miss counts recur: made once each, never changed)
             bounds = self.tile_bounds[:ns + 1].copy()
