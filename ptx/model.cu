@@ -5,6 +5,10 @@
 // i32 [MODEL_STATE_WORDS] = {token, pos, visible, 0}: the next input token, the position of that token, and
 // pos + 1 (the attention's token count, read by paged_decode_attn_tiled as its tile_block_counts). model_argmax
 // writes the token and advances pos and visible; model_rope_kv reads pos.
+// A batch of sequences (hss.model.batch) keeps one state per row, word-major: word w of row r is at
+// state[w * state_stride + r] (state_stride >= the rows; 1 for one sequence: the layout above), so the tokens are
+// one contiguous i32 [rows] array (model_embed_norm's ids), and so are the visible counts (the attention's
+// per-row token counts). A row not in use holds {-1, -1, 0}: every kernel leaves it alone.
 //
 // model_embed_norm(ids i32 [m], embed bf16 [vocab, dim], gain f32 [dim], x f32 [m, dim], h bf16 [m, dim],
 //                  m, dim, vocab, eps, next_gain)
@@ -35,16 +39,30 @@
 //   round it); q to q_out, k to k_cache, v copied to v_cache. Rows with pos outside [0, max_pos), or
 //   cache_rows < 1: untouched. A thread's first MODEL_ROPE_HELD pairs and v elements are loaded with state (they do
 //   not depend on pos), so only the cos / sin loads wait for it.
+// model_rope_kv_paged(qkv, cos, sin, state, q_out, k_pool, v_pool, tables i32 [m, table_stride], m, n_head,
+//                     n_kv_head, head_dim, max_pos, state_stride, block_size, table_stride, blk_stride, tok_stride,
+//                     kvh_stride)
+//   model_rope_kv for m rows of a batch, each at its own position pos = state[state_stride + r] (word 1 of row r),
+//   its K / V written into the row's own pages: page = tables[r * table_stride + pos / block_size], element
+//   (kv head, d) of the token at page * blk_stride + (pos % block_size) * tok_stride + kv_head * kvh_stride + d
+//   (elements, i64, >= 0; an NHD pool [pages, block_size, n_kv_head, head_dim] is blk_stride = block_size
+//   n_kv_head head_dim, tok_stride = n_kv_head head_dim, kvh_stride = head_dim). The same rounding as
+//   model_rope_kv (one shared row routine). Rows with pos outside [0, max_pos), pos / block_size >= table_stride or
+//   a negative page: untouched (q_out included).
 // model_silu_mul(gu bf16 [m, 2 ffn] (gate | up), act bf16 [m, ffn], m, ffn)
 //   act = bf16(g / (1 + expf(-g)) * u)
-// model_argmax(logits bf16 [vocab], h bf16 [dim], weight bf16 [vocab, dim], vocab, dim, state, advance)
-//   The greedy token of bf16 logits = bf16(h . weight[i]) (the LM head GEMM's output), its near ties resolved in
+// model_argmax(logits bf16 [m, vocab], h bf16 [m, dim], weight bf16 [vocab, dim], vocab, dim, state, advance, m,
+//              state_stride, rows)
+//   Per row r < m (one CTA each; logits and h rows r * vocab and r * dim elements in; its state words at
+//   w * state_stride + r), skipping rows r >= rows[0] when `rows` (i32 [1], the live rows) is not null:
+//   the greedy token of bf16 logits = bf16(h . weight[i]) (the LM head GEMM's output), its near ties resolved in
 //   f32: M = the largest logit (NaN never counts), the candidates are every i with logits[i] >= M - 2 ulp_bf16(M)
 //   (ulp_bf16(M) = 2^(floor(log2 |M|) - 7), at least 2^-126): the only tokens whose unrounded logit can reach the
 //   largest one; each candidate's logit is recomputed as an f32 dot of h and weight[i] (lane-strided fma chains
 //   over dim, xor-butterfly sum), and state[0] = the candidate of the largest recomputed logit (the lowest index on
 //   equal values). More than MODEL_ARGMAX_CANDIDATES candidates: the first index of M. M = -inf (every logit -inf
-//   or NaN): 0. Then state[1] += advance; state[2] = state[1] + 1.
+//   or NaN): 0. Then state[1] += advance; state[2] = state[1] + 1 (the row's words 0, 1, 2). One sequence: m = 1,
+//   state_stride = 1, rows null.
 //   How (the token does not depend on it): the logits are read once, 8 a 16-byte load (element by element where
 //   logits is not 16-byte aligned, and for a last partial chunk), MODEL_ARGMAX_HELD loads a thread in flight and
 //   kept in registers for the candidate scan when vocab <= 8 MODEL_ARGMAX_HELD MODEL_ARGMAX_THREADS (65536; a larger
@@ -58,10 +76,10 @@
 //   * rsqrt(64) * log2(e) (f32 fma chains; the softmax weights stay f32). head_dim must be MODEL_HD (64), else
 //   nothing is written.
 //
-// Launch (hss.decls.model's *_geometry): model_embed_norm, model_add_norm, model_rope_kv: grid (m), block
-// (MODEL_THREADS); model_silu_mul: grid (ceil(ffn / MODEL_THREADS), m), block (MODEL_THREADS); model_argmax: grid
-// (1), block (MODEL_ARGMAX_THREADS); model_prefill_attn: grid (ceil(m / MODEL_ATTN_ROWS), n_head), block
-// (MODEL_ATTN_THREADS). No dynamic shared memory.
+// Launch (hss.decls.model's *_geometry): model_embed_norm, model_add_norm, model_rope_kv, model_rope_kv_paged: grid
+// (m), block (MODEL_THREADS); model_silu_mul: grid (ceil(ffn / MODEL_THREADS), m), block (MODEL_THREADS);
+// model_argmax: grid (m), block (MODEL_ARGMAX_THREADS); model_prefill_attn: grid (ceil(m / MODEL_ATTN_ROWS),
+// n_head), block (MODEL_ATTN_THREADS). No dynamic shared memory.
 #include "hss_common.cuh"
 #include "hss_rope.cuh"
 #include "hss_softmax.cuh"
@@ -440,22 +458,19 @@ __device__ __forceinline__ void rope_pair(__nv_bfloat16* __restrict__ dst, int j
     dst[j + half] = hss_f32_to_bf16(r2);
 }
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
-model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-              const int* __restrict__ state, __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
-              __nv_bfloat16* __restrict__ v_cache, int m, int n_head, int n_kv_head, int head_dim, int max_pos,
-              int cache_rows, long long row_stride, long long kvh_stride) {
+// One qkv row's RoPE and cache write (model_rope_kv, model_rope_kv_paged): q to q_row, k and v to the cache
+// rows `where(pos, k_row, v_row)` names (false: the row is left untouched, q included). `pos` is the row's
+// position as read from the state; this thread's first MODEL_ROPE_HELD pairs and v elements do not depend on it,
+// so their loads go out with the state's.
+template <class Where>
+__device__ __forceinline__ void rope_kv_row(const __nv_bfloat16* __restrict__ src, __nv_bfloat16* __restrict__ q_row,
+                                            int pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                            int n_head, int n_kv_head, int head_dim, int max_pos,
+                                            long long kvh_stride, Where where) {
     constexpr int R = MODEL_ROPE_HELD;
-    const int row = blockIdx.x;
-    if (row >= m || cache_rows < 1) return;
-    const int pos = state[1] + row;
     const int half = head_dim >> 1;
     const int pairs = (n_head + n_kv_head) * half, kv = n_kv_head * head_dim;
-    const __nv_bfloat16* src = qkv + (size_t)row * (n_head + 2 * n_kv_head) * head_dim;
     const __nv_bfloat16* vs = src + (size_t)(n_head + n_kv_head) * head_dim;
-    // this thread's first R pairs and v elements do not depend on pos: their loads go out with state's
     const __nv_bfloat16 zero = __ushort_as_bfloat16(0);
     __nv_bfloat16 x1[R], x2[R], vv[R];
 #pragma unroll
@@ -470,28 +485,25 @@ model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ c
         if (i < kv) vv[k] = vs[i];
     }
     if (pos < 0 || pos >= max_pos) return;
-    const int crow = pos % cache_rows;
+    __nv_bfloat16* k_row;
+    __nv_bfloat16* v_row;
+    if (!where(pos, k_row, v_row)) return;   // CTA-uniform
     const float* c_row = cos_t + (size_t)pos * half;
     const float* s_row = sin_t + (size_t)pos * half;
-    __nv_bfloat16* k_row = k_cache + crow * row_stride;
-    __nv_bfloat16* v_row = v_cache + crow * row_stride;
 #pragma unroll
     for (int k = 0; k < R; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < pairs) {
             const int head = i / half, j = i - head * half;
-            __nv_bfloat16* dst = head < n_head
-                ? q_out + ((size_t)row * n_head + head) * head_dim
-                : k_row + (head - n_head) * kvh_stride;
+            __nv_bfloat16* dst = head < n_head ? q_row + (size_t)head * head_dim
+                                               : k_row + (head - n_head) * kvh_stride;
             rope_pair(dst, j, half, hss_bf16_to_f32(x1[k]), hss_bf16_to_f32(x2[k]), c_row[j], s_row[j]);
         }
         if (i < kv) { const int h = i / head_dim; v_row[h * kvh_stride + (i - h * head_dim)] = vv[k]; }
     }
     for (int i = threadIdx.x + R * blockDim.x; i < pairs; i += blockDim.x) {   // wider rows
         const int head = i / half, j = i - head * half;
-        __nv_bfloat16* dst = head < n_head
-            ? q_out + ((size_t)row * n_head + head) * head_dim
-            : k_row + (head - n_head) * kvh_stride;
+        __nv_bfloat16* dst = head < n_head ? q_row + (size_t)head * head_dim : k_row + (head - n_head) * kvh_stride;
         rope_pair(dst, j, half, hss_bf16_to_f32(src[head * head_dim + j]),
                   hss_bf16_to_f32(src[head * head_dim + j + half]), c_row[j], s_row[j]);
     }
@@ -499,6 +511,51 @@ model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ c
         const int h = e / head_dim;
         v_row[h * kvh_stride + (e - h * head_dim)] = vs[e];
     }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
+model_rope_kv(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+              const int* __restrict__ state, __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
+              __nv_bfloat16* __restrict__ v_cache, int m, int n_head, int n_kv_head, int head_dim, int max_pos,
+              int cache_rows, long long row_stride, long long kvh_stride) {
+    const int row = blockIdx.x;
+    if (row >= m || cache_rows < 1) return;
+    const int pos = state[1] + row;
+    rope_kv_row(qkv + (size_t)row * (n_head + 2 * n_kv_head) * head_dim, q_out + (size_t)row * n_head * head_dim,
+                pos, cos_t, sin_t, n_head, n_kv_head, head_dim, max_pos, kvh_stride,
+                [=](int p, __nv_bfloat16*& k, __nv_bfloat16*& v) {
+                    const int crow = p % cache_rows;
+                    k = k_cache + crow * row_stride;
+                    v = v_cache + crow * row_stride;
+                    return true;
+                });
+}
+
+extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
+model_rope_kv_paged(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ cos_t,
+                    const float* __restrict__ sin_t, const int* __restrict__ state, __nv_bfloat16* __restrict__ q_out,
+                    __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
+                    const int* __restrict__ tables, int m, int n_head, int n_kv_head, int head_dim, int max_pos,
+                    int state_stride, int block_size, int table_stride, long long blk_stride, long long tok_stride,
+                    long long kvh_stride) {
+    const int row = blockIdx.x;
+    if (row >= m || block_size < 1) return;
+    const int pos = state[state_stride + row];
+    const int* table = tables + (size_t)row * table_stride;
+    rope_kv_row(qkv + (size_t)row * (n_head + 2 * n_kv_head) * head_dim, q_out + (size_t)row * n_head * head_dim,
+                pos, cos_t, sin_t, n_head, n_kv_head, head_dim, max_pos, kvh_stride,
+                [=](int p, __nv_bfloat16*& k, __nv_bfloat16*& v) {
+                    const int at = p / block_size;
+                    if (at >= table_stride) return false;
+                    const int page = table[at];
+                    if (page < 0) return false;
+                    const long long e = page * blk_stride + (long long)(p - at * block_size) * tok_stride;
+                    k = k_pool + e;
+                    v = v_pool + e;
+                    return true;
+                });
 }
 
 extern "C" __global__ void __launch_bounds__(MODEL_THREADS)
@@ -513,13 +570,18 @@ model_silu_mul(const __nv_bfloat16* __restrict__ gu, __nv_bfloat16* __restrict__
 
 extern "C" __global__ void __launch_bounds__(MODEL_ARGMAX_THREADS)
 model_argmax(const __nv_bfloat16* __restrict__ logits, const __nv_bfloat16* __restrict__ h,
-             const __nv_bfloat16* __restrict__ weight, int vocab, int dim, int* __restrict__ state, int advance) {
+             const __nv_bfloat16* __restrict__ weight, int vocab, int dim, int* __restrict__ state, int advance,
+             int m, int state_stride, const int* __restrict__ rows) {
     constexpr int H = MODEL_ARGMAX_HELD;
     __shared__ float red[32];
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int cand[MODEL_ARGMAX_CANDIDATES];
     __shared__ int n_cand, first_top;
+    const int row = blockIdx.x;
+    if (row >= m || (rows != nullptr && row >= rows[0])) return;   // CTA-uniform
+    logits += (size_t)row * vocab;
+    h += (size_t)row * dim;
     if (threadIdx.x == 0) {
         n_cand = 0;
         first_top = 0x7fffffff;
@@ -572,10 +634,10 @@ model_argmax(const __nv_bfloat16* __restrict__ logits, const __nv_bfloat16* __re
         }
     }
     if (threadIdx.x == 0) {
-        state[0] = token;
-        const int pos = state[1] + advance;
-        state[1] = pos;
-        state[2] = pos + 1;
+        state[row] = token;
+        const int pos = state[state_stride + row] + advance;
+        state[state_stride + row] = pos;
+        state[2 * state_stride + row] = pos + 1;
     }
 }
 

@@ -231,7 +231,7 @@ def run_argmax(gpu, stream, logits, h, weight, state, advance, misaligned=False)
     (lb, lp), *bufs = [upload_at(a, stream, 2 if misaligned and i == 0 else 0)
                        for i, a in enumerate((logits, h, weight, state))]
     launch(gpu, km.MODEL_ARGMAX, km.argmax_geometry(), stream, logits=lp, h=bufs[0][1], weight=bufs[1][1],
-           vocab=logits.size, dim=h.size, state=bufs[2][1], advance=advance)
+           vocab=logits.size, dim=h.size, state=bufs[2][1], advance=advance, m=1, state_stride=1, rows=0)
     got = download(bufs[2][1], (4,), np.int32, stream)
     for b in (lb, *(b for b, _ in bufs)):
         b.close()

@@ -1,14 +1,18 @@
 """Declarations of ``ptx/model.cu`` (the decoder forward's small kernels: embedding + RMSNorm, residual add + RMSNorm,
-RoPE + KV write, SiLU·up, argmax, causal prefill attention), their launch geometry, and their emulation through
-:mod:`hss.reference.model` (float64, stored rounded once to the kernels' dtypes).
+RoPE + KV write (positional, or into a batch's pages), SiLU·up, argmax, causal prefill attention), their launch
+geometry, and their emulation through :mod:`hss.reference.model` (float64, stored rounded once to the kernels'
+dtypes).
 
 ``state`` is i32 ``[STATE_WORDS]`` = {token, pos, visible, 0}; the emulations read it when they run (so a replayed
-graph follows the positions the step advances), as the kernels do.
+graph follows the positions the step advances), as the kernels do. A batch keeps one state per row, word-major
+(word w of row r at ``w * state_stride + r``; ``state_stride`` 1 is the one-sequence layout), so its tokens and its
+visible counts are contiguous i32 rows (``model_embed_norm``'s ids, the attention's token counts); a row not in use
+holds {-1, -1, 0} (:data:`IDLE_STATE`), which every kernel leaves alone.
 
 Geometry (``*_geometry``; the ``check`` functions hold emulated launches to it): ``model_embed_norm``,
-``model_add_norm``, ``model_rope_kv``: grid (m), block (``THREADS``); ``model_silu_mul``: grid (ceil(ffn /
-``THREADS``), m); ``model_argmax``: grid (1), block (``ARGMAX_THREADS``); ``model_prefill_attn``: grid (ceil(m /
-``ATTN_ROWS``), n_head), block (``ATTN_THREADS``); no dynamic shared memory.
+``model_add_norm``, ``model_rope_kv``, ``model_rope_kv_paged``: grid (m), block (``THREADS``); ``model_silu_mul``:
+grid (ceil(ffn / ``THREADS``), m); ``model_argmax``: grid (m), block (``ARGMAX_THREADS``); ``model_prefill_attn``:
+grid (ceil(m / ``ATTN_ROWS``), n_head), block (``ATTN_THREADS``); no dynamic shared memory.
 """
 from __future__ import annotations
 
@@ -20,14 +24,15 @@ import numpy as np
 from hss._util import ceil_div
 from hss.decls._decl import Launch, declare, f32
 from hss.decls.qsa_prefill import Geometry
+from hss.errors import MemoryFault
 from hss.reference import model as ref
 from hss.reference.numerics import to_bf16, to_f32
 
 __all__ = ["MODULE", "THREADS", "ARGMAX_THREADS", "ARGMAX_CANDIDATES", "ARGMAX_HELD", "ARGMAX_BATCH", "NORM_HELD",
            "NORM_HELD_DIM", "STATE_WORDS", "ATTN_HEAD_DIM", "ATTN_ROWS", "ATTN_KEYS", "ATTN_THREADS", "row_geometry",
-           "silu_geometry", "argmax_geometry", "prefill_attn_geometry", "positional_strides",
-           "MODEL_EMBED_NORM", "MODEL_ADD_NORM", "MODEL_ROPE_KV", "MODEL_SILU_MUL", "MODEL_ARGMAX",
-           "MODEL_PREFILL_ATTN"]
+           "silu_geometry", "argmax_geometry", "prefill_attn_geometry", "positional_strides", "IDLE_STATE",
+           "MODEL_EMBED_NORM", "MODEL_ADD_NORM", "MODEL_ROPE_KV", "MODEL_ROPE_KV_PAGED", "MODEL_SILU_MUL",
+           "MODEL_ARGMAX", "MODEL_PREFILL_ATTN"]
 
 BF16 = ml_dtypes.bfloat16
 MODULE = "model"
@@ -39,6 +44,7 @@ ARGMAX_BATCH = 8 * ARGMAX_HELD * ARGMAX_THREADS   # logits held in registers in 
 NORM_HELD = 4           # MODEL_NORM_HELD: 4-element chunks a row-norm thread keeps in registers
 NORM_HELD_DIM = 4 * NORM_HELD * THREADS           # the widest row model_embed_norm / model_add_norm keep in registers
 STATE_WORDS = 4         # MODEL_STATE_WORDS: token, pos, visible, 0
+IDLE_STATE = (-1, -1, 0, 0)   # the state words of a batch row not in use: no token, no position, nothing visible
 ATTN_HEAD_DIM = 64      # MODEL_HD: the only head_dim model_prefill_attn takes
 ATTN_ROWS = 64          # MODEL_ATTN_ROWS: query rows per CTA
 ATTN_KEYS = 64          # MODEL_ATTN_KEYS: keys per staged tile
@@ -55,8 +61,9 @@ def silu_geometry(m: int, ffn: int) -> Geometry:
     return Geometry((ceil_div(ffn, THREADS), m, 1), (THREADS, 1, 1), 0)
 
 
-def argmax_geometry() -> Geometry:
-    return Geometry((1, 1, 1), (ARGMAX_THREADS, 1, 1), 0)
+def argmax_geometry(m: int = 1) -> Geometry:
+    """``model_argmax``: one CTA per row (one sequence: 1)."""
+    return Geometry((m, 1, 1), (ARGMAX_THREADS, 1, 1), 0)
 
 
 def prefill_attn_geometry(m: int, n_head: int) -> Geometry:
@@ -127,13 +134,51 @@ def _emulate_silu_mul(a: SimpleNamespace, launch: Launch) -> None:
     _bf16(a.act, m * ffn).reshape(m, ffn)[:] = to_bf16(ref.silu_mul(gu, ffn))
 
 
+def _state_rows(a: SimpleNamespace) -> np.ndarray:
+    """The state words of the launch's rows as an i32 ``[STATE_WORDS - 1, m]`` view (word w of row r at
+    ``w * state_stride + r``)."""
+    words = _i32(a.state)
+    return np.lib.stride_tricks.as_strided(words, (STATE_WORDS - 1, a.m), (4 * a.state_stride, 4), writeable=True)
+
+
+def _emulate_rope_kv_paged(a: SimpleNamespace, launch: Launch) -> None:
+    m, nq, nkv, hd, bs = a.m, a.n_head, a.n_kv_head, a.head_dim, a.block_size
+    if bs < 1 or a.state_stride < 1 or a.table_stride < 0:
+        return
+    pos = _i32(a.state)[a.state_stride:a.state_stride + m].astype(np.int64)
+    tables = _i32(a.tables)[: m * a.table_stride].reshape(m, a.table_stride)
+    page, slot, live = ref.paged_slots(tables, pos, bs, a.max_pos)
+    if not live.any():
+        return
+    width = (nq + 2 * nkv) * hd
+    qkv = _bf16(a.qkv, m * width).reshape(m, width)[live]
+    half = hd // 2
+    cos = f32(a.cos_t)[: a.max_pos * half].reshape(a.max_pos, half)[pos[live]]
+    sin = f32(a.sin_t)[: a.max_pos * half].reshape(a.max_pos, half)[pos[live]]
+    q, k, v = ref.rope_kv(qkv, cos, sin, 0, nq, nkv, hd)
+    _bf16(a.q_out, m * nq * hd).reshape(m, nq, hd)[live] = to_bf16(q)
+    at = ((page[live] * a.blk_stride + slot[live] * a.tok_stride)[:, None, None]
+          + np.arange(nkv)[None, :, None] * a.kvh_stride + np.arange(hd)[None, None, :])
+    kpool, vpool = _bf16(a.k_pool, a.k_pool.size // 2), _bf16(a.v_pool, a.v_pool.size // 2)
+    if at.max() >= min(kpool.size, vpool.size):
+        bad = int(page[live][np.flatnonzero((at >= min(kpool.size, vpool.size)).any(axis=(1, 2)))[0]])
+        raise MemoryFault(f"model_rope_kv_paged parameter k_pool / v_pool: page {bad} is outside the pool "
+                          "allocation")
+    kpool[at] = to_bf16(k)
+    vpool[at] = to_bf16(v)
+
+
 def _emulate_argmax(a: SimpleNamespace, launch: Launch) -> None:
-    state = _i32(a.state)
-    vocab, dim = a.vocab, a.dim
+    m, vocab, dim = a.m, a.vocab, a.dim
+    live = m if a.rows is None else min(m, int(_i32(a.rows)[0]))
+    if live <= 0 or a.state_stride < 1:
+        return
     weight = _bf16(a.weight, vocab * dim).reshape(vocab, dim)
-    token = ref.argmax_refined(_bf16(a.logits, vocab), _bf16(a.h, dim), weight, ARGMAX_CANDIDATES)
-    pos = np.int32(state[1]) + np.int32(a.advance)    # int32 arithmetic, as the kernel's
-    state[0], state[1], state[2] = token, pos, pos + np.int32(1)
+    logits = _bf16(a.logits, m * vocab).reshape(m, vocab)
+    h = _bf16(a.h, m * dim).reshape(m, dim)
+    state = _state_rows(a)[:, :live]
+    pos = state[1] + np.int32(a.advance)    # int32 arithmetic, as the kernel's
+    state[0], state[1], state[2] = ref.argmax_rows(logits[:live], h[:live], weight, ARGMAX_CANDIDATES), pos, pos + 1
 
 
 def _emulate_prefill_attn(a: SimpleNamespace, launch: Launch) -> None:
@@ -205,17 +250,47 @@ MODEL_ROPE_KV = declare(
     writes={"q_out": lambda a: _rows(a, a.n_head * a.head_dim, 2), "k_cache": _cache, "v_cache": _cache},
     emulate=_emulate_rope_kv, check=_rope_check)
 
+def _pool(a: SimpleNamespace) -> None:
+    return None   # page ids decide: the emulation checks every written page against the allocation
+
+
+def _paged_check(a: SimpleNamespace, launch: Launch) -> str | None:
+    if min(a.blk_stride, a.tok_stride, a.kvh_stride) < 0:
+        return f"needs blk_stride, tok_stride and kvh_stride >= 0 (got {a.blk_stride}, {a.tok_stride}, {a.kvh_stride})"
+    if a.state_stride < a.m:
+        return f"needs state_stride >= m (got {a.state_stride} < {a.m}): the rows' state words would overlap"
+    return _held_to(row_geometry(a.m), launch)
+
+
+MODEL_ROPE_KV_PAGED = declare(
+    MODULE, "model_rope_kv_paged",
+    "ptr qkv, ptr cos_t, ptr sin_t, ptr state, ptr q_out, ptr k_pool, ptr v_pool, ptr tables, i32 m, i32 n_head, "
+    "i32 n_kv_head, i32 head_dim, i32 max_pos, i32 state_stride, i32 block_size, i32 table_stride, i64 blk_stride, "
+    "i64 tok_stride, i64 kvh_stride",
+    reads={"qkv": lambda a: _rows(a, (a.n_head + 2 * a.n_kv_head) * a.head_dim, 2), "cos_t": _table,
+           "sin_t": _table, "state": lambda a: 4 * (max(a.state_stride, 0) + max(a.m, 0)),
+           "tables": lambda a: _rows(a, a.table_stride, 4)},
+    writes={"q_out": lambda a: _rows(a, a.n_head * a.head_dim, 2), "k_pool": _pool, "v_pool": _pool},
+    emulate=_emulate_rope_kv_paged, check=_paged_check)
+
 MODEL_SILU_MUL = declare(
     MODULE, "model_silu_mul", "ptr gu, ptr act, i32 m, i32 ffn",
     reads={"gu": lambda a: _rows(a, 2 * a.ffn, 2)}, writes={"act": lambda a: _rows(a, a.ffn, 2)},
     emulate=_emulate_silu_mul, check=lambda a, launch: _held_to(silu_geometry(a.m, a.ffn), launch))
 
+def _argmax_state(a: SimpleNamespace) -> int:
+    """Bytes from ``state`` to the end of the launch's rows' words (word w of row r at w * state_stride + r)."""
+    return 4 * ((STATE_WORDS - 1) * max(a.state_stride, 0) + max(a.m, 0))
+
+
 MODEL_ARGMAX = declare(
-    MODULE, "model_argmax", "ptr logits, ptr h, ptr weight, i32 vocab, i32 dim, ptr state, i32 advance",
-    reads={"logits": lambda a: 2 * max(a.vocab, 0), "h": lambda a: 2 * max(a.dim, 0),
-           "weight": lambda a: 2 * max(a.vocab, 0) * max(a.dim, 0), "state": lambda a: 4 * STATE_WORDS},
-    writes={"state": lambda a: 4 * STATE_WORDS},
-    emulate=_emulate_argmax, check=lambda a, launch: _held_to(argmax_geometry(), launch))
+    MODULE, "model_argmax",
+    "ptr logits, ptr h, ptr weight, i32 vocab, i32 dim, ptr state, i32 advance, i32 m, i32 state_stride, ptr rows",
+    reads={"logits": lambda a: _rows(a, a.vocab, 2), "h": lambda a: _rows(a, a.dim, 2),
+           "weight": lambda a: 2 * max(a.vocab, 0) * max(a.dim, 0), "state": _argmax_state,
+           "rows": lambda a: 4 if a.rows else 0},   # optional: null = every row
+    writes={"state": _argmax_state},
+    emulate=_emulate_argmax, check=lambda a, launch: _held_to(argmax_geometry(a.m), launch))
 
 
 def _attn_rows(a: SimpleNamespace) -> int:

@@ -4,13 +4,17 @@ KV history in HBM or behind the high-speed swap.
 - :class:`DeviceModel` (weights uploaded once as bf16) → :meth:`DeviceModel.session` → :class:`Session`:
   ``prefill(ids)``, ``generate(n, on_token)``, ``step`` / ``feed`` / ``logits`` (teacher forcing), ``capture``
   (decode steps replayed as CUDA graphs).
+- :class:`BatchSession` (:mod:`hss.model.batch`): up to ``max_batch`` sequences of ragged lengths decoded together
+  (rows join with ``add``, leave when they finish or on ``remove``; ``step`` decodes one token per row; one CUDA
+  graph per batch size), KV pages from a shared pool; ``hbm`` mode only so far.
 - KV modes (:mod:`hss.model.kv`): ``hbm`` (:class:`HbmKV`), ``swap`` / ``sparse`` (:class:`SwapKV`).
 - :mod:`hss.demo.model`: ``python -m hss demo``.
 """
+from hss.model.batch import BatchSession, Finished
 from hss.model.forward import STAGES, Forward
 from hss.model.kv import HbmKV, SwapKV, sparse_support, swap_block_size
 from hss.model.session import KV_MODES, DeviceModel, Session, StageTimer
 from hss.model.weights import DeviceWeights, bf16_rounded
 
-__all__ = ["DeviceModel", "Session", "StageTimer", "KV_MODES", "Forward", "STAGES", "HbmKV", "SwapKV",
-           "sparse_support", "swap_block_size", "DeviceWeights", "bf16_rounded"]
+__all__ = ["DeviceModel", "Session", "BatchSession", "Finished", "StageTimer", "KV_MODES", "Forward", "STAGES",
+           "HbmKV", "SwapKV", "sparse_support", "swap_block_size", "DeviceWeights", "bf16_rounded"]

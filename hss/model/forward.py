@@ -30,8 +30,8 @@ __all__ = ["Op", "Forward", "STAGES"]
 
 Op = tuple[str, Callable[[int], None]]   # (stage name, run(stream))
 STAGES = ("embed", "norm", "gemm qkv", "rope+kv", "attention", "gemm o", "gemm ffn", "silu*up", "lm head", "argmax")
-_DECLS = (km.MODEL_EMBED_NORM, km.MODEL_ADD_NORM, km.MODEL_ROPE_KV, km.MODEL_SILU_MUL, km.MODEL_ARGMAX,
-          km.MODEL_PREFILL_ATTN)
+_DECLS = (km.MODEL_EMBED_NORM, km.MODEL_ADD_NORM, km.MODEL_ROPE_KV, km.MODEL_ROPE_KV_PAGED, km.MODEL_SILU_MUL,
+          km.MODEL_ARGMAX, km.MODEL_PREFILL_ATTN)
 
 
 class Forward:
@@ -68,6 +68,7 @@ class Forward:
             self._head = proj_dense(gpu, weights.output, self.logits, c.vocab_size, c.dim, 1)
             self._all_logits: int | None = None
             self._head_all: Callable[[int, int, int], None] | None = None
+            self._rows_heads: dict[tuple[int, int], Callable[[int, int, int], None]] = {}
         except BaseException:
             self._owned.close()
             raise
@@ -159,7 +160,35 @@ class Forward:
             head = self._gemm("lm head", self._head, h, 1)
         return [head, self._op("argmax", km.MODEL_ARGMAX, km.argmax_geometry(), logits=logits, h=h,
                                weight=self.w.output, vocab=c.vocab_size, dim=c.dim, state=self.state,
-                               advance=advance)]
+                               advance=advance, m=1, state_stride=1, rows=0)]
+
+    # -- a batch of sequences, one decode row each (hss.model.batch) ----------------------------------------
+    def rows_rope_op(self, m: int, state: int, state_stride: int, k_pool: int, v_pool: int, tables: int,
+                     table_stride: int, block_size: int, strides: tuple[int, int, int]) -> Op:
+        """``model_rope_kv_paged`` of ``m`` rows of ``qkv``: row r at its own position (word 1 of its state row:
+        ``state`` i32 word-major, ``state_stride`` apart) into ``q`` and its own page of the pools (``tables`` i32
+        ``[m, table_stride]``; ``strides`` (blk, tok, kvh) in elements)."""
+        c = self.config
+        blk, tok, kvh = strides
+        return self._op("rope+kv", km.MODEL_ROPE_KV_PAGED, km.row_geometry(m), qkv=self.qkv, cos_t=self.w.rope_cos,
+                        sin_t=self.w.rope_sin, state=state, q_out=self.q, k_pool=k_pool, v_pool=v_pool,
+                        tables=tables, m=m, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
+                        max_pos=c.context_length, state_stride=state_stride, block_size=block_size,
+                        table_stride=table_stride, blk_stride=blk, tok_stride=tok, kvh_stride=kvh)
+
+    def rows_head_ops(self, m: int, logits: int, max_rows: int, state: int, state_stride: int, rows: int) -> list[Op]:
+        """The LM head of the first ``m`` rows of ``h`` (one GEMM) into ``logits`` bf16 ``[max_rows, vocab]``, then
+        each row's greedy token into its state row (``model_argmax`` over ``m`` rows; rows at or past the device
+        count ``rows`` (i32 [1]) are left alone) and its position advanced by one. The op a sampler replaces."""
+        c = self.config
+        run = self._rows_heads.get((logits, max_rows))
+        if run is None:
+            run = self._rows_heads[logits, max_rows] = proj_dense(self.gpu, self.w.output, logits, c.vocab_size,
+                                                                  c.dim, max_rows)
+        return [self._gemm("lm head", run, self.h, m),
+                self._op("argmax", km.MODEL_ARGMAX, km.argmax_geometry(m), logits=logits, h=self.h,
+                         weight=self.w.output, vocab=c.vocab_size, dim=c.dim, state=state, advance=1, m=m,
+                         state_stride=state_stride, rows=rows)]
 
     def close(self) -> None:
         """Free the workspace (idempotent)."""

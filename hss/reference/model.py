@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rms_norm", "embed_norm", "add_norm", "rope", "rope_kv", "silu_mul", "argmax", "bf16_ulp",
-           "argmax_candidates", "argmax_refined", "causal_attention"]
+__all__ = ["rms_norm", "embed_norm", "add_norm", "rope", "rope_kv", "paged_slots", "silu_mul", "argmax", "bf16_ulp",
+           "argmax_candidates", "argmax_refined", "argmax_rows", "causal_attention"]
 
 
 def rms_norm(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
@@ -53,6 +53,22 @@ def rope_kv(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos0: int, n_head
     v = qkv[:, (n_head + n_kv_head) * head_dim:].reshape(m, n_kv_head, head_dim)
     rows = slice(pos0, pos0 + m)
     return rope(q, cos[rows], sin[rows]), rope(k, cos[rows], sin[rows]), v
+
+
+def paged_slots(tables: np.ndarray, pos: np.ndarray, block_size: int,
+                max_pos: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(page, slot, live) of each batch row's token at position ``pos[r]`` in that row's pages ``tables[r]``
+    (``[rows, entries]`` page ids in position order, ``block_size`` tokens a page): page ``tables[r, pos //
+    block_size]``, slot ``pos % block_size``; ``live`` is False (page and slot 0) where the position is outside
+    ``[0, max_pos)``, past the row's entries, or its page is negative: a row that is not written."""
+    tables = np.asarray(tables, dtype=np.int64)
+    pos = np.asarray(pos, dtype=np.int64)
+    entries = tables.shape[1]
+    at = np.where(pos >= 0, pos // block_size, -1)
+    live = (pos >= 0) & (pos < max_pos) & (at < entries)
+    page = np.where(live, tables[np.arange(pos.size), np.clip(at, 0, max(entries - 1, 0))] if entries else -1, -1)
+    live &= page >= 0
+    return np.where(live, page, 0), np.where(live, pos % block_size, 0), live
 
 
 def silu_mul(gu: np.ndarray, ffn: int) -> np.ndarray:
@@ -100,6 +116,11 @@ def argmax_refined(logits: np.ndarray, h: np.ndarray, weight: np.ndarray, cap: i
         return argmax(logits)
     refined = np.asarray(weight)[cand].astype(np.float64) @ np.asarray(h, dtype=np.float64)
     return int(cand[int(np.argmax(refined))])
+
+
+def argmax_rows(logits: np.ndarray, h: np.ndarray, weight: np.ndarray, cap: int) -> np.ndarray:
+    """:func:`argmax_refined` of each row: logits ``[m, vocab]``, h ``[m, dim]`` → int64 tokens ``[m]``."""
+    return np.array([argmax_refined(lg, hr, weight, cap) for lg, hr in zip(logits, h)], np.int64)
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: int) -> np.ndarray:

@@ -1,0 +1,450 @@
+"""Several sequences decoded together on one :class:`~hss.model.session.DeviceModel` (:class:`BatchSession`): each
+row has its own prompt, position, KV pages and stop condition; rows join between steps (``add``) and leave when
+they finish (a stop token, their ``max_new`` tokens, ``max_tokens``) or on ``remove``.
+
+A decode step is one program of prepared operations over ``B`` rows, ``B`` the smallest captured batch size that
+holds the live rows: the embedding of the rows' tokens, the GEMMs with m = B, per layer the RoPE and KV write at each
+row's own position fused into the paged decode attention over each row's own pages (one token-count tile,
+:meth:`~hss.attention.TileStep.tile_tokens_rope`; ``fuse_rope=False``: ``model_rope_kv_paged`` then the tile), the
+LM head and ``model_argmax`` per row, which writes each row's next token into its state and advances its position.
+The step reads its shapes from nothing the host writes: the rows' states (i32 ``[STATE_WORDS, max_batch]``,
+word-major, see :mod:`hss.decls.model`), their page tables and the live row count live on the device, so each batch
+size's step is captured once as a CUDA graph and replayed whatever the rows' lengths. Rows past the live count hold
+the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hss import _args
+from hss import cuda_min as cm
+from hss._util import Closeable, ceil_div
+from hss.attention import TiledAttention, TiledAttentionDims
+from hss.decls import model as km
+from hss.errors import HssError
+from hss.model.forward import Forward, Op
+from hss.model.kv import HBM_PAGE
+from hss.model.session import DeviceModel
+from hss.model.weights import BF16
+
+__all__ = ["BatchSession", "Finished", "BATCH_SIZES"]
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)   # the default batch sizes a step is built (and captured) for
+_I32 = np.int32
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A row that left the batch: its generated ``tokens`` (the first from its prefill) and why it left: ``"stop"``
+    (its last token is a stop token), ``"max_new"``, ``"length"`` (its position reached ``max_tokens``) or
+    ``"removed"``."""
+    tokens: list[int]
+    reason: str
+
+
+@dataclass
+class _Row:
+    lane: int                 # its index in the device arrays (rows are kept in lanes 0 .. live - 1)
+    pos: int                  # the position its next step writes (host mirror of its state's pos)
+    stop: frozenset[int]
+    max_new: int | None
+    tokens: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+
+
+class BatchSession(Closeable):
+    """Up to ``max_batch`` sequences on a :class:`~hss.model.session.DeviceModel`, decoded one token per row per
+    :meth:`step`; each row decodes what it would alone in a ``Session(kv="hbm")`` with the same prompt (greedy).
+
+    ``kv``: ``"hbm"`` only for now (the KV history in HBM); the ``swap`` and ``sparse`` modes raise
+    :class:`HssError` (use :class:`~hss.model.session.Session` for them). ``max_tokens``: prompt + generated tokens a
+    row may hold (at most the model's context length). ``pages``: KV pages of :data:`~hss.model.kv.HBM_PAGE` tokens in
+    the shared pool (K and V of every layer for each page id); rows take pages as they grow and give them back when
+    they leave, so ragged rows share memory (default ``max_batch * ceil(max_tokens / HBM_PAGE)``: no row ever waits;
+    fewer oversubscribe, and :meth:`add` / :meth:`step` raise when the pool cannot cover them). ``batch_sizes``: the
+    batch sizes a step is built for (``max_batch`` is added; a step of R live rows runs the smallest size >= R).
+    ``graph``: replay each batch size's step as a CUDA graph, captured after that size's first (eager) step; replays
+    give the eager step's bits. ``prefill_chunk``: prompt rows per forward pass of :meth:`add` (its positional
+    scratch caches hold one row of ``max_tokens``). ``fuse_rope``: the RoPE and KV write inside the attention launch
+    (False: ``model_rope_kv_paged`` first; the same bits).
+
+    Integration points: the per-row greedy choice is :meth:`Forward.rows_head_ops
+    <hss.model.forward.Forward.rows_head_ops>`'s ``model_argmax`` (logits bf16 ``[max_batch, vocab]`` in
+    :attr:`logits_buffer`, the token into each row's state word 0, its position advanced), the op a sampler replaces;
+    the KV mode is :meth:`_pool` / :meth:`_attention_op`. Everything is checked before device work; a call that raises
+    ``TypeError`` / :class:`HssError` changes nothing.
+    """
+
+    def __init__(self, model: DeviceModel, kv: str = "hbm", *, max_batch: int, max_tokens: int,
+                 pages: int | None = None, graph: bool = False, batch_sizes: Iterable[int] = BATCH_SIZES,
+                 prefill_chunk: int = 2048, fuse_rope: bool = True) -> None:
+        if not isinstance(model, DeviceModel):
+            raise TypeError(f"model must be a DeviceModel, got {type(model).__name__}")
+        if kv in ("swap", "sparse"):
+            raise HssError(f"BatchSession supports kv='hbm' only for now, not {kv!r}: decode {kv} sequences one at a "
+                           "time with DeviceModel.session")
+        if kv != "hbm":
+            raise HssError(f"kv must be 'hbm' (the only mode a BatchSession has so far), got {kv!r}")
+        c = model.config
+        self.max_batch = _args.as_int("max_batch", max_batch, 1, 65535, "rows decoded together (grid.y of silu_mul)")
+        self.max_tokens = _args.as_int("max_tokens", max_tokens, 2, c.context_length,
+                                       "tokens a row may hold, at most the model's context length")
+        self.table_entries = ceil_div(self.max_tokens, HBM_PAGE)   # pages a row can need
+        self.pages = self.max_batch * self.table_entries if pages is None else _args.as_int(
+            "pages", pages, 1, 2**31 - 1, "KV pages in the shared pool")
+        for name, flag in (("graph", graph), ("fuse_rope", fuse_rope)):
+            if type(flag) is not bool:
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
+            raise TypeError(f"batch_sizes must be an iterable of ints, got {type(batch_sizes).__name__}")
+        sizes = {_args.as_int("batch_sizes entry", b, 1, None) for b in batch_sizes}
+        self.batch_sizes = tuple(sorted({b for b in sizes if b < self.max_batch} | {self.max_batch}))
+        self.chunk = min(_args.as_int("prefill_chunk", prefill_chunk, 1), self.max_tokens, 65535)
+        self.model, self.config, self.graph, self.fuse_rope = model, c, graph, fuse_rope
+        s = self.stream = model.ctx.stream
+        S, ctx = self.max_batch, model.ctx
+        self._row_bytes = 2 * c.n_kv_head * c.head_dim            # one token's K (or V) of one layer
+        self._page_bytes = HBM_PAGE * self._row_bytes
+        self._owned = contextlib.ExitStack()
+        own = self._owned.enter_context
+        try:
+            self.fwd = own(contextlib.closing(Forward(model.gpu, model.weights, max(self.chunk, S), ctx)))
+            buf = lambda n: own(cm.DeviceBuffer(n, ctx))   # noqa: E731
+            self.state = buf(4 * km.STATE_WORDS * S)       # word w of row r at w * S + r
+            self.live = buf(4)                             # the live row count (model_argmax's rows)
+            self.tables = buf(4 * S * self.table_entries)  # row r's page ids in position order, -1 unused
+            self.k, self.v = buf(c.n_layer * self.pages * self._page_bytes), buf(
+                c.n_layer * self.pages * self._page_bytes)
+            self._scratch_k, self._scratch_v = (buf(c.n_layer * self.max_tokens * self._row_bytes) for _ in "kv")
+            self.logits_buffer = buf(2 * S * c.vocab_size)
+            self.attn = own(TiledAttention(ctx, TiledAttentionDims(S, c.n_head, c.n_kv_head, c.head_dim, HBM_PAGE,
+                                                                   self.table_entries)))
+            self._host_tokens = own(cm.PinnedBuffer(4 * S, ctx))
+            self._graphs: dict[int, cm.CudaGraph] = {}
+            self._owned.callback(self._drop_graphs)
+            idle = np.repeat(np.array(km.IDLE_STATE, _I32)[:, None], S, axis=1)
+            cm.copy_h_to_d_async(self.state, idle, idle.nbytes, s)
+            cm.memset_d32_async(self.tables, 0xFFFFFFFF, S * self.table_entries, s)
+            cm.memset_d32_async(self.live, 0, 1, s)
+        except BaseException:
+            self._owned.close()
+            raise
+        self._table = np.full((S, self.table_entries), -1, _I32)   # host mirror of tables
+        self._free = list(range(self.pages))                        # a heap: the lowest page ids first
+        self._rows: dict[int, _Row] = {}
+        self._lanes: list[int] = []        # lane -> row id, live rows only
+        self._next_row = 0
+        self._programs: dict[int, list[Op]] = {}
+        self._stepped: set[int] = set()    # batch sizes that ran an eager step (a capture needs one first)
+        self.finished: dict[int, Finished] = {}
+        self.steps = 0
+        self.captures = 0
+
+    # -- rows ------------------------------------------------------------------------------------------
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The live rows' ids, in lane order."""
+        return tuple(self._lanes)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def tokens(self, row: int) -> list[int]:
+        """The tokens ``row`` generated so far (live or finished)."""
+        r = self._row_id(row)
+        if r in self._rows:
+            return list(self._rows[r].tokens)
+        if r in self.finished:
+            return list(self.finished[r].tokens)
+        raise HssError(f"row {r} was never added to this batch")
+
+    def _row_id(self, row: Any) -> int:
+        return _args.as_int("row", row, 0, None, "a row id that add() returned")
+
+    def _live_row(self, row: Any) -> _Row:
+        r = self._row_id(row)
+        if r not in self._rows:
+            why = "it finished (see finished)" if r in self.finished else "add() never returned it"
+            raise HssError(f"row {r} is not in the batch: {why}")
+        return self._rows[r]
+
+    def _prompt(self, ids: Any) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
+            raise HssError(f"ids must be a non-empty 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+        vocab = self.config.vocab_size
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise HssError(f"token ids must lie in [0, {vocab}), got [{arr.min()}, {arr.max()}]")
+        if arr.size >= self.max_tokens:
+            raise HssError(f"{arr.size} prompt tokens leave no room: max_tokens is {self.max_tokens}")
+        return arr.astype(_I32)
+
+    def add(self, ids: Sequence[int] | np.ndarray, *, max_new: int | None = None, stop: Iterable[int] = ()) -> int:
+        """Prefill the prompt ``ids`` as a new row (between steps; waits for the device) and return its id. Its first
+        token comes from the prefill; it leaves after a token in ``stop`` (included), after ``max_new`` tokens
+        (None: no limit), or when its position reaches ``max_tokens``."""
+        ids = self._prompt(ids)
+        if max_new is not None:
+            max_new = _args.as_int("max_new", max_new, 1, None, "tokens to generate, the prefill's first included")
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+            raise TypeError(f"stop must be an iterable of token ids, got {type(stop).__name__}")
+        stop = frozenset(_args.as_int("stop token", t, 0, self.config.vocab_size - 1) for t in stop)
+        if len(self._lanes) >= self.max_batch:
+            raise HssError(f"the batch is full ({self.max_batch} rows): step until a row finishes, or remove() one")
+        need = ceil_div(ids.size + 1, HBM_PAGE)   # the prompt and the first step's position
+        if need > len(self._free):
+            raise HssError(f"the page pool has {len(self._free)} free pages, the prompt needs {need}: remove a row, "
+                           f"or make the BatchSession with more pages (pages={self.pages})")
+        lane, rid = len(self._lanes), self._next_row
+        row = _Row(lane, int(ids.size), stop, max_new)
+        row.pages = [heapq.heappop(self._free) for _ in range(ceil_div(ids.size, HBM_PAGE))]
+        self._next_row += 1
+        self._rows[rid] = row
+        self._lanes.append(rid)
+        first = np.empty(1, _I32)
+        try:
+            self._prefill(ids, row)
+            self._set_live()
+            cm.copy_d_to_h_async(first, self.fwd.state, 4, self.stream)   # pageable: waits
+        except BaseException:   # (a driver error) the row was never in the batch
+            with contextlib.suppress(Exception):
+                self._leave(rid, "failed")
+            self.finished.pop(rid, None)
+            raise
+        self._record(rid, int(first[0]))
+        return rid
+
+    def _prefill(self, ids: np.ndarray, row: _Row) -> None:
+        """Session.prefill's forward into the positional scratch caches, then the row's pages, state and table
+        entries from it (queued; the prefill's logits into the row's logits)."""
+        fwd, c, s, t, chunk = self.fwd, self.config, self.stream, ids.size, self.chunk
+        for start in range(0, t, chunk):
+            m = min(chunk, t - start)
+            cm.copy_h_to_d_async(fwd.ids, ids[start:start + m], 4 * m, s)
+            cm.copy_h_to_d_async(fwd.state, np.array([0, start, start + 1, 0], _I32), 4 * km.STATE_WORDS, s)
+            self._run(fwd.embed_ops(fwd.ids, m))
+            for layer in range(c.n_layer):
+                k, v = self._scratch(layer)
+                self._run(fwd.pre_ops(layer, m, k, v, self.max_tokens) + [fwd.prefill_attn_op(m, k, v, start)]
+                          + fwd.post_ops(layer, m))
+            if start + m == t:
+                self._run(fwd.head_ops(m, m))
+        for layer in range(c.n_layer):   # runs of consecutive page ids: one copy each
+            (kp, vp), (ks, vs) = self._pool(layer), self._scratch(layer)
+            first = 0
+            for i in range(1, len(row.pages) + 1):
+                if i < len(row.pages) and row.pages[i] == row.pages[i - 1] + 1:
+                    continue
+                n = min(i * HBM_PAGE, t) - first * HBM_PAGE
+                dst, src = row.pages[first] * self._page_bytes, first * self._page_bytes
+                cm.copy_d_to_d_async(kp + dst, ks + src, n * self._row_bytes, s)
+                cm.copy_d_to_d_async(vp + dst, vs + src, n * self._row_bytes, s)
+                first = i
+        lane, S = row.lane, self.max_batch
+        for w in range(3):   # token, pos, visible of the prefill's state into the row's state words
+            cm.copy_d_to_d_async(self.state.ptr + 4 * (w * S + lane), fwd.state + 4 * w, 4, s)
+        cm.copy_d_to_d_async(self.logits_buffer.ptr + 2 * lane * c.vocab_size, fwd.logits, 2 * c.vocab_size, s)
+        self._table[lane] = -1
+        self._table[lane, :len(row.pages)] = row.pages
+        self._upload_table(lane)
+
+    def remove(self, row: int) -> list[int]:
+        """Take ``row`` out of the batch (between steps): its pages go back to the pool; returns its tokens."""
+        r = self._live_row(row)
+        rid = self._lanes[r.lane]
+        self._leave(rid, "removed")
+        return list(r.tokens)
+
+    def _record(self, rid: int, token: int) -> bool:
+        """Append ``token`` to the row; True when that finishes it (it then leaves)."""
+        r = self._rows[rid]
+        r.tokens.append(token)
+        reason = ("stop" if token in r.stop else "max_new" if r.max_new is not None and len(r.tokens) >= r.max_new
+                  else "length" if r.pos >= self.max_tokens else None)
+        if reason is not None:
+            self._leave(rid, reason)
+        return reason is not None
+
+    def _leave(self, rid: int, reason: str) -> None:
+        """The row leaves: the last lane's row moves into its lane (device state words and table row, in stream
+        order), the last lane goes idle, its pages return to the pool."""
+        r = self._rows.pop(rid)
+        last, s, S = len(self._lanes) - 1, self.stream, self.max_batch
+        if r.lane != last:
+            moved = self._rows[self._lanes[last]]
+            for w in range(3):
+                cm.copy_d_to_d_async(self.state.ptr + 4 * (w * S + r.lane), self.state.ptr + 4 * (w * S + last), 4, s)
+            cm.copy_d_to_d_async(self.logits_buffer.ptr + 2 * r.lane * self.config.vocab_size,
+                                 self.logits_buffer.ptr + 2 * last * self.config.vocab_size,
+                                 2 * self.config.vocab_size, s)
+            self._table[r.lane] = self._table[last]
+            self._upload_table(r.lane)
+            moved.lane = r.lane
+            self._lanes[r.lane] = self._lanes[last]
+        self._lanes.pop()
+        for w, value in enumerate(km.IDLE_STATE[:3]):
+            cm.copy_h_to_d_async(self.state.ptr + 4 * (w * S + last), np.array([value], _I32), 4, s)
+        self._table[last] = -1
+        self._upload_table(last)
+        self._set_live()
+        for p in r.pages:
+            heapq.heappush(self._free, p)
+        self.finished[rid] = Finished(r.tokens, reason)
+
+    def _upload_table(self, lane: int) -> None:
+        cm.copy_h_to_d_async(self.tables.ptr + lane * self._table.strides[0], self._table[lane],
+                             self._table[lane].nbytes, self.stream)   # pageable: staged at once
+
+    def _set_live(self) -> None:
+        cm.copy_h_to_d_async(self.live, np.array([len(self._lanes)], _I32), 4, self.stream)
+
+    # -- the KV mode (hbm) ------------------------------------------------------------------------------
+    def _pool(self, layer: int) -> tuple[int, int]:
+        """(K, V) page pools of ``layer``: bf16 NHD ``[pages, HBM_PAGE, n_kv_head, head_dim]``."""
+        off = layer * self.pages * self._page_bytes
+        return self.k.ptr + off, self.v.ptr + off
+
+    def _scratch(self, layer: int) -> tuple[int, int]:
+        """(K, V) positional prefill caches of ``layer``: bf16 ``[max_tokens, n_kv_head, head_dim]``."""
+        off = layer * self.max_tokens * self._row_bytes
+        return self._scratch_k.ptr + off, self._scratch_v.ptr + off
+
+    def _attention_op(self, layer: int, b: int) -> list[Op]:
+        """Layer ``layer``'s RoPE, KV write and decode attention of ``b`` rows: one token-count tile over each row's
+        pages (its table row), ``visible`` tokens (its state word 2), into ``fwd.attn``."""
+        fwd, attn, c, s = self.fwd, self.attn, self.config, self.stream
+        k, v = self._pool(layer)
+        table, counts = self.tables.ptr, self.state.ptr + 4 * 2 * self.max_batch
+        strides = attn.paged_strides()
+        if self.fuse_rope:
+            tiles = attn.begin_tiles(s, fwd.qkv, k, v, b, *strides)
+            cos, sin, max_pos = fwd.w.rope_cos, fwd.w.rope_sin, c.context_length
+
+            def run(st: int) -> None:
+                attn.begin_step(st, b)
+                tiles.tile_tokens_rope(table, counts, fwd.qkv, cos, sin, max_pos, 0, output=fwd.attn)
+            return [("attention", run)]
+        tiles = attn.begin_tiles(s, fwd.q, k, v, b, *strides)
+
+        def run_tile(st: int) -> None:
+            attn.begin_step(st, b)
+            tiles.tile_tokens(table, counts, 0, output=fwd.attn)
+        return [fwd.rows_rope_op(b, self.state.ptr, self.max_batch, k, v, table, self.table_entries, HBM_PAGE,
+                                 strides), ("attention", run_tile)]
+
+    # -- decode ---------------------------------------------------------------------------------------
+    def batch_size(self, rows: int | None = None) -> int:
+        """The batch size a step of ``rows`` live rows (default: now) runs: the smallest of :attr:`batch_sizes`
+        that holds them."""
+        n = len(self._lanes) if rows is None else _args.as_int("rows", rows, 1, self.max_batch)
+        return next(b for b in self.batch_sizes if b >= n)
+
+    def _program(self, b: int) -> list[Op]:
+        prog = self._programs.get(b)
+        if prog is None:
+            fwd, c = self.fwd, self.config
+            prog = fwd.embed_ops(self.state.ptr, b)   # word 0 of the states: the rows' tokens
+            for layer in range(c.n_layer):
+                prog += [fwd.qkv_op(layer, b), *self._attention_op(layer, b), *fwd.post_ops(layer, b)]
+            prog += fwd.rows_head_ops(b, self.logits_buffer.ptr, self.max_batch, self.state.ptr, self.max_batch,
+                                      self.live.ptr)
+            self._programs[b] = prog
+        return prog
+
+    def _run(self, ops: Iterable[Op]) -> None:
+        for _, run in ops:
+            run(self.stream)
+
+    def step(self) -> dict[int, int]:
+        """Decode one token for every live row (waits for the device): {row id: token}. Rows that finish with it
+        leave the batch (see :attr:`finished`)."""
+        if not self._lanes:
+            raise HssError("step with no rows in the batch: add() a prompt first")
+        grow = [r for r in (self._rows[rid] for rid in self._lanes) if r.pos // HBM_PAGE == len(r.pages)]
+        if len(grow) > len(self._free):
+            raise HssError(f"{len(grow)} rows need a new KV page and the pool has {len(self._free)} free: remove() "
+                           f"a row, or make the BatchSession with more pages (pages={self.pages})")
+        s = self.stream
+        for r in grow:   # eager, between steps: the step reads the tables when it runs
+            page = heapq.heappop(self._free)
+            self._table[r.lane, len(r.pages)] = page
+            cm.copy_h_to_d_async(self.tables.ptr + 4 * (r.lane * self.table_entries + len(r.pages)),
+                                 np.array([page], _I32), 4, s)
+            r.pages.append(page)
+        n = len(self._lanes)
+        b = self.batch_size(n)
+        graph = self._graphs.get(b)
+        if graph is None and self.graph and b in self._stepped:
+            graph = self._capture(b)
+        if graph is not None:
+            graph.launch(s)
+        else:
+            self._run(self._program(b))
+            self._stepped.add(b)
+        cm.copy_d_to_h_async(self._host_tokens.ptr, self.state, 4 * n, s)
+        cm.stream_sync(s)
+        got = self._host_tokens.view(_I32)[:n].tolist()
+        self.steps += 1
+        out = {}
+        lanes = list(self._lanes)
+        for lane in reversed(range(n)):   # the last lanes first: a leaving row moves only rows already recorded
+            rid = lanes[lane]
+            self._rows[rid].pos += 1
+            out[rid] = got[lane]
+            self._record(rid, got[lane])
+        return dict(sorted(out.items()))
+
+    def drain(self, max_steps: int | None = None) -> dict[int, Finished]:
+        """:meth:`step` until no row is left (or ``max_steps`` steps); returns :attr:`finished`."""
+        limit = None if max_steps is None else _args.as_int("max_steps", max_steps, 0)
+        done = 0
+        while self._lanes and (limit is None or done < limit):
+            self.step()
+            done += 1
+        return self.finished
+
+    def _capture(self, b: int) -> cm.CudaGraph:
+        s = self.stream
+        cm.begin_capture(s)
+        try:
+            self._run(self._program(b))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                cm.end_capture(s).close()
+            raise
+        graph = self._graphs[b] = cm.end_capture(s)
+        self.captures += 1
+        return graph
+
+    def _drop_graphs(self) -> None:
+        graphs, self._graphs = self._graphs, {}
+        for g in graphs.values():
+            g.close()
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The batch sizes whose step is captured."""
+        return tuple(sorted(self._graphs))
+
+    def logits(self, row: int) -> np.ndarray:
+        """The logits that chose ``row``'s latest token (its prefill's, or its last step's), float32 ``[vocab]``
+        (waits for the device)."""
+        r = self._live_row(row)
+        out = np.empty(self.config.vocab_size, BF16)
+        cm.copy_d_to_h_async(out, self.logits_buffer.ptr + out.nbytes * r.lane, out.nbytes, self.stream)
+        return out.astype(np.float32)
+
+    def close(self) -> None:
+        """Wait for queued work, then free the batch's memory (idempotent)."""
+        if self._owned is not None:
+            with contextlib.suppress(Exception):
+                cm.stream_sync(self.stream)
+            owned, self._owned = self._owned, None
+            owned.close()
