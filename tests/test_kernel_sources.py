@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hss.cuda import ptx
-from hss.decls import DECLARATIONS, attention, gather, model, predictor, qsa, qsa_device, qsa_prefill
+from hss.decls import DECLARATIONS, attention, gather, model, predictor, qsa, qsa_device, qsa_prefill, sample
 from hss.reference import qsa_prefill as ref_qsa_prefill
 
 PTX_DIR = ptx.ptx_dir()
@@ -157,6 +157,16 @@ MIRRORS = [
     ("GATHER_THREADS", gather.THREADS),
     ("GATHER_UNROLL", gather.UNROLL),
     ("GATHER_CHUNK", gather.CHUNK),
+    ("SAMPLE_THREADS", sample.THREADS),
+    ("SAMPLE_CANDIDATES", sample.CANDIDATES),
+    ("SAMPLE_CANDIDATES", model.ARGMAX_CANDIDATES),   # the greedy rows' near-tie cap is model_argmax's
+    ("SAMPLE_MASS_BITS", sample.MASS_BITS),
+    ("SAMPLE_PARAM_WORDS", sample.PARAM_WORDS),
+    ("SAMPLE_MAX_VOCAB", sample.MAX_VOCAB),
+    ("SAMPLE_RADIX_BINS", sample.RADIX_BINS),
+    ("SAMPLE_FLAG_NAN", sample.FLAG_NAN),
+    ("SAMPLE_FLAG_INF", sample.FLAG_INF),
+    ("SAMPLE_FLAG_EMPTY", sample.FLAG_EMPTY),
 ]
 
 
@@ -189,6 +199,7 @@ BLOCKS = {
     "model_argmax": model.argmax_geometry().block[0],
     "model_prefill_attn": model.prefill_attn_geometry(1, 1).block[0],
     "page_gather": gather.gather_geometry(1, 1).block[0],
+    "sample_tokens": sample.sample_geometry(1, 1).block[0],
 }
 
 

@@ -70,6 +70,8 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("page_gather"),
     # swap: the device sparse step's selection, residency and reads (hss.swap.device_step; no --use_fast_math)
     ModuleSpec("sparse_step"),
+    # model: the next token of each row (penalties, temperature, top-k/p, min-p, Philox; hss.model.sample)
+    ModuleSpec("sample"),
 )}
 
 

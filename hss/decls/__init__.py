@@ -21,6 +21,7 @@ from hss.decls import (
     qsa,  # noqa: E402,F401
     qsa_device,  # noqa: E402,F401
     qsa_prefill,  # noqa: E402,F401
+    sample,  # noqa: E402,F401
     selftest,  # noqa: E402,F401
     sparse_step,  # noqa: E402,F401
 )
