@@ -7,14 +7,19 @@ KV history in HBM or behind the high-speed swap.
 - :class:`BatchSession` (:mod:`hss.model.batch`): up to ``max_batch`` sequences of ragged lengths decoded together
   (rows join with ``add``, leave when they finish or on ``remove``; ``step`` decodes one token per row; one CUDA
   graph per batch size), KV pages from a shared pool; ``hbm`` mode only so far.
+- Sampling (:mod:`hss.model.sample`): ``Session(sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))`` or
+  ``BatchSession.add(ids, sampling=...)`` (each row its own parameters and seed); None: greedy (``model_argmax``).
+  :class:`Sampler` is the device sampler both use.
 - KV modes (:mod:`hss.model.kv`): ``hbm`` (:class:`HbmKV`), ``swap`` / ``sparse`` (:class:`SwapKV`).
 - :mod:`hss.demo.model`: ``python -m hss demo``.
 """
 from hss.model.batch import BatchSession, Finished
 from hss.model.forward import STAGES, Forward
 from hss.model.kv import HbmKV, SwapKV, sparse_support, swap_block_size
+from hss.model.sample import Sampler, SamplingParams
 from hss.model.session import KV_MODES, DeviceModel, Session, StageTimer
 from hss.model.weights import DeviceWeights, bf16_rounded
 
 __all__ = ["DeviceModel", "Session", "BatchSession", "Finished", "StageTimer", "KV_MODES", "Forward", "STAGES",
-           "HbmKV", "SwapKV", "sparse_support", "swap_block_size", "DeviceWeights", "bf16_rounded"]
+           "HbmKV", "SwapKV", "sparse_support", "swap_block_size", "DeviceWeights", "bf16_rounded",
+           "Sampler", "SamplingParams"]

@@ -6,7 +6,8 @@ A decode step is one program of prepared operations over ``B`` rows, ``B`` the s
 holds the live rows: the embedding of the rows' tokens, the GEMMs with m = B, per layer the RoPE and KV write at each
 row's own position fused into the paged decode attention over each row's own pages (one token-count tile,
 :meth:`~hss.attention.TileStep.tile_tokens_rope`; ``fuse_rope=False``: ``model_rope_kv_paged`` then the tile), the
-LM head and ``model_argmax`` per row, which writes each row's next token into its state and advances its position.
+LM head and ``model_argmax`` per row (or, once a row samples, the :class:`~hss.model.sample.Sampler`'s launch with
+each row's own parameters and seed), which writes each row's next token into its state and advances its position.
 The step reads its shapes from nothing the host writes: the rows' states (i32 ``[STATE_WORDS, max_batch]``,
 word-major, see :mod:`hss.decls.model`), their page tables and the live row count live on the device, so each batch
 size's step is captured once as a CUDA graph and replayed whatever the rows' lengths. Rows past the live count hold
@@ -30,6 +31,7 @@ from hss.decls import model as km
 from hss.errors import HssError
 from hss.model.forward import Forward, Op
 from hss.model.kv import HBM_PAGE
+from hss.model.sample import GREEDY, Sampler, SamplingParams
 from hss.model.session import DeviceModel
 from hss.model.weights import BF16
 
@@ -54,13 +56,14 @@ class _Row:
     pos: int                  # the position its next step writes (host mirror of its state's pos)
     stop: frozenset[int]
     max_new: int | None
+    sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
 
 
 class BatchSession(Closeable):
     """Up to ``max_batch`` sequences on a :class:`~hss.model.session.DeviceModel`, decoded one token per row per
-    :meth:`step`; each row decodes what it would alone in a ``Session(kv="hbm")`` with the same prompt (greedy).
+    :meth:`step`; each row decodes what it would alone in a ``Session(kv="hbm")`` with the same prompt and sampling.
 
     ``kv``: ``"hbm"`` only for now (the KV history in HBM); the ``swap`` and ``sparse`` modes raise
     :class:`HssError` (use :class:`~hss.model.session.Session` for them). ``max_tokens``: prompt + generated tokens a
@@ -74,9 +77,16 @@ class BatchSession(Closeable):
     scratch caches hold one row of ``max_tokens``). ``fuse_rope``: the RoPE and KV write inside the attention launch
     (False: ``model_rope_kv_paged`` first; the same bits).
 
+    Sampling: ``add(ids, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))`` gives that row its own
+    parameters and seed (None: greedy). While every row is greedy the step ends with ``model_argmax``; the first
+    row that samples makes :attr:`sampler` (one row per lane; a row's draws follow it when it changes lanes), and
+    every step from then on ends with its launch (greedy rows keep ``model_argmax``'s token; each batch size's step
+    is built and captured again once). A row's token depends on its seed, step and logits only, never on its lane or
+    neighbours.
+
     Integration points: the per-row greedy choice is :meth:`Forward.rows_head_ops
     <hss.model.forward.Forward.rows_head_ops>`'s ``model_argmax`` (logits bf16 ``[max_batch, vocab]`` in
-    :attr:`logits_buffer`, the token into each row's state word 0, its position advanced), the op a sampler replaces;
+    :attr:`logits_buffer`, the token into each row's state word 0, its position advanced), the op the sampler replaces;
     the KV mode is :meth:`_pool` / :meth:`_attention_op`. Everything is checked before device work; a call that raises
     ``TypeError`` / :class:`HssError` changes nothing.
     """
@@ -126,6 +136,7 @@ class BatchSession(Closeable):
             self.attn = own(TiledAttention(ctx, TiledAttentionDims(S, c.n_head, c.n_kv_head, c.head_dim, HBM_PAGE,
                                                                    self.table_entries)))
             self._host_tokens = own(cm.PinnedBuffer(4 * S, ctx))
+            self.sampler: Sampler | None = None   # made by the first add() whose sampling is not greedy
             self._graphs: dict[int, cm.CudaGraph] = {}
             self._owned.callback(self._drop_graphs)
             idle = np.repeat(np.array(km.IDLE_STATE, _I32)[:, None], S, axis=1)
@@ -186,11 +197,17 @@ class BatchSession(Closeable):
             raise HssError(f"{arr.size} prompt tokens leave no room: max_tokens is {self.max_tokens}")
         return arr.astype(_I32)
 
-    def add(self, ids: Sequence[int] | np.ndarray, *, max_new: int | None = None, stop: Iterable[int] = ()) -> int:
+    def add(self, ids: Sequence[int] | np.ndarray, *, max_new: int | None = None, stop: Iterable[int] = (),
+            sampling: SamplingParams | None = None) -> int:
         """Prefill the prompt ``ids`` as a new row (between steps; waits for the device) and return its id. Its first
         token comes from the prefill; it leaves after a token in ``stop`` (included), after ``max_new`` tokens
-        (None: no limit), or when its position reaches ``max_tokens``."""
+        (None: no limit), or when its position reaches ``max_tokens``. ``sampling``: how its tokens are drawn
+        (:class:`~hss.model.sample.SamplingParams`, its seed included; None: greedy); the penalties' history starts
+        with the prompt's tail."""
         ids = self._prompt(ids)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        sampling = GREEDY if sampling is None else sampling
         if max_new is not None:
             max_new = _args.as_int("max_new", max_new, 1, None, "tokens to generate, the prefill's first included")
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
@@ -202,14 +219,18 @@ class BatchSession(Closeable):
         if need > len(self._free):
             raise HssError(f"the page pool has {len(self._free)} free pages, the prompt needs {need}: remove a row, "
                            f"or make the BatchSession with more pages (pages={self.pages})")
+        if not sampling.greedy and self.sampler is None:
+            self._start_sampling()
         lane, rid = len(self._lanes), self._next_row
-        row = _Row(lane, int(ids.size), stop, max_new)
+        row = _Row(lane, int(ids.size), stop, max_new, sampling)
         row.pages = [heapq.heappop(self._free) for _ in range(ceil_div(ids.size, HBM_PAGE))]
         self._next_row += 1
         self._rows[rid] = row
         self._lanes.append(rid)
         first = np.empty(1, _I32)
         try:
+            if self.sampler is not None:
+                self.sampler.start(lane, sampling, self.stream, prompt=ids)
             self._prefill(ids, row)
             self._set_live()
             cm.copy_d_to_h_async(first, self.fwd.state, 4, self.stream)   # pageable: waits
@@ -235,7 +256,7 @@ class BatchSession(Closeable):
                 self._run(fwd.pre_ops(layer, m, k, v, self.max_tokens) + [fwd.prefill_attn_op(m, k, v, start)]
                           + fwd.post_ops(layer, m))
             if start + m == t:
-                self._run(fwd.head_ops(m, m))
+                self._run(fwd.head_ops(m, m, sampler=self.sampler, sampler_row=row.lane))
         for layer in range(c.n_layer):   # runs of consecutive page ids: one copy each
             (kp, vp), (ks, vs) = self._pool(layer), self._scratch(layer)
             first = 0
@@ -286,6 +307,8 @@ class BatchSession(Closeable):
                                  2 * self.config.vocab_size, s)
             self._table[r.lane] = self._table[last]
             self._upload_table(r.lane)
+            if self.sampler is not None:
+                self.sampler.move(last, r.lane, s)
             moved.lane = r.lane
             self._lanes[r.lane] = self._lanes[last]
         self._lanes.pop()
@@ -354,7 +377,7 @@ class BatchSession(Closeable):
             for layer in range(c.n_layer):
                 prog += [fwd.qkv_op(layer, b), *self._attention_op(layer, b), *fwd.post_ops(layer, b)]
             prog += fwd.rows_head_ops(b, self.logits_buffer.ptr, self.max_batch, self.state.ptr, self.max_batch,
-                                      self.live.ptr)
+                                      self.live.ptr, sampler=self.sampler)
             self._programs[b] = prog
         return prog
 
@@ -409,6 +432,16 @@ class BatchSession(Closeable):
             self.step()
             done += 1
         return self.finished
+
+    def _start_sampling(self) -> None:
+        """Make :attr:`sampler` (every lane greedy, as the live rows are) and drop the argmax steps and their graphs:
+        each batch size's step is built again with the sampler's launch (eagerly first, then captured)."""
+        self.sampler = self._owned.enter_context(Sampler(self.model.gpu, self.max_batch, self.config.vocab_size,
+                                                         ctx=self.model.ctx))
+        self.sampler.reset(0, 0, self.stream)   # uploads every lane's (greedy) parameters
+        self._programs.clear()
+        self._drop_graphs()
+        self._stepped.clear()
 
     def _capture(self, b: int) -> cm.CudaGraph:
         s = self.stream

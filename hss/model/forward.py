@@ -9,15 +9,15 @@ built. A layer is
     delta = act · wdownᵀ; x += delta, h = RMSNorm(x)·(next attn_norm, or final_norm after the last layer)
 
 with the residual stream ``x`` in f32 and every other activation bf16; the step starts with ``embed_norm`` (x =
-embed[token], h = RMSNorm(x)·attn_norm[0]) and ends with the LM head GEMM and ``argmax``, which writes the next token
-into the device ``state`` and advances its position: a decode step reads nothing from the host, so it replays as a
-CUDA graph.
+embed[token], h = RMSNorm(x)·attn_norm[0]) and ends with the LM head GEMM and ``argmax`` (or, given a
+:class:`~hss.model.sample.Sampler`, its ``sample`` launch), which writes the next token into the device ``state`` and
+advances its position: a decode step reads nothing from the host, so it replays as a CUDA graph.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hss import cuda_min as cm
 from hss.cuda.gpu import CudaBackend, launcher, proj_dense
@@ -26,10 +26,14 @@ from hss.decls.qsa_prefill import Geometry
 from hss.errors import HssError
 from hss.model.weights import DeviceWeights
 
+if TYPE_CHECKING:
+    from hss.model.sample import Sampler
+
 __all__ = ["Op", "Forward", "STAGES"]
 
 Op = tuple[str, Callable[[int], None]]   # (stage name, run(stream))
-STAGES = ("embed", "norm", "gemm qkv", "rope+kv", "attention", "gemm o", "gemm ffn", "silu*up", "lm head", "argmax")
+STAGES = ("embed", "norm", "gemm qkv", "rope+kv", "attention", "gemm o", "gemm ffn", "silu*up", "lm head", "argmax",
+          "sample")
 _DECLS = (km.MODEL_EMBED_NORM, km.MODEL_ADD_NORM, km.MODEL_ROPE_KV, km.MODEL_ROPE_KV_PAGED, km.MODEL_SILU_MUL,
           km.MODEL_ARGMAX, km.MODEL_PREFILL_ATTN)
 
@@ -146,10 +150,11 @@ class Forward:
                          ffn=c.ffn_dim),
                 self._gemm("gemm ffn", wdown, self.act, m), norm(nxt, 0 if last else self.w.layers[layer + 1].ffn_norm)]
 
-    def head_ops(self, rows: int, advance: int, all_rows: bool = False) -> list[Op]:
+    def head_ops(self, rows: int, advance: int, all_rows: bool = False, sampler: Sampler | None = None,
+                 sampler_row: int = 0) -> list[Op]:
         """Logits of row ``rows - 1`` of ``h`` (``all_rows``: of every row, into :meth:`all_logits`), then the greedy
         token (bf16 near ties recomputed in f32 from that row of ``h`` and the LM head) into ``state.token`` and
-        ``state.pos += advance``."""
+        ``state.pos += advance``. ``sampler``: its draw (with its row ``sampler_row``) in place of the argmax."""
         c = self.config
         h = self.h + 2 * (rows - 1) * c.dim
         if all_rows:
@@ -158,6 +163,9 @@ class Forward:
         else:
             logits = self.logits
             head = self._gemm("lm head", self._head, h, 1)
+        if sampler is not None:
+            return [head, sampler.op(logits, state=self.state, m=1, h=h, weight=self.w.output, dim=c.dim,
+                                     advance=advance, row=sampler_row)]
         return [head, self._op("argmax", km.MODEL_ARGMAX, km.argmax_geometry(), logits=logits, h=h,
                                weight=self.w.output, vocab=c.vocab_size, dim=c.dim, state=self.state,
                                advance=advance, m=1, state_stride=1, rows=0)]
@@ -176,16 +184,22 @@ class Forward:
                         max_pos=c.context_length, state_stride=state_stride, block_size=block_size,
                         table_stride=table_stride, blk_stride=blk, tok_stride=tok, kvh_stride=kvh)
 
-    def rows_head_ops(self, m: int, logits: int, max_rows: int, state: int, state_stride: int, rows: int) -> list[Op]:
+    def rows_head_ops(self, m: int, logits: int, max_rows: int, state: int, state_stride: int, rows: int,
+                      sampler: Sampler | None = None) -> list[Op]:
         """The LM head of the first ``m`` rows of ``h`` (one GEMM) into ``logits`` bf16 ``[max_rows, vocab]``, then
         each row's greedy token into its state row (``model_argmax`` over ``m`` rows; rows at or past the device
-        count ``rows`` (i32 [1]) are left alone) and its position advanced by one. The op a sampler replaces."""
+        count ``rows`` (i32 [1]) are left alone) and its position advanced by one. ``sampler``: row r's token is
+        the draw of the sampler's row r instead (the same rows left alone)."""
         c = self.config
         run = self._rows_heads.get((logits, max_rows))
         if run is None:
             run = self._rows_heads[logits, max_rows] = proj_dense(self.gpu, self.w.output, logits, c.vocab_size,
                                                                   c.dim, max_rows)
-        return [self._gemm("lm head", run, self.h, m),
+        head = self._gemm("lm head", run, self.h, m)
+        if sampler is not None:
+            return [head, sampler.op(logits, state=state, m=m, h=self.h, weight=self.w.output, dim=c.dim,
+                                     state_stride=state_stride, advance=1, rows=rows)]
+        return [head,
                 self._op("argmax", km.MODEL_ARGMAX, km.argmax_geometry(m), logits=logits, h=self.h,
                          weight=self.w.output, vocab=c.vocab_size, dim=c.dim, state=state, advance=1, m=m,
                          state_stride=state_stride, rows=rows)]

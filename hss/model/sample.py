@@ -1,9 +1,11 @@
 """Sampling the next token on the device (:class:`Sampler`): per-row penalties, temperature, top-k, top-p, min-p
-and a counter-based draw, as one ``ptx/sample.cu`` launch that a captured step graph replays.
+and a counter-based draw, as one ``ptx/sample.cu`` launch that a captured step graph replays. A request's settings
+are one :class:`SamplingParams` (what ``Session(sampling=...)`` and ``BatchSession.add(..., sampling=...)`` take).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,7 @@ from hss.cuda.gpu import CudaBackend, launcher
 from hss.decls import sample as ks
 from hss.errors import HssError
 
-__all__ = ["Sampler", "SAMPLING_DEFAULTS"]
+__all__ = ["Sampler", "SamplingParams", "SAMPLING_DEFAULTS", "GREEDY"]
 
 Op = tuple[str, Any]   # (stage name, run(stream)), as hss.model.forward's
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -47,6 +49,44 @@ def _params_words(temperature: float, top_k: int, top_p: float, min_p: float, re
     words = f.view(np.uint32).copy()
     words[ks.P_TOP_K] = k
     return words
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request draws its tokens (checked when made: a bad value raises ``TypeError`` / :class:`HssError`).
+
+    ``temperature`` >= 0 (0: greedy, the argmax), ``top_k`` 0..``hss.decls.sample.CANDIDATES`` (0: off), ``top_p``
+    in (0, 1] (1: off), ``min_p`` in [0, 1] (0: off), ``repetition_penalty`` > 0 (1: off) and ``presence_penalty``
+    (0: off) over the request's recent tokens (its prompt's tail included), ``seed`` a u64: the same seed, logits
+    and step give the same token, whatever batch row the request sits in. ``SamplingParams()`` is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _args.int_fields(self)
+        _params_words(**self.kernel_params())
+        _args.as_int("seed", self.seed, 0, (1 << 64) - 1)
+        for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            object.__setattr__(self, f, float(getattr(self, f)))
+
+    def kernel_params(self) -> dict[str, Any]:
+        """The keyword arguments of :meth:`Sampler.set_params` (everything but the seed)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seed"}
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the plain argmax: temperature 0 and both penalties off (top-k, top-p and min-p
+        then change nothing); a session keeps ``model_argmax`` for such requests."""
+        return self.temperature == 0 and self.repetition_penalty == 1 and self.presence_penalty == 0
+
+
+GREEDY = SamplingParams()
 
 
 class Sampler(Closeable):
@@ -145,6 +185,30 @@ class Sampler(Closeable):
         if tail.size:
             cm.copy_h_to_d_async(self.history + 4 * cap * r, tail, tail.nbytes, s)
 
+    def start(self, row: int, params: SamplingParams, stream: Any, prompt: Any = ()) -> None:
+        """Row ``row`` takes a new request: :meth:`reset` with ``params.seed`` and ``prompt`` (its history), then
+        :meth:`set_params` with the rest (queued on ``stream``)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self._row(row)
+        self.reset(row, params.seed, stream, prompt)
+        self.set_params(row, stream, **params.kernel_params())
+
+    def move(self, src: int, dst: int, stream: Any) -> None:
+        """Row ``src``'s parameters, seed, counters, flags and history into row ``dst`` (device copies queued on
+        ``stream``: a batch row that changes lanes keeps its draws); ``src`` is left as it was."""
+        a, b = self._row(src), self._row(dst)
+        s = _args.stream(stream)
+        self._upload_all(s)
+        if a == b:
+            return
+        self._host[b] = self._host[a]
+        words = 4 * ks.PARAM_WORDS
+        cm.copy_d_to_d_async(self.params + words * b, self.params + words * a, words, s)
+        if self.history_cap:
+            row = 4 * self.history_cap
+            cm.copy_d_to_d_async(self.history + row * b, self.history + row * a, row, s)
+
     def flags(self, stream: Any) -> np.ndarray:
         """u32 ``[rows]``: each row's sticky ``FLAG_*`` bits (waits for ``stream``)."""
         s = _args.stream(stream)
@@ -165,8 +229,9 @@ class Sampler(Closeable):
 
     # -- the launch --------------------------------------------------------------------------------------
     def op(self, logits: int, *, state: int, m: int, h: int = 0, weight: int = 0, dim: int = 0,
-           state_stride: int = 1, advance: int = -1, rows: int = 0, stream: Any = None) -> Op:
-        """The prepared launch ``("sample", run(stream))`` for rows ``0 .. m - 1`` (checked and packed once).
+           state_stride: int = 1, advance: int = -1, rows: int = 0, stream: Any = None, row: int = 0) -> Op:
+        """The prepared launch ``("sample", run(stream))`` for rows ``0 .. m - 1`` (checked and packed once),
+        launch row r drawing with the sampler's row ``row + r`` (``row``: 0 unless one batch row is sampled alone).
 
         ``logits`` bf16 ``[m, vocab]`` (device address); ``state`` i32: row r's token to ``state[r]``; ``advance
         >= 0``: ``state`` is the model state (words at ``w * state_stride + r``) and its position advances as
@@ -175,6 +240,7 @@ class Sampler(Closeable):
         first largest logit). ``rows``: i32 ``[1]`` on the device, the live row count (0: all ``m``).
         ``stream``: where the initial parameters are uploaded if nothing was set yet (None: they must have been)."""
         mm = _args.as_int("m", m, 1, self.rows, f"the sampler has {self.rows} rows")
+        first = _args.as_int("row", row, 0, self.rows - mm, f"rows row .. row + m - 1 of the sampler's {self.rows}")
         adv = _args.as_int("advance", advance, -1, (1 << 31) - 1, "-1 = a plain token array")
         stride = _args.as_int("state_stride", state_stride, 1, (1 << 31) - 1)
         if adv >= 0 and stride < mm:
@@ -186,7 +252,8 @@ class Sampler(Closeable):
             if stream is None:
                 raise HssError("Sampler.op: nothing uploaded yet: pass stream= (or call set_params / reset first)")
             self._upload_all(_args.stream(stream))
-        pack = ks.SAMPLE_TOKENS.pack(logits=logits, h=h, weight=weight, params=self.params, history=self.history,
+        params, history = self.params + 4 * ks.PARAM_WORDS * first, self.history + 4 * self.history_cap * first
+        pack = ks.SAMPLE_TOKENS.pack(logits=logits, h=h, weight=weight, params=params, history=history,
                                      state=state, rows=rows, vocab=self.vocab, dim=d, history_cap=self.history_cap,
                                      m=mm, state_stride=stride, advance=adv)
         geom = ks.sample_geometry(mm, self.vocab)

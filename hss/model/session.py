@@ -1,14 +1,15 @@
 """A decoder on the device (:class:`DeviceModel`) and one sequence decoded on it (:class:`Session`): prefill,
-greedy decode steps (eager, or replayed as CUDA graphs), teacher forcing, per-stage timing.
+decode steps (greedy, or drawn by the device sampler; eager, or replayed as CUDA graphs), teacher forcing, per-stage
+timing.
 
 A decode step is a program of prepared operations (:mod:`hss.model.forward`) with the KV mode's attention between
 them. In the ``hbm`` and exact ``swap`` modes the attention is capturable, so the whole step (every layer, the LM
-head and the argmax that feeds the next step) is one CUDA graph (the swap's copy stream forks from and joins back
-into it); so is the ``sparse`` mode's device step (the default; with ``device_step=False`` the host step waits for
-the predictor's scores, so each stretch between two attentions is a graph, the attentions eager). A KV mode's
-``graph_epoch`` changes when its step's work does (the swap: a page completed, every ``block_size`` tokens); the step is
-then captured again before its next replay. Tokens are copied to pinned memory behind each step and read by the host a
-few steps later (:meth:`Session.generate`), so the host never stalls the device to print.
+head and the argmax or sampler launch that feeds the next step) is one CUDA graph (the swap's copy stream forks from
+and joins back into it); so is the ``sparse`` mode's device step (the default; with ``device_step=False`` the host
+step waits for the predictor's scores, so each stretch between two attentions is a graph, the attentions eager). A
+KV mode's ``graph_epoch`` changes when its step's work does (the swap: a page completed, every ``block_size`` tokens);
+the step is then captured again before its next replay. Tokens are copied to pinned memory behind each step and read
+by the host a few steps later (:meth:`Session.generate`), so the host never stalls the device to print.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from hss.decls import model as km
 from hss.errors import HssError
 from hss.model.forward import Forward, Op
 from hss.model.kv import HbmKV, SwapKV
+from hss.model.sample import GREEDY, Sampler, SamplingParams
 from hss.model.staged import RING
 from hss.model.weights import BF16, DeviceWeights
 
@@ -107,7 +109,11 @@ class Session(Closeable):
     layers; exact swap: the first ``resident // n_layer`` pages of every layer), ``tile`` (sparse: pages per streamed
     tile), ``ring`` (exact swap: staging slots, layers whose copies run ahead), ``rank`` (predictor rank),
     ``budget``, ``keep_first``, ``keep_recent`` (sparse pages), ``projection``, ``head_temperature`` (the swap
-    predictor's). ``fuse_rope``: where the KV mode can (``hbm``), the decode step's RoPE and cache write run inside
+    predictor's). ``sampling``: how tokens are drawn (:class:`~hss.model.sample.SamplingParams`; None or a greedy one:
+    ``model_argmax``, the greedy token; otherwise :attr:`sampler`'s launch takes its place, in the step and its graph
+    and for the prefill's token, with the prompt's tail as the penalties' history; ``seed`` fixes the draws), e.g.
+    ``model.session("hbm", max_tokens=512, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))``.
+    ``fuse_rope``: where the KV mode can (``hbm``), the decode step's RoPE and cache write run inside
     its attention launch (:meth:`~hss.attention.TileStep.tile_tokens_rope`: the same bits, one launch fewer per
     layer); False keeps the separate ``model_rope_kv``. ``device_step``: the sparse mode's selection, residency and
     reads run on the device (:class:`~hss.swap.device_step.DeviceSparseStep`: the step is capturable, ``resident``
@@ -120,9 +126,11 @@ class Session(Closeable):
                  prefill_chunk: int = 2048, resident: int = 512, tile: int = 64, ring: int = RING, rank: int = 32,
                  budget: int | None = None, keep_first: int = 1, keep_recent: int = 4,
                  projection: np.ndarray | None = None, head_temperature: float | None = None,
-                 fuse_rope: bool = True, device_step: bool = True) -> None:
+                 fuse_rope: bool = True, device_step: bool = True, sampling: SamplingParams | None = None) -> None:
         if not isinstance(model, DeviceModel):
             raise TypeError(f"model must be a DeviceModel, got {type(model).__name__}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         if kv not in KV_MODES:
             raise HssError(f"kv must be one of {', '.join(KV_MODES)}, got {kv!r}")
         c = model.config
@@ -146,6 +154,8 @@ class Session(Closeable):
             _positive("ring", ring)
             _positive("rank", rank)
         self.model, self.mode, self.graph, self.fuse_rope = model, kv, graph, fuse_rope
+        self.sampling = GREEDY if sampling is None else sampling
+        self.sampler: Sampler | None = None   # the device sampler (row 0), made unless the sampling is greedy
         self.config = c
         s = self.stream = model.ctx.stream
         self._stacks: dict[str, contextlib.ExitStack] = {}   # "current" / "next": the graphs of a capture
@@ -164,6 +174,9 @@ class Session(Closeable):
             self._owned.callback(self._drop_graphs, "current", "next")
             self._ring = own(cm.PinnedBuffer(4 * AHEAD, model.ctx))
             self._ring_events = [own(cm.CudaEvent(ctx=model.ctx)) for _ in range(AHEAD)]
+            if not self.sampling.greedy:
+                self.sampler = own(Sampler(model.gpu, 1, c.vocab_size, ctx=model.ctx))
+                self.sampler.start(0, self.sampling, s)
         except BaseException:
             self._owned.close()
             raise
@@ -196,7 +209,7 @@ class Session(Closeable):
         """Run the prompt ``ids`` through the model (in chunks of ``prefill_chunk`` rows) and leave its greedy next
         token in the device state; waits for the device. ``progress(done, total)`` is called as layers finish.
         ``all_logits``: return the logits of every prompt row (float32 ``[T, vocab]``; the prompt must fit one
-        chunk)."""
+        chunk). With a sampler, that token is its first draw (step 0), the prompt's tail its history."""
         if self.pos:
             raise HssError("prefill of a session that already holds tokens: start a new session")
         ids = self._ids(ids)
@@ -204,6 +217,8 @@ class Session(Closeable):
         if all_logits and t > chunk:
             raise HssError(f"all_logits needs the prompt ({t} tokens) in one chunk (prefill_chunk {chunk})")
         t0 = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.start(0, self.sampling, s, prompt=ids)
         kv.begin_prefill(s, t)
         events: list[cm.CudaEvent] = []
         for start in range(0, t, chunk):
@@ -218,7 +233,7 @@ class Session(Closeable):
                 events.append(cm.CudaEvent(ctx=self.model.ctx))
                 events[-1].record(s)
             if start + m == t:
-                self._run(fwd.head_ops(m, m, all_rows=all_logits))
+                self._run(fwd.head_ops(m, m, all_rows=all_logits, sampler=self.sampler))
         for i, ev in enumerate(events):
             ev.synchronize()
             if progress is not None:
@@ -256,7 +271,7 @@ class Session(Closeable):
                 items += [("ops", ops), ("host", attend)]
                 ops = []
             ops += fwd.post_ops(layer, 1)
-        items.append(("ops", ops + fwd.head_ops(1, 1) + kv.step_end_ops()))
+        items.append(("ops", ops + fwd.head_ops(1, 1, sampler=self.sampler) + kv.step_end_ops()))
         return items
 
     def _run(self, ops: Iterable[Op], timer: StageTimer | None = None) -> None:
@@ -267,8 +282,8 @@ class Session(Closeable):
                 timer.mark(stage, s)
 
     def step(self, timer: StageTimer | None = None) -> None:
-        """Queue one decode step: the token in the device state at position ``pos`` in, the next greedy token out
-        (into the state). ``timer``: profile it (eager only)."""
+        """Queue one decode step: the token in the device state at position ``pos`` in, the next token out (into the
+        state; greedy, or the sampler's next draw). ``timer``: profile it (eager only)."""
         if not self.pos:
             raise HssError("decode step before prefill")
         if self.pos >= self.max_tokens:
@@ -381,7 +396,8 @@ class Session(Closeable):
 
     def generate(self, n: int, on_token: Callable[[int], None] | None = None, stop: Iterable[int] = (),
                  eager_steps: int = 1, timer: StageTimer | None = None) -> list[int]:
-        """Up to ``n`` greedy tokens after the prompt (the first from the prefill), ``on_token(id)`` as each arrives;
+        """Up to ``n`` tokens after the prompt (the first from the prefill; greedy, or drawn as ``sampling`` says),
+        ``on_token(id)`` as each arrives;
         stops after a token in ``stop`` (included). The first ``eager_steps`` (>= 1) steps run eagerly (profiled by
         ``timer``); with ``graph`` the rest replay graphs captured after them."""
         n = _positive("n", n, 0)
@@ -435,7 +451,8 @@ class Session(Closeable):
 
     # -- teacher forcing ------------------------------------------------------------------------------
     def feed(self, token: int) -> None:
-        """Replace the state's next input token by ``token`` (queued; teacher forcing)."""
+        """Replace the state's next input token by ``token`` (queued; teacher forcing). A sampler's penalty history
+        keeps the token it drew, not ``token``."""
         t = _positive("token", token, 0)
         if t >= self.config.vocab_size:
             raise HssError(f"token {t} is outside the vocabulary ({self.config.vocab_size})")
