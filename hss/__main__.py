@@ -1,8 +1,8 @@
 """``python -m hss COMMAND``: the command line of hss.
 
 - ``info``: what this machine offers hss (driver, device, PTX, a smoke launch), checked end to end.
-- ``demo``: SmolLM2-135M-Instruct decoded on the GPU through hss (:mod:`hss.demo.model`); the model is fetched into
-  hss's cache on first use.
+- ``demo``: SmolLM2-135M-Instruct decoded on the GPU through hss (:mod:`hss.demo.model`; ``--batch N``: N prompts
+  together, :mod:`hss.demo.batch`); the model is fetched into hss's cache on first use.
 - ``demo-qsa``: a decode loop on a synthetic Qwen3.8-Flash-Next-like layer (:mod:`hss.demo.qsa`).
 - ``fetch``: SmolLM2-135M-Instruct's GGUF into hss's cache, checked (:mod:`hss.checkpoint.fetch`).
 - ``bench``: the device benchmarks (``python -m hss.bench``; its arguments pass through).
@@ -143,8 +143,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "info": Command("driver, device, PTX freshness and loading, and a smoke launch", _info_arguments),
-    "demo": Command("SmolLM2-135M-Instruct decoded on the GPU, its KV history in HBM or behind the high-speed swap "
-                    "(fetches the model on first use)", _demo_arguments),
+    "demo": Command("SmolLM2-135M-Instruct decoded on the GPU, its KV history in HBM or behind the high-speed swap, "
+                    "or N prompts together with --batch N (fetches the model on first use)", _demo_arguments),
     "demo-qsa": Command("decode loop on a synthetic Qwen3.8-Flash-Next-like layer: predictor, QSA selection, sparse "
                         "vs dense attention", _demo_qsa_arguments),
     "fetch": Command("download SmolLM2-135M-Instruct's GGUF into hss's cache (once), checked by sha256",

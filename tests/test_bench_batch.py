@@ -1,0 +1,56 @@
+"""The batched-decoding suite (hss.bench.batch): its smoke run on the tiny random model (the emulator in CI), the
+targets' verdicts, the skip without SmolLM2's GGUF, and its option checks."""
+from __future__ import annotations
+
+import pytest
+
+from hss.bench import batch
+
+
+def test_smoke_times_every_batch_and_states_the_targets():
+    rows = batch.run(batch.parse_args(["--smoke"]))
+    measured = [r for r in rows if "variant" not in r]
+    assert [r["batch"] for r in measured] == [1, 2]
+    for r in measured:
+        assert r["tokens_s"] > 0 and r["ms"] > 0
+        assert r["tokens_s"] == pytest.approx(r["batch"] / (r["ms"] * 1e-3))
+        assert "graph replay" in r["note"] and "prefilled" in r["note"]
+    assert measured[0]["ratio"] == 1.0
+    targets = [r for r in rows if "variant" in r]
+    assert [r["variant"] for r in targets] == ["target: batch 16 >= 8x batch 1", "target: batch 64 >= 20x batch 1"]
+    assert all(r["note"].startswith("not run") for r in targets)   # the smoke runs batches 1 and 2 only
+    text = batch.table(rows)
+    assert text.count("| random (tiny) |") == 4 and "decode tokens/s" in text and "ms/step" in text
+
+
+def test_targets_say_met_or_not_met():
+    rows = [dict(batch=1, ratio=1.0), dict(batch=16, ratio=8.5), dict(batch=64, ratio=19.0)]
+    notes = [r["note"] for r in batch._targets(rows, "m")]
+    assert notes == ["8.50x: met", "19.00x: not met"]
+
+
+def test_without_the_gguf_it_says_so_and_skips(monkeypatch):
+    from hss.checkpoint import fetch
+    monkeypatch.setattr(fetch, "locate_default_gguf", lambda: (None, ["hss's cache has none"]))
+    rows = batch.run(batch.parse_args(["--batches", "1,16"]))
+    assert len(rows) == 1 and rows[0]["note"].startswith("skipped: SmolLM2-135M-Instruct's GGUF is not on this "
+                                                         "machine (hss's cache has none)")
+    assert "python -m hss fetch" in rows[0]["note"] and "skipped" in batch.table(rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batches", "1,x"], "comma-separated positive integers"),
+    (["--batches", "0,4"], "batch sizes must be >= 1"),
+    (["--tokens", "4"], "--tokens 4: at least 5"),
+    (["--tokens", "3", "--no-graph"], "--tokens 3: at least 4"),
+    (["--prompt-tokens", "0"], "--prompt-tokens 0: at least 1"),
+])
+def test_bad_options_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        batch.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_suite_is_discovered():
+    from hss.bench.__main__ import SUITES
+    assert "batch" in SUITES
