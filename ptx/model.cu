@@ -81,6 +81,7 @@
 // model_argmax: grid (m), block (MODEL_ARGMAX_THREADS); model_prefill_attn: grid (ceil(m / MODEL_ATTN_ROWS),
 // n_head), block (MODEL_ATTN_THREADS). No dynamic shared memory.
 #include "hss_common.cuh"
+#include "hss_dot.cuh"
 #include "hss_rope.cuh"
 #include "hss_softmax.cuh"
 
@@ -391,27 +392,6 @@ __device__ __forceinline__ int claim_slots(int n, int* counter) {
     return __shfl_sync(HSS_FULL_MASK, base, 31) + incl - n;
 }
 
-// The f32 logit h . w of one candidate, by a whole warp: lane l's fmaf chain over d = l, l + 32, ... ascending
-// (its loads issued MODEL_ARGMAX_DOT_LOADS at a time), then the xor-butterfly sum; every lane gets it.
-__device__ __forceinline__ float refine_logit(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ w,
-                                              int dim) {
-    constexpr int U = MODEL_ARGMAX_DOT_LOADS;
-    float a = 0.f;
-    for (int d0 = threadIdx.x & 31; d0 < dim; d0 += 32 * U) {
-        float hv[U], wv[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int d = d0 + 32 * u;
-            hv[u] = d < dim ? hss_bf16_to_f32(h[d]) : 0.f;
-            wv[u] = d < dim ? hss_bf16_to_f32(w[d]) : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (d0 + 32 * u < dim) a = fmaf(hv[u], wv[u], a);
-    }
-    return hss_warp_sum(a);
-}
-
 }  // namespace
 
 namespace {
@@ -626,7 +606,7 @@ model_argmax(const __nv_bfloat16* __restrict__ logits, const __nv_bfloat16* __re
             int ri = 0x7fffffff;
             for (int c = warp; c < count; c += nwarps) {   // a warp per candidate
                 const int i = cand[c];
-                const float a = refine_logit(h, weight + (size_t)i * dim, dim);
+                const float a = hss_refine_logit<MODEL_ARGMAX_DOT_LOADS>(h, weight + (size_t)i * dim, dim);
                 if (a > rb || (a == rb && i < ri)) { rb = a; ri = i; }
             }
             block_argmax_once(rb, ri, sv, si);

@@ -39,6 +39,7 @@
 // Launch (hss.decls.sample's sample_geometry): grid (m), block (SAMPLE_THREADS), dynamic shared memory 4
 // ceil(vocab / 32) bytes (the history bitmap); vocab <= SAMPLE_MAX_VOCAB.
 #include "hss_common.cuh"
+#include "hss_dot.cuh"
 
 #define SAMPLE_THREADS 1024        // block of sample_tokens
 #define SAMPLE_CANDIDATES 1024     // the most candidates (top_k's cap); also model_argmax's near-tie cap
@@ -233,27 +234,6 @@ __device__ __forceinline__ void block_argmax(float& best, int& idx, float* sv, i
     __syncthreads();
 }
 
-// The f32 logit h . w as model_argmax recomputes it: lane l's fmaf chain over d = l, l + 32, ... ascending, then
-// the xor-butterfly sum (hss_warp_sum); every lane gets it.
-__device__ __forceinline__ float refine_logit(const __nv_bfloat16* __restrict__ h, const __nv_bfloat16* __restrict__ w,
-                                              int dim) {
-    constexpr int U = 16;
-    float a = 0.f;
-    for (int d0 = threadIdx.x & 31; d0 < dim; d0 += 32 * U) {
-        float hv[U], wv[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int d = d0 + 32 * u;
-            hv[u] = d < dim ? hss_bf16_to_f32(h[d]) : 0.f;
-            wv[u] = d < dim ? hss_bf16_to_f32(w[d]) : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (d0 + 32 * u < dim) a = fmaf(hv[u], wv[u], a);
-    }
-    return hss_warp_sum(a);
-}
-
 struct Shared {
     union {
         uint32_t hist[SAMPLE_RADIX_BINS];
@@ -302,7 +282,7 @@ __device__ int greedy_token(const RowTokens& t, const RowParams& p, float top, c
         int ri = 0x7fffffff;
         for (int c = warp; c < count; c += nwarps) {
             const int i = s.u.near[c];
-            const float a = penalize(refine_logit(h, weight + (size_t)i * dim, dim), in_history(t, p, i), p);
+            const float a = penalize(hss_refine_logit<16>(h, weight + (size_t)i * dim, dim), in_history(t, p, i), p);
             if (a > rb || (a == rb && i < ri)) { rb = a; ri = i; }
         }
         block_argmax(rb, ri, s.red, s.ri);

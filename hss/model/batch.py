@@ -32,7 +32,7 @@ from hss.errors import HssError
 from hss.model.forward import Forward, Op
 from hss.model.kv import HBM_PAGE
 from hss.model.sample import GREEDY, Sampler, SamplingParams
-from hss.model.session import DeviceModel
+from hss.model.session import DeviceModel, prompt_ids
 from hss.model.weights import BF16
 
 __all__ = ["BatchSession", "Finished", "BATCH_SIZES"]
@@ -186,17 +186,6 @@ class BatchSession(Closeable):
             raise HssError(f"row {r} is not in the batch: {why}")
         return self._rows[r]
 
-    def _prompt(self, ids: Any) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
-            raise HssError(f"ids must be a non-empty 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
-        vocab = self.config.vocab_size
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise HssError(f"token ids must lie in [0, {vocab}), got [{arr.min()}, {arr.max()}]")
-        if arr.size >= self.max_tokens:
-            raise HssError(f"{arr.size} prompt tokens leave no room: max_tokens is {self.max_tokens}")
-        return arr.astype(_I32)
-
     def add(self, ids: Sequence[int] | np.ndarray, *, max_new: int | None = None, stop: Iterable[int] = (),
             sampling: SamplingParams | None = None) -> int:
         """Prefill the prompt ``ids`` as a new row (between steps; waits for the device) and return its id. Its first
@@ -204,7 +193,7 @@ class BatchSession(Closeable):
         (None: no limit), or when its position reaches ``max_tokens``. ``sampling``: how its tokens are drawn
         (:class:`~hss.model.sample.SamplingParams`, its seed included; None: greedy); the penalties' history starts
         with the prompt's tail."""
-        ids = self._prompt(ids)
+        ids = prompt_ids(ids, self.config.vocab_size, self.max_tokens)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         sampling = GREEDY if sampling is None else sampling

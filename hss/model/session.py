@@ -98,6 +98,19 @@ def _positive(name: str, value: Any, low: int = 1) -> int:
     return int(value)
 
 
+def prompt_ids(ids: Any, vocab: int, max_tokens: int) -> np.ndarray:
+    """A prompt as i32 token ids, checked: a non-empty 1-D sequence of ints in ``[0, vocab)``, shorter than
+    ``max_tokens`` (a session's room for the prompt and at least one new token)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
+        raise HssError(f"ids must be a non-empty 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= vocab:
+        raise HssError(f"token ids must lie in [0, {vocab}), got [{arr.min()}, {arr.max()}]")
+    if arr.size >= max_tokens:
+        raise HssError(f"{arr.size} prompt tokens leave no room: max_tokens is {max_tokens}")
+    return arr.astype(np.int32)
+
+
 class Session(Closeable):
     """One sequence on a :class:`DeviceModel`: ``prefill(ids)``, then ``generate(n)`` (or ``step()`` /
     ``feed(token)`` / ``logits()`` for teacher forcing).
@@ -193,17 +206,6 @@ class Session(Closeable):
         self.decode_stats: dict[str, Any] = {}
 
     # -- prefill -------------------------------------------------------------------------------------
-    def _ids(self, ids: Any) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
-            raise HssError(f"ids must be a non-empty 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
-        vocab = self.config.vocab_size
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise HssError(f"token ids must lie in [0, {vocab}), got [{arr.min()}, {arr.max()}]")
-        if arr.size >= self.max_tokens:
-            raise HssError(f"{arr.size} prompt tokens leave no room: max_tokens is {self.max_tokens}")
-        return arr.astype(np.int32)
-
     def prefill(self, ids: Sequence[int] | np.ndarray, *, progress: Callable[[int, int], None] | None = None,
                 all_logits: bool = False) -> np.ndarray | None:
         """Run the prompt ``ids`` through the model (in chunks of ``prefill_chunk`` rows) and leave its greedy next
@@ -212,7 +214,7 @@ class Session(Closeable):
         chunk). With a sampler, that token is its first draw (step 0), the prompt's tail its history."""
         if self.pos:
             raise HssError("prefill of a session that already holds tokens: start a new session")
-        ids = self._ids(ids)
+        ids = prompt_ids(ids, self.config.vocab_size, self.max_tokens)
         t, chunk, fwd, kv, s = ids.size, self.fwd.max_m, self.fwd, self.kv, self.stream
         if all_logits and t > chunk:
             raise HssError(f"all_logits needs the prompt ({t} tokens) in one chunk (prefill_chunk {chunk})")
