@@ -27,7 +27,8 @@
 //      under 2^-40 of it has none). top_p < 1: the shortest candidate prefix whose mass reaches ceil(W top_p) (f64,
 //      W = every candidate's and the tail's mass); if none does, every candidate and the tail stay. min_p: the
 //      prefix ends before the first candidate with e < min_p; tail tokens with e < min_p are dropped, and the tail
-//      only stays when neither rule cut a candidate. At least one candidate stays.
+//      stays only when no candidate prefix reaches top_p's target and min_p cut no candidate. At least one candidate
+//      stays.
 //   4. x = word 0 of Philox4x32-10(counter (step, 0, 0, 0), key seed); t = floor(W_kept x / 2^32); the token is the
 //      first kept one, candidates in their order then the tail in ascending id, whose cumulative mass exceeds t.
 //      The draw depends on the seed, step, logits and history only: not on the row's place in the batch.

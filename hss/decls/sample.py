@@ -1,5 +1,6 @@
 """Declaration of ``ptx/sample.cu`` (the next token of each batch row: penalties, temperature, top-k, top-p, min-p
-and a Philox draw, or the greedy token), its launch geometry, and its emulation through :mod:`hss.reference.sample`.
+and a Philox draw, or the greedy token), its launch geometry, and its emulation through :mod:`hss.reference.sample`
+(docs/design.md §22).
 
 ``params`` is u32 ``[m, PARAM_WORDS]`` (the words ``P_*``); ``history`` i32 ``[m, history_cap]`` (each row's ring of
 its last tokens); ``state`` i32: the token of row r at ``state[r]``, and with ``advance >= 0`` the model state's

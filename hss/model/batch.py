@@ -11,7 +11,7 @@ each row's own parameters and seed), which writes each row's next token into its
 The step reads its shapes from nothing the host writes: the rows' states (i32 ``[STATE_WORDS, max_batch]``,
 word-major, see :mod:`hss.decls.model`), their page tables and the live row count live on the device, so each batch
 size's step is captured once as a CUDA graph and replayed whatever the rows' lengths. Rows past the live count hold
-the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone.
+the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone. The rules: docs/design.md §21.
 """
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ class _Row:
 
 class BatchSession(Closeable):
     """Up to ``max_batch`` sequences on a :class:`~hss.model.session.DeviceModel`, decoded one token per row per
-    :meth:`step`; each row decodes what it would alone in a ``Session(kv="hbm")`` with the same prompt and sampling.
+    :meth:`step`; each row decodes what it would alone in a ``Session(kv="hbm")`` with the same prompt and
+    sampling, wherever the two runs' logits agree (on a GPU cuBLAS may pick another GEMM algorithm for another batch
+    size).
 
     ``kv``: ``"hbm"`` only for now (the KV history in HBM); the ``swap`` and ``sparse`` modes raise
     :class:`HssError` (use :class:`~hss.model.session.Session` for them). ``max_tokens``: prompt + generated tokens a
@@ -81,8 +83,8 @@ class BatchSession(Closeable):
     parameters and seed (None: greedy). While every row is greedy the step ends with ``model_argmax``; the first
     row that samples makes :attr:`sampler` (one row per lane; a row's draws follow it when it changes lanes), and
     every step from then on ends with its launch (greedy rows keep ``model_argmax``'s token; each batch size's step
-    is built and captured again once). A row's token depends on its seed, step and logits only, never on its lane or
-    neighbours.
+    is built and captured again once). A row's token depends on its seed, step, penalty history and logits only,
+    never on its lane or neighbours.
 
     Integration points: the per-row greedy choice is :meth:`Forward.rows_head_ops
     <hss.model.forward.Forward.rows_head_ops>`'s ``model_argmax`` (logits bf16 ``[max_batch, vocab]`` in

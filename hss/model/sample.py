@@ -1,6 +1,7 @@
 """Sampling the next token on the device (:class:`Sampler`): per-row penalties, temperature, top-k, top-p, min-p
 and a counter-based draw, as one ``ptx/sample.cu`` launch that a captured step graph replays. A request's settings
 are one :class:`SamplingParams` (what ``Session(sampling=...)`` and ``BatchSession.add(..., sampling=...)`` take).
+The rules: docs/design.md §22.
 """
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ def _params_words(temperature: float, top_k: int, top_p: float, min_p: float, re
 class SamplingParams:
     """How one request draws its tokens (checked when made: a bad value raises ``TypeError`` / :class:`HssError`).
 
-    ``temperature`` >= 0 (0: greedy, the argmax), ``top_k`` 0..``hss.decls.sample.CANDIDATES`` (0: off), ``top_p``
-    in (0, 1] (1: off), ``min_p`` in [0, 1] (0: off), ``repetition_penalty`` > 0 (1: off) and ``presence_penalty``
-    (0: off) over the request's recent tokens (its prompt's tail included), ``seed`` a u64: the same seed, logits
-    and step give the same token, whatever batch row the request sits in. ``SamplingParams()`` is greedy."""
+    ``temperature`` >= 0 (0: greedy, the argmax), ``top_k`` 0..``hss.decls.sample.CANDIDATES`` (0: the ``CANDIDATES``
+    most likely tokens and the rest as a tail), ``top_p`` in (0, 1] (1: off), ``min_p`` in [0, 1] (0: off),
+    ``repetition_penalty`` > 0 (1: off) and ``presence_penalty`` (0: off) over the request's recent tokens (its prompt's
+    tail included), ``seed`` a u64: the same seed, logits and step give the same token, whatever batch row the request
+    sits in. ``SamplingParams()`` is greedy."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -148,8 +150,9 @@ class Sampler(Closeable):
     def set_params(self, row: int, stream: Any, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0) -> None:
         """Row ``row``'s sampling parameters (checked first; queued on ``stream``); its seed, step and history
-        stay. ``temperature`` >= 0 (0: greedy), ``top_k`` 0..``CANDIDATES`` (0: off), ``top_p`` in (0, 1],
-        ``min_p`` in [0, 1], ``repetition_penalty`` > 0 (1: off), ``presence_penalty`` (0: off)."""
+        stay. ``temperature`` >= 0 (0: greedy), ``top_k`` 0..``CANDIDATES`` (0: the ``CANDIDATES`` most likely and the
+        rest as a tail), ``top_p`` in (0, 1], ``min_p`` in [0, 1], ``repetition_penalty`` > 0 (1: off),
+        ``presence_penalty`` (0: off)."""
         r = self._row(row)
         words = _params_words(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty)
         s = _args.stream(stream)
@@ -162,7 +165,7 @@ class Sampler(Closeable):
 
     def reset(self, row: int, seed: int, stream: Any, prompt: Any = ()) -> None:
         """Start row ``row`` anew (a new request): its seed (u64), step 0, flags 0, and its history = the last
-        ``history`` ids of ``prompt`` (penalties then cover the prompt, as HF's do; () for none)."""
+        ``history`` ids of ``prompt`` (penalties then cover the prompt's last ``history`` tokens; () for none)."""
         r = self._row(row)
         sd = _args.as_int("seed", seed, 0, (1 << 64) - 1)
         ids = np.asarray(prompt if len(prompt) else np.zeros(0, np.int32))
