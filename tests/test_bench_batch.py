@@ -10,23 +10,31 @@ from hss.bench import batch
 def test_smoke_times_every_batch_and_states_the_targets():
     rows = batch.run(batch.parse_args(["--smoke"]))
     measured = [r for r in rows if "variant" not in r]
-    assert [r["batch"] for r in measured] == [1, 2]
+    assert [(r["batch"], r["sampling"]) for r in measured] == [(1, "greedy"), (2, "greedy"), (1, "sampled"),
+                                                                (2, "sampled")]
     for r in measured:
         assert r["tokens_s"] > 0 and r["ms"] > 0
         assert r["tokens_s"] == pytest.approx(r["batch"] / (r["ms"] * 1e-3))
         assert "graph replay" in r["note"] and "prefilled" in r["note"]
-    assert measured[0]["ratio"] == 1.0
+    assert measured[0]["ratio"] == 1.0 and measured[2]["ratio"] == 1.0   # each sampling against its own batch 1
     targets = [r for r in rows if "variant" in r]
-    assert [r["variant"] for r in targets] == ["target: batch 16 >= 8x batch 1", "target: batch 64 >= 20x batch 1"]
-    assert all(r["note"].startswith("not run") for r in targets)   # the smoke runs batches 1 and 2 only
+    assert [r["variant"] for r in targets] == ["target: batch 16 >= 8x batch 1", "target: batch 64 >= 20x batch 1",
+                                               "target: sampled batch-1 step <= 1.05x greedy"]
+    assert all(r["note"].startswith("not run") for r in targets[:2])   # the smoke runs batches 1 and 2 only
+    assert targets[2]["ratio"] == pytest.approx(measured[2]["ms"] / measured[0]["ms"])
+    assert targets[2]["note"].endswith(("met", "not met"))
     text = batch.table(rows)
-    assert text.count("| random (tiny) |") == 4 and "decode tokens/s" in text and "ms/step" in text
+    assert text.count("| random (tiny) |") == 7 and "decode tokens/s" in text and "| sampled |" in text
 
 
 def test_targets_say_met_or_not_met():
     rows = [dict(batch=1, ratio=1.0), dict(batch=16, ratio=8.5), dict(batch=64, ratio=19.0)]
     notes = [r["note"] for r in batch._targets(rows, "m")]
-    assert notes == ["8.50x: met", "19.00x: not met"]
+    assert notes == ["8.50x: met", "19.00x: not met", "not run (needs batch 1 with --sampling greedy,sampled)"]
+    timed = [dict(batch=1, sampling="greedy", ms=1.0, ratio=1.0), dict(batch=1, sampling="sampled", ms=1.04)]
+    assert batch._targets(timed, "m")[-1]["note"] == "1.040x: met"
+    timed[1]["ms"] = 1.06
+    assert batch._targets(timed, "m")[-1]["note"] == "1.060x: not met"
 
 
 def test_without_the_gguf_it_says_so_and_skips(monkeypatch):
@@ -44,6 +52,7 @@ def test_without_the_gguf_it_says_so_and_skips(monkeypatch):
     (["--tokens", "4"], "--tokens 4: at least 5"),
     (["--tokens", "3", "--no-graph"], "--tokens 3: at least 4"),
     (["--prompt-tokens", "0"], "--prompt-tokens 0: at least 1"),
+    (["--sampling", "greedy,topp"], "each one of greedy, sampled"),
 ])
 def test_bad_options_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -2,6 +2,7 @@
 replayed as a CUDA graph) of SmolLM2-135M-Instruct at several batch sizes.
 
     python -m hss.bench batch [--prompt-tokens 2048] [--tokens 256] [--batches 1,16,64] [--model smollm2]
+                              [--sampling greedy,sampled]
     python -m hss.bench batch --smoke      tiny sizes on the tiny random model (runs on the CPU emulator in CI)
 
 For each batch size B: a BatchSession of B rows, each prefilled with its own ``--prompt-tokens`` random token ids
@@ -15,7 +16,11 @@ puts it there; never fetched here: when it is missing the suite says so and skip
 shapes with random weights (no file); ``random`` the demo's tiny random model; anything else a model path
 (:func:`hss.checkpoint.load_model`).
 
-Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s).
+``--sampling``: ``greedy`` (default; ``model_argmax`` ends the step) and/or ``sampled`` (every row draws with
+:data:`SAMPLED`, its own seed: the sampler's launch ends the step), each batch size measured in each, in the same run.
+
+Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s, greedy); with both samplings,
+a sampled batch-1 step within 5 % of a greedy one.
 """
 from __future__ import annotations
 
@@ -26,9 +31,22 @@ from typing import Any
 
 import numpy as np
 
-SMOKE = dict(model="random", prompt_tokens=24, tokens=8, batches="1,2")
+SMOKE = dict(model="random", prompt_tokens=24, tokens=8, batches="1,2", sampling="greedy,sampled")
 TARGETS = ((16, 8.0), (64, 20.0))   # (batch, at least this many times batch 1's decode tokens/s)
 TIMED_BATCHES = 3                   # host_us batches of steps: the median of their µs per step
+SAMPLING_COST = 0.05                # a sampled batch-1 step within this fraction of a greedy one
+SAMPLINGS = ("greedy", "sampled")
+
+
+def _sampled(seed: int) -> Any:
+    """:data:`SAMPLED`'s parameters with a row's own seed."""
+    from hss.model.sample import SamplingParams
+    return SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=seed)
+
+
+#: the sampled rows' parameters (llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat
+#: penalty 1.1); each row its own seed
+SAMPLED = "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition penalty 1.1"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="replay each step as a CUDA graph (default)")
+    p.add_argument("--sampling", default="greedy", help="comma-separated: greedy (model_argmax) and/or sampled "
+                   f"({SAMPLED}; each row its own seed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the random models")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a code-path check")
     args = p.parse_args(argv)
@@ -51,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_list = sorted({int(b) for b in args.batches.split(",")})
     except ValueError:
         p.error(f"--batches {args.batches!r}: comma-separated positive integers, e.g. 1,16,64")
+    args.sampling_list = [m.strip() for m in args.sampling.split(",") if m.strip()]
+    bad = [m for m in args.sampling_list if m not in SAMPLINGS]
+    if bad or not args.sampling_list:
+        p.error(f"--sampling {args.sampling!r}: comma-separated, each one of {', '.join(SAMPLINGS)}")
+    args.sampling_list = list(dict.fromkeys(args.sampling_list))
     if not args.batch_list or args.batch_list[0] < 1:
         p.error(f"--batches {args.batches!r}: batch sizes must be >= 1")
     if args.prompt_tokens < 1:
@@ -100,17 +125,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     emulated = cm.driver_status().kind == "emulator"
     rows: list[dict] = []
     with cm.CudaCtx(0) as ctx, DeviceModel(weights, ctx) as model:
-        for b in args.batch_list:
-            rows.append(_measure(args, model, b, label, emulated))
-    base = next((r for r in rows if r["batch"] == 1), None)
-    for r in rows:
-        r["ratio"] = r["tokens_s"] / base["tokens_s"] if base else None
+        for mode in args.sampling_list:
+            for b in args.batch_list:
+                rows.append(_measure(args, model, b, label, emulated, mode))
+    for mode in args.sampling_list:
+        base = next((r for r in rows if r["batch"] == 1 and r["sampling"] == mode), None)
+        for r in rows:
+            if r["sampling"] == mode:
+                r["ratio"] = r["tokens_s"] / base["tokens_s"] if base else None
     rows += _targets(rows, label)
     return rows
 
 
-def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool) -> dict:
-    """One batch size: B rows prefilled, then the timed steps (see the module's docstring)."""
+def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool, mode: str = "greedy") -> dict:
+    """One batch size in one sampling mode: B rows prefilled, then the timed steps (see the module's docstring)."""
     from hss.bench._timer import host_us
     from hss.model.batch import BatchSession
 
@@ -118,8 +146,8 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
     prompts = np.random.default_rng(args.seed + b).integers(0, c.vocab_size, (b, p), dtype=np.int32)
     with BatchSession(model, "hbm", max_batch=b, max_tokens=p + n + 1, graph=args.graph, batch_sizes=(b,)) as sess:
         t0 = time.perf_counter()
-        for ids in prompts:
-            sess.add(ids, max_new=n)
+        for i, ids in enumerate(prompts):
+            sess.add(ids, max_new=n, sampling=_sampled(args.seed + i) if mode == "sampled" else None)
         prefill_s = time.perf_counter() - t0
         warmup = 2 if args.graph else 1   # the eager first step (and the capture with the second)
         steps = n - 2 - warmup   # the rows leave at the step that makes their n-th token: it is never timed
@@ -134,11 +162,11 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
             f"{count} x {per} steps)")
     if emulated:
         note += " (emulator: not a hardware measurement)"
-    return dict(model=label, batch=b, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None, note=note)
+    return dict(model=label, batch=b, sampling=mode, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None, note=note)
 
 
 def _targets(rows: list[dict], label: str) -> list[dict]:
-    by_batch = {r["batch"]: r for r in rows}
+    by_batch = {r["batch"]: r for r in rows if r.get("sampling", "greedy") == "greedy"}
     out = []
     for batch, times in TARGETS:
         name = f"target: batch {batch} >= {times:g}x batch 1"
@@ -147,17 +175,31 @@ def _targets(rows: list[dict], label: str) -> list[dict]:
             verdict = f"{ratio:.2f}x: {'met' if ratio >= times else 'not met'}"
         else:
             ratio, verdict = None, f"not run (needs batches 1 and {batch})"
-        out.append(dict(model=label, batch=batch, tokens_s=None, ms=None, ratio=ratio, variant=name, note=verdict))
+        out.append(dict(model=label, batch=batch, sampling="greedy", tokens_s=None, ms=None, ratio=ratio,
+                        variant=name, note=verdict))
+    greedy = by_batch.get(1)
+    sampled = next((r for r in rows if r["batch"] == 1 and r.get("sampling") == "sampled"), None)
+    name = f"target: sampled batch-1 step <= {1 + SAMPLING_COST:g}x greedy"
+    if greedy and sampled:
+        cost = sampled["ms"] / greedy["ms"]
+        verdict = f"{cost:.3f}x: {'met' if cost <= 1 + SAMPLING_COST else 'not met'}"
+        ms = sampled["ms"]
+    else:
+        cost, ms, verdict = None, None, "not run (needs batch 1 with --sampling greedy,sampled)"
+    out.append(dict(model=label, batch=1, sampling="sampled", tokens_s=None, ms=ms, ratio=cost, variant=name,
+                    note=verdict))
     return out
 
 
 def table(rows: list[dict]) -> str:
     def num(value: float | None, fmt: str) -> str:
         return "" if value is None else format(value, fmt)
-    lines = ["| model | batch | decode tokens/s | ms/step | x batch 1 | note |", "|---|---:|---:|---:|---:|---|"]
+    lines = ["| model | batch | sampling | decode tokens/s | ms/step | x batch 1 | note |",
+             "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         batch = r.get("variant") or ("" if r["batch"] is None else str(r["batch"]))
-        lines.append(f"| {r['model']} | {batch} | {num(r['tokens_s'], ',.1f')} | {num(r['ms'], '.3f')} | "
+        lines.append(f"| {r['model']} | {batch} | {r.get('sampling', '')} | {num(r['tokens_s'], ',.1f')} | "
+                     f"{num(r['ms'], '.3f')} | "
                      f"{num(r['ratio'], '.2f')} | {r['note']} |")
     return "\n".join(lines)
 
