@@ -86,7 +86,7 @@ def test_an_unknown_command_and_the_old_demo_qsa(capsys):
     (["demo", "--keep-recent", "-1"], "--keep-recent", 0),
     (["demo", "--eval-tokens", "0"], "--eval-tokens", 1),
     (["demo", "--profile-steps", "0"], "--profile-steps", 1),
-    (["demo", "--seed", "-1"], "--seed", 0),
+    (["demo", "--model-seed", "-1"], "--model-seed", 0),
     (["demo", "--device", "-1"], "--device", 0),
     (["demo", "--batch", "0"], "--batch", 1),
     (["demo-qsa", "--prefill", "0"], "--prefill", 1),
@@ -101,6 +101,44 @@ def test_counts_out_of_range_name_the_flag_and_the_range(capsys, argv, flag, low
 def test_a_count_that_is_no_integer(capsys):
     assert "argument --tokens: 'three' is not an integer (allowed: 1 or more)" in \
         usage_error(capsys, ["demo", "--tokens", "three"])
+
+
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--temperature", "-1", "temperature = -1.0 must be >= 0"),
+    ("--temperature", "1e-50", "must be representable as finite f32"),
+    ("--top-k", "-1", "top_k = -1 must be in 0..1024"),
+    ("--top-k", "1025", "top_k = 1025 must be in 0..1024"),
+    ("--top-p", "0", "top_p = 0.0 must be in (0, 1]"),
+    ("--top-p", "1.5", "top_p = 1.5 must be in (0, 1]"),
+    ("--min-p", "1.01", "min_p = 1.01 must be in [0, 1]"),
+    ("--repeat-penalty", "0", "repetition_penalty = 0.0 must be > 0"),
+    ("--presence-penalty", "nan", "presence_penalty = nan must be finite"),
+    ("--seed", "-1", "seed = -1 must be in 0..18446744073709551615"),
+    ("--seed", str(1 << 64), f"seed = {1 << 64} must be in 0..18446744073709551615"),
+])
+def test_sampling_values_out_of_range_name_the_flag_and_the_rule(capsys, flag, value, rule):
+    err = usage_error(capsys, ["demo", flag, value])
+    assert "usage: python -m hss demo " in err and f"argument {flag}: {value} is out of range (" in err and rule in err
+
+
+def test_a_sampling_value_of_the_wrong_kind(capsys):
+    assert "argument --top-k: '1.5' is not an integer" in usage_error(capsys, ["demo", "--top-k", "1.5"])
+    assert "argument --temperature: 'hot' is not a number" in usage_error(capsys, ["demo", "--temperature", "hot"])
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["--temperature", "0.8"], "temperature 0.8, seed 0"),
+    (["--repeat-penalty", "1.3"], "temperature 0, repeat penalty 1.3, seed 0"),
+    (["--chat"], "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1, seed 0 (--chat samples by "
+                 "default)"),
+])
+def test_check_with_sampling_is_refused(capsys, argv, shown):
+    """--check compares with the argmax: any sampling that is not the argmax (penalties too) is an error, before the
+    model is loaded."""
+    assert cli.main(["demo", "--model", "random", "--check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hss: error: --check compares every token with the numpy forward's argmax, so it needs "
+                          f"greedy decoding, not {shown}: drop --check, or pass --temperature 0 and no penalties")
 
 
 def test_an_hss_error_is_one_line_on_stderr_with_status_2(tmp_path):

@@ -3,6 +3,7 @@ CI, GPU on the device) and report what they promise; on the emulator every time 
 measurement."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -11,9 +12,12 @@ import sys
 import pytest
 
 from hss.checkpoint.fetch import locate_default_gguf
-from hss.demo.model import NOT_MEASURED, PARAGRAPH, random_model
+from hss.demo import batch
+from hss.demo.model import NOT_MEASURED, PARAGRAPH, add_arguments, random_model
+from hss.demo.sampling import CHAT_SAMPLING, sampling_params, sampling_text
 from hss.model import sparse_support
 from hss.model.check import check_greedy
+from hss.model.sample import GREEDY, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
@@ -46,7 +50,8 @@ def test_demo_qsa_runs_past_the_inert_bound():
 def test_demo_help_lists_the_knobs():
     out = demo("--help")
     for flag in ("--model", "--no-fetch", "--prompt", "--prompt-file", "--prompt-tokens", "--chat", "--tokens", "--kv",
-                 "--resident", "--budget", "--graph", "--check", "--batch", "--batch-session"):
+                 "--resident", "--budget", "--graph", "--check", "--batch", "--batch-session", "--temperature",
+                 "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--seed", "--model-seed"):
         assert flag in out.stdout
     assert "{qsa}" not in out.stdout
     out = demo("--help", command="demo-qsa")
@@ -65,7 +70,7 @@ def test_demo_random_model_tokens_match_the_numpy_forward(kv):
     assert len(tokens) == 5
     prompt = [b % 512 for b in PARAGRAPH.encode()][:40]   # the random model reads the built-in paragraph's bytes
     assert check_greedy(random_model(0), prompt, tokens).ok
-    for promise in ("prefill: 40 tokens", "tokens/s", "time per stage", "KV"):
+    for promise in ("sampling: greedy\n", "prefill: 40 tokens", "tokens/s", "time per stage", "KV"):
         assert promise in out.stdout
     if kv == "swap":
         assert "H2D" in out.stdout and "resident hit rate" in out.stdout
@@ -107,7 +112,8 @@ def test_demo_batch_rows_decode_what_each_decodes_alone():
     from hss.demo.batch import PROMPTS
     out = demo("--model", "random", "--batch", "3", "--tokens", "5", "--prompt-tokens", "24", "--graph", "--check")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "kv hbm; batch 3 (BatchSession); graph on; prompts 24 tokens; up to 5 tokens per row; greedy" in out.stdout
+    assert "kv hbm; batch 3 (BatchSession); graph on; prompts 24 tokens; up to 5 tokens per row\nsampling: greedy\n" \
+        in out.stdout
     rows = row_tokens(out.stdout)
     assert sorted(rows) == [0, 1, 2] and all(len(t) == 5 for t in rows.values())
     assert out.stdout.count("5/5 tokens are the numpy forward's argmax") == 3
@@ -139,3 +145,72 @@ def test_demo_batch_one_stays_the_single_sequence_demo_unless_asked():
     forced = demo("--model", "random", "--batch", "1", "--batch-session", "--tokens", "3", "--prompt-tokens", "16")
     assert forced.returncode == 0, forced.stdout + forced.stderr
     assert "batch 1 (BatchSession)" in forced.stdout and list(row_tokens(forced.stdout)) == [0]
+
+
+# -- sampling flags ---------------------------------------------------------------------------------------------
+def parsed(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_sampling_flags_make_one_sampling_params():
+    """Greedy unless asked; --chat takes llama.cpp's defaults unless --temperature 0 is given; a flag given wins."""
+    assert sampling_params(parsed()) == GREEDY and sampling_text(GREEDY) == "greedy"
+    assert sampling_params(parsed("--top-k", "5", "--seed", "9")).greedy   # temperature 0: the filters change nothing
+    assert CHAT_SAMPLING == SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1)
+    chat = sampling_params(parsed("--chat"))
+    assert chat == CHAT_SAMPLING and not chat.greedy
+    assert sampling_text(chat) == "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1, seed 0"
+    assert sampling_params(parsed("--chat", "--temperature", "0")) == GREEDY
+    assert sampling_params(parsed("--chat", "--temperature", "0", "--repeat-penalty", "1.2")) == \
+        SamplingParams(repetition_penalty=1.2)
+    got = sampling_params(parsed("--chat", "--top-k", "0", "--top-p", "1", "--presence-penalty", "0.5", "--seed",
+                                 str((1 << 64) - 1)))
+    assert got == SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+                                 seed=(1 << 64) - 1)
+    assert sampling_text(got) == ("temperature 0.8, min-p 0.05, repeat penalty 1.1, presence penalty 0.5, seed "
+                                  f"{(1 << 64) - 1}")
+    plain = parsed("--temperature", "1.5", "--top-p", "0.9", "--min-p", "0.1", "--seed", "1")
+    assert sampling_params(plain) == SamplingParams(temperature=1.5, top_p=0.9, min_p=0.1, seed=1)
+
+
+def test_batch_rows_draw_with_the_seed_plus_the_row():
+    args = parsed("--temperature", "0.8", "--seed", "1", "--batch", "2")
+    assert [batch.sampling(args, row) for row in (0, 1)] == [SamplingParams(temperature=0.8, seed=s) for s in (1, 2)]
+    assert sampling_text(sampling_params(args), 2) == "temperature 0.8, seeds 1 to 2 (--seed + the row)"
+    last = parsed("--temperature", "0.8", "--seed", str((1 << 64) - 1))
+    assert [batch.sampling(last, row).seed for row in (0, 1)] == [(1 << 64) - 1, 0]   # modulo 2**64
+    assert batch.sampling(parsed("--seed", "4"), 1) == SamplingParams(seed=5) and batch.sampling(parsed(), 3).greedy
+
+
+def ids_of(out: subprocess.CompletedProcess) -> list[int]:
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [int(t) for t in re.search(r"token ids: ([\d ]+)", out.stdout).group(1).split()]
+
+
+def test_demo_sampling_repeats_with_its_seed():
+    """A seed repeats its draws (the default swap mode, eager); another seed draws other tokens. On the tiny random
+    model the logits are peaked: at temperature 0.8 the seeds part at the seventh token here (the emulator, or any
+    device: the draws are keyed by seed and step)."""
+    run = ("--model", "random", "--tokens", "12", "--prompt-tokens", "16", "--temperature", "0.8")
+    first = demo(*run, "--seed", "3")
+    assert "sampling: temperature 0.8, seed 3\n" in first.stdout
+    again, other, greedy = demo(*run, "--seed", "3"), demo(*run, "--seed", "4"), demo(*run[:-2])
+    assert ids_of(first) == ids_of(again) and len(ids_of(first)) == 12
+    assert ids_of(other) != ids_of(first) and ids_of(greedy) not in (ids_of(first), ids_of(other))
+
+
+def test_demo_batch_rows_sample_with_the_seed_plus_the_row():
+    """--batch 2 --seed 1: row 0 draws what its prompt draws alone with --seed 1, row 1 what its prompt draws with
+    --seed 2 (a request's tokens depend on its seed and step, not its row)."""
+    from hss.demo.batch import PROMPTS
+    run = ("--model", "random", "--tokens", "8", "--prompt-tokens", "24", "--temperature", "0.8")
+    out = demo(*run, "--batch", "2", "--seed", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sampling: temperature 0.8, seeds 1 to 2 (--seed + the row)\n" in out.stdout
+    rows = row_tokens(out.stdout)
+    assert sorted(rows) == [0, 1] and all(len(t) == 8 for t in rows.values())
+    for row, seed in ((0, 1), (1, 2)):
+        alone = demo(*run, "--kv", "hbm", "--prompt", PROMPTS[row], "--seed", str(seed))
+        assert ids_of(alone) == rows[row], (row, seed)

@@ -1,5 +1,6 @@
 """``python -m hss demo --batch N``: N prompts decoded together through :class:`~hss.model.batch.BatchSession`, the
-KV history in HBM (the only mode batched so far), greedily.
+KV history in HBM (the only mode batched so far), greedily or sampled as the demo's sampling flags say (row i draws
+with ``--seed`` + i: the rows differ, a run repeats).
 
 The rows' prompts: one per non-empty line of ``--prompt-file`` (cycled when the file has fewer lines than N, the
 first N when it has more), else ``--prompt`` in every row, else N of :data:`PROMPTS` (cycled past eight);
@@ -18,18 +19,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from hss import cuda_min as cm
 from hss.checkpoint import Tokenizer, Weights
 from hss.demo._common import EMULATOR_TOKENS, NOT_MEASURED, model_line, prompt_ids, prompt_text, weights_line, where
+from hss.demo.sampling import sampling_params, sampling_text
 from hss.errors import HssError
 from hss.model.batch import BatchSession
 from hss.model.check import check_greedy
+from hss.model.sample import SamplingParams
 from hss.model.session import DeviceModel
 
 __all__ = ["run", "prompts", "sampling", "PROMPTS"]
@@ -62,10 +65,11 @@ def prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab: int) -> list
             for text in itertools.islice(itertools.cycle(texts), n)]
 
 
-def sampling(args: argparse.Namespace, row: int) -> Any:
-    """How ``row``'s tokens are drawn, for its ``BatchSession.add(..., sampling=)``: None (greedy) for now. The demo's
-    sampling flags, when it has them, become a ``SamplingParams`` here (a seed per row)."""
-    return None
+def sampling(args: argparse.Namespace, row: int) -> SamplingParams:
+    """How ``row``'s tokens are drawn, for its ``BatchSession.add(..., sampling=)``: the demo's sampling flags
+    (:func:`hss.demo.sampling.sampling_params`) with the seed ``--seed + row`` (modulo 2**64)."""
+    p = sampling_params(args)
+    return dataclasses.replace(p, seed=(p.seed + row) % (1 << 64))
 
 
 @dataclass
@@ -120,7 +124,8 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
     span = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]} to {lengths[-1]}"
     print(f"hss demo on {where(ctx, emulated)}: {name}")
     print(f"{model_line(c)}; kv hbm; batch {len(rows)} (BatchSession); graph {'on' if graph else 'off'}; prompts "
-          f"{span} tokens{' (chat)' if args.chat else ''}; up to {n_tokens} tokens per row; greedy")
+          f"{span} tokens{' (chat)' if args.chat else ''}; up to {n_tokens} tokens per row")
+    print(f"sampling: {sampling_text(sampling_params(args), len(rows))}")
     t0 = time.perf_counter()
     out = _Rows(tok, sys.stderr.isatty())
     with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
@@ -131,8 +136,7 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
             t1 = time.perf_counter()
             for i, ids in enumerate(rows):
                 out.progress(f"prefill: row {i + 1}/{len(rows)}")
-                drawn = sampling(args, i)   # None: greedy, BatchSession.add's default
-                sess.add(ids, max_new=n_tokens, stop=stop, **({} if drawn is None else {"sampling": drawn}))
+                sess.add(ids, max_new=n_tokens, stop=stop, sampling=sampling(args, i))
                 out.finished(sess)
             prefill_s = time.perf_counter() - t1
             stats = _decode(sess, out, graph)

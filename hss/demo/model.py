@@ -1,5 +1,5 @@
-"""``python -m hss demo``: SmolLM2-135M-Instruct decoded greedily on the GPU through hss, its KV history in HBM or
-behind the high-speed swap (``--kv hbm | swap | sparse``), the text streamed as it is generated.
+"""``python -m hss demo``: SmolLM2-135M-Instruct decoded on the GPU through hss, its KV history in HBM or behind the
+high-speed swap (``--kv hbm | swap | sparse``), the text streamed as it is generated.
 
 The weights are uploaded once as bf16; every matmul is a cuBLAS GEMM, everything else a small hss kernel, and a
 decode step reads nothing from the host, so it replays as a CUDA graph (``--graph``, the default on a GPU). In the
@@ -9,6 +9,10 @@ the GPU computes (captured again, ahead of time, as each page completes); in the
 tokens/s of the prefill and the decode, GPU time per stage, the KV bytes per token and, in the swap modes, the measured
 host-to-device bandwidth, the floor it sets (streamed bytes per token / bandwidth) and the resident hit rate. ``--kv
 sparse`` also compares next-token agreement and cross-entropy with ``hbm`` on the prompt's last tokens (teacher forced).
+The tokens are greedy (the argmax; ``--check`` compares them with the numpy forward's) unless the sampling flags say
+otherwise (:mod:`hss.demo.sampling`: ``--temperature``, ``--top-k``, ``--top-p``, ``--min-p``, ``--repeat-penalty``,
+``--presence-penalty``, ``--seed``; drawn on the device, docs/design.md §22); with ``--chat`` the flags not given take
+llama.cpp's defaults unless ``--temperature 0`` is.
 Without a GPU the same code runs on the CPU emulator for a short prompt and a few tokens, and every time, rate and
 bandwidth it prints is marked as no hardware measurement.
 
@@ -47,6 +51,7 @@ from hss.demo._common import (
     weights_line,
     where,
 )
+from hss.demo.sampling import add_sampling_arguments, sampling_params, sampling_text
 from hss.errors import HssError
 from hss.model.check import check_greedy
 from hss.model.kv import sparse_support
@@ -73,7 +78,8 @@ def int_at_least(low: int) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The demo's options on ``p``: every count is range-checked by argparse (a usage error names the flag)."""
+    """The demo's options on ``p``: every count and sampling value is checked by argparse (a usage error names the
+    flag)."""
     def count(flag: str, low: int, default: int | None, metavar: str, text: str) -> None:
         p.add_argument(flag, type=int_at_least(low), default=default, metavar=metavar, help=text)
 
@@ -97,8 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
           "cycled; --prompt-tokens applies to each row). Default 1: the single-sequence demo")
     p.add_argument("--batch-session", action="store_true", help="decode through BatchSession even for --batch 1 "
                    "(the batched path, its prompts and its report)")
-    # sampling flags (--temperature, --top-p, --seed of the draws ...) belong here; the demo decodes greedily for
-    # now (hss.demo.batch.sampling is where the batched path reads them)
+    add_sampling_arguments(p)
     count("--resident", 0, None, "PAGES", "swap / sparse: resident pages in HBM, all layers (exact swap: the first "
           "resident // layers pages of every layer, never streamed; default 0 for swap, the whole history streamed "
           "every token, 512 for sparse)")
@@ -120,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-ids", action="store_true", help="print the generated token ids at the end")
     p.add_argument("--check", action="store_true", help="check the tokens against the numpy forward of "
                    "hss.checkpoint (teacher forced; exit status 1 if one is neither its argmax nor a near tie)")
-    count("--seed", 0, 0, "N", "seed of --model random (default 0)")
+    count("--model-seed", 0, 0, "N", "seed of --model random's weights (default 0)")
     count("--device", 0, 0, "N", "CUDA device ordinal (default 0)")
 
 
@@ -149,7 +154,7 @@ def default_model(fetch: bool = True) -> None:
 
 def _load(args: argparse.Namespace) -> tuple[Weights, Tokenizer | None, str]:
     if args.model == "random":
-        return random_model(args.seed), None, f"random model (seed {args.seed})"
+        return random_model(args.model_seed), None, f"random model (model seed {args.model_seed})"
     if args.model is None:
         default_model(fetch=not args.no_fetch)
     m = load_model(args.model)
@@ -292,6 +297,12 @@ def run(args: argparse.Namespace) -> int:
                        f"only for now, not --kv {args.kv}: pass --kv hbm (or no --kv), or drop --batch to decode one "
                        f"sequence with --kv {args.kv}")
     args = argparse.Namespace(**{**vars(args), "kv": args.kv or ("hbm" if batched else "swap")})
+    sampling = sampling_params(args)
+    if args.check and not sampling.greedy:
+        chat = " (--chat samples by default)" if args.chat and args.temperature is None else ""
+        raise HssError(f"--check compares every token with the numpy forward's argmax, so it needs greedy decoding, "
+                       f"not {sampling_text(sampling)}{chat}: drop "
+                       "--check, or pass --temperature 0 and no penalties")
     if args.kv == "sparse" and (problem := sparse_support()):
         raise HssError(f"--kv sparse is not available yet: {problem} (use --kv swap or --kv hbm)")
     emulated = cm.driver_status().kind == "emulator"
@@ -314,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"hss demo on {where(ctx, emulated)}: {name}")
     print(f"{model_line(c)}; kv {args.kv}; graph {'on' if graph else 'off'}; prompt {len(ids)} "
           f"tokens{' (chat)' if args.chat else ''}; {n_tokens} tokens to generate")
+    print(f"sampling: {sampling_text(sampling)}")
     t0 = time.perf_counter()
     with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
         weights_line(model, t0, emulated)
@@ -322,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
             opts.update(budget=args.budget, keep_first=args.keep_first, keep_recent=args.keep_recent,
                         projection=_calibration(model, tok, args, max_tokens),
                         head_temperature=math.sqrt(c.head_dim))
-        with model.session(args.kv, max_tokens=max_tokens, graph=graph, **opts) as sess:
+        with model.session(args.kv, max_tokens=max_tokens, graph=graph, sampling=sampling, **opts) as sess:
             out = _generate(args, sess, model, ids, tok, n_tokens, emulated)
         if args.kv == "sparse":
             _compare_sparse(args, model, ids, opts)
