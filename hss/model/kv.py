@@ -28,7 +28,7 @@ from hss.model.staged import RING, StagedPages
 from hss.swap import GroupLayout, HighSpeedSwap, HighSpeedSwapConfig, ModelDims
 from hss.swap.device_step import DeviceSparseStep
 
-__all__ = ["HbmKV", "SwapKV", "sparse_support", "swap_block_size"]
+__all__ = ["HbmKV", "SwapKV", "host_swap", "sparse_support", "swap_block_size"]
 
 BF16 = ml_dtypes.bfloat16
 
@@ -164,6 +164,29 @@ def _projection_route() -> str | None:
     return None
 
 
+def host_swap(owned: contextlib.ExitStack, ctx: cm.CudaCtx, config: Config, max_blocks: int, *, resident: int,
+              tile: int, rank: int, seed: int, projection: np.ndarray | None = None,
+              head_temperature: float | None = None) -> HighSpeedSwap:
+    """A :class:`~hss.swap.HighSpeedSwap` of ``config``'s layers over a pinned ``HostStore`` of ``max_blocks`` pages
+    per layer of :func:`swap_block_size` tokens, entered into ``owned`` (which also removes its temporary
+    directory): ``resident`` + two tiles of ``tile`` scratch slots, predictor rank ``rank`` (the seeded P of
+    ``seed``, or the calibrated ``projection``), ``head_temperature`` (the predictor's, docs/design.md §17.5)."""
+    c, bs = config, swap_block_size(config.head_dim)
+    dims = ModelDims(c.n_layer, max_blocks, c.n_head, c.n_kv_head, c.head_dim, bs)
+    layout = GroupLayout(max_blocks, c.n_kv_head, bs, c.head_dim)
+    path = tempfile.mkdtemp(prefix="hss-model-swap-")
+    owned.callback(shutil.rmtree, path, True)
+    cfg = HighSpeedSwapConfig(dir=path, bytes=c.n_layer * layout.bytes_per_layer, resident_blocks=resident + 2 * tile,
+                              rank=rank, qd=8, graph=False, projection_seed=seed, store="host",
+                              stream_tile_blocks=tile)
+    extra: dict[str, Any] = {}
+    if projection is not None or head_temperature is not None:
+        extra = {"projection": projection, "head_temperature": head_temperature}
+        if _projection_route() == "config":
+            cfg, extra = dataclasses.replace(cfg, **extra), {}
+    return owned.enter_context(HighSpeedSwap(ctx, cfg, dims, **extra))
+
+
 class SwapKV:
     """The history in a :class:`~hss.swap.HighSpeedSwap` ``HostStore`` (pinned host memory): pages of
     :func:`swap_block_size` tokens, offloaded as they complete (one host sync per ``bs`` tokens, for all layers).
@@ -207,20 +230,13 @@ class SwapKV:
             if budget is not None:
                 self._sparse = {"budget_pages": budget, "keep_first": keep_first, "keep_recent": keep_recent}
             extra = {"projection": projection, "head_temperature": head_temperature}
-        dims = ModelDims(c.n_layer, ceil_div(max_tokens, bs), c.n_head, c.n_kv_head, c.head_dim, bs)
-        layout = GroupLayout(dims.max_blocks_per_layer, c.n_kv_head, bs, c.head_dim)
-        self._dir = tempfile.mkdtemp(prefix="hss-model-swap-")
         swap_resident, swap_tile = (0, 1) if exact else (resident, tile)   # exact: the swap's scratch is unused
-        cfg = HighSpeedSwapConfig(dir=self._dir, bytes=c.n_layer * layout.bytes_per_layer,
-                                  resident_blocks=swap_resident + 2 * swap_tile, rank=rank, qd=8, graph=False,
-                                  projection_seed=seed, store="host", stream_tile_blocks=swap_tile)
         self._owned = contextlib.ExitStack()
-        self._owned.callback(shutil.rmtree, self._dir, True)
         own = self._owned.enter_context
         try:
-            if extra and _projection_route() == "config":
-                cfg, extra = dataclasses.replace(cfg, **extra), {}
-            self.swap = own(HighSpeedSwap(ctx, cfg, dims, **extra))
+            self.swap = host_swap(self._owned, ctx, c, ceil_div(max_tokens, bs), resident=swap_resident,
+                                  tile=swap_tile, rank=rank, seed=seed, **extra)
+            max_blocks = self.swap.model.max_blocks_per_layer
             self._page = 2 * bs * c.n_kv_head * c.head_dim      # bytes of one page's K (or V), NHD
             self.k_tail = own(cm.DeviceBuffer(c.n_layer * self._page, ctx))
             self.v_tail = own(cm.DeviceBuffer(c.n_layer * self._page, ctx))
@@ -236,15 +252,15 @@ class SwapKV:
             if on_device:   # the selection, residency and reads on the device: one step graph for the session
                 self.sparse_step = own(DeviceSparseStep(self.swap, stream, max_seqs=1, budget_pages=budget,
                                                         keep_first=keep_first, keep_recent=keep_recent,
-                                                        max_pages=dims.max_blocks_per_layer, ctx=ctx))
-                self._dev_table = own(cm.DeviceBuffer(4 * dims.max_blocks_per_layer, ctx))   # block ids, page order
+                                                        max_pages=max_blocks, ctx=ctx))
+                self._dev_table = own(cm.DeviceBuffer(4 * max_blocks, ctx))   # block ids, page order
                 self._tail_table = own(cm.DeviceBuffer(4 * self.sparse_step.sel_cap, ctx))   # one entry: page 0
-                cm.memset_d32_async(self._dev_table, 0, dims.max_blocks_per_layer, stream)
+                cm.memset_d32_async(self._dev_table, 0, max_blocks, stream)
                 cm.memset_d32_async(self._tail_table, 0, self.sparse_step.sel_cap, stream)
                 self._skipped = self._dev_steps = 0
             if exact:
                 self.staged = own(contextlib.closing(StagedPages(
-                    ctx, self.swap.store, c.n_layer, c.n_head, dims.max_blocks_per_layer, resident // c.n_layer,
+                    ctx, self.swap.store, c.n_layer, c.n_head, max_blocks, resident // c.n_layer,
                     stream, ring)))
         except BaseException:
             self._owned.close()
