@@ -10,13 +10,14 @@ from hss.bench import batch
 def test_smoke_times_every_batch_and_states_the_targets():
     rows = batch.run(batch.parse_args(["--smoke"]))
     measured = [r for r in rows if "variant" not in r]
-    assert [(r["batch"], r["sampling"]) for r in measured] == [(1, "greedy"), (2, "greedy"), (1, "sampled"),
-                                                                (2, "sampled")]
+    assert [(r["kv"], r["batch"], r["sampling"]) for r in measured] == [
+        (kv, b, mode) for kv in ("hbm", "sparse") for mode in ("greedy", "sampled") for b in (1, 2)]
     for r in measured:
         assert r["tokens_s"] > 0 and r["ms"] > 0
         assert r["tokens_s"] == pytest.approx(r["batch"] / (r["ms"] * 1e-3))
         assert "graph replay" in r["note"] and "prefilled" in r["note"]
-    assert measured[0]["ratio"] == 1.0 and measured[2]["ratio"] == 1.0   # each sampling against its own batch 1
+    assert [r["ratio"] for r in measured[::2]] == [1.0] * 4   # each mode against its own batch 1
+    assert all("sparse: budget 1 + first 1 / last 4" in r["note"] for r in measured[4:])
     targets = [r for r in rows if "variant" in r]
     assert [r["variant"] for r in targets] == ["target: batch 16 >= 8x batch 1", "target: batch 64 >= 20x batch 1",
                                                "target: sampled batch-1 step <= 1.05x greedy"]
@@ -24,7 +25,7 @@ def test_smoke_times_every_batch_and_states_the_targets():
     assert targets[2]["ratio"] == pytest.approx(measured[2]["ms"] / measured[0]["ms"])
     assert targets[2]["note"].endswith(("met", "not met"))
     text = batch.table(rows)
-    assert text.count("| random (tiny) |") == 7 and "decode tokens/s" in text and "| sampled |" in text
+    assert text.count("| random (tiny) |") == 11 and "decode tokens/s" in text and "| sparse | sampled |" in text
 
 
 def test_targets_say_met_or_not_met():
@@ -53,6 +54,8 @@ def test_without_the_gguf_it_says_so_and_skips(monkeypatch):
     (["--tokens", "3", "--no-graph"], "--tokens 3: at least 4"),
     (["--prompt-tokens", "0"], "--prompt-tokens 0: at least 1"),
     (["--sampling", "greedy,topp"], "each one of greedy, sampled"),
+    (["--kv", "hbm,swap"], "each one of hbm, sparse"),
+    (["--budget", "-1"], "--budget -1: at least 0"),
 ])
 def test_bad_options_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

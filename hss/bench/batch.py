@@ -2,7 +2,7 @@
 replayed as a CUDA graph) of SmolLM2-135M-Instruct at several batch sizes.
 
     python -m hss.bench batch [--prompt-tokens 2048] [--tokens 256] [--batches 1,16,64] [--model smollm2]
-                              [--sampling greedy,sampled]
+                              [--sampling greedy,sampled] [--kv hbm,sparse] [--budget 16]
     python -m hss.bench batch --smoke      tiny sizes on the tiny random model (runs on the CPU emulator in CI)
 
 For each batch size B: a BatchSession of B rows, each prefilled with its own ``--prompt-tokens`` random token ids
@@ -16,8 +16,11 @@ puts it there; never fetched here: when it is missing the suite says so and skip
 shapes with random weights (no file); ``random`` the demo's tiny random model; anything else a model path
 (:func:`hss.checkpoint.load_model`).
 
-``--sampling``: ``greedy`` (default; ``model_argmax`` ends the step) and/or ``sampled`` (every row draws with
-:data:`SAMPLED`, its own seed: the sampler's launch ends the step), each batch size measured in each, in the same run.
+``--kv``: ``hbm`` (default) and/or ``sparse`` (the device sparse step: ``--budget`` pages + the first 1 / last 4 a
+layer, the predictor calibrated once from the first prompt's keys, per-head scores with temperature sqrt(head_dim):
+the demo's setting), each measured in the same run. ``--sampling``: ``greedy`` (default; ``model_argmax`` ends the
+step) and/or ``sampled`` (every row draws with :data:`SAMPLED`, its own seed: the sampler's launch ends the step),
+each batch size measured in each, in the same run.
 
 Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s, greedy); with both samplings,
 a sampled batch-1 step within 5 % of a greedy one.
@@ -31,11 +34,13 @@ from typing import Any
 
 import numpy as np
 
-SMOKE = dict(model="random", prompt_tokens=24, tokens=8, batches="1,2", sampling="greedy,sampled")
+SMOKE = dict(model="random", prompt_tokens=24, tokens=8, batches="1,2", sampling="greedy,sampled", kv="hbm,sparse",
+             budget=1)
 TARGETS = ((16, 8.0), (64, 20.0))   # (batch, at least this many times batch 1's decode tokens/s)
 TIMED_BATCHES = 3                   # host_us batches of steps: the median of their µs per step
 SAMPLING_COST = 0.05                # a sampled batch-1 step within this fraction of a greedy one
 SAMPLINGS = ("greedy", "sampled")
+KV_MODES = ("hbm", "sparse")
 
 
 def _sampled(seed: int) -> Any:
@@ -61,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="replay each step as a CUDA graph (default)")
     p.add_argument("--sampling", default="greedy", help="comma-separated: greedy (model_argmax) and/or sampled "
                    f"({SAMPLED}; each row its own seed)")
+    p.add_argument("--kv", default="hbm", help="comma-separated: hbm and/or sparse (the device sparse step)")
+    p.add_argument("--budget", type=int, default=16, help="sparse: pages attended a layer besides the first 1 / last 4")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the random models")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a code-path check")
     args = p.parse_args(argv)
@@ -76,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not args.sampling_list:
         p.error(f"--sampling {args.sampling!r}: comma-separated, each one of {', '.join(SAMPLINGS)}")
     args.sampling_list = list(dict.fromkeys(args.sampling_list))
+    args.kv_list = list(dict.fromkeys(m.strip() for m in args.kv.split(",") if m.strip()))
+    if not args.kv_list or any(m not in KV_MODES for m in args.kv_list):
+        p.error(f"--kv {args.kv!r}: comma-separated, each one of {', '.join(KV_MODES)}")
+    if args.budget < 0:
+        p.error(f"--budget {args.budget}: at least 0")
     if not args.batch_list or args.batch_list[0] < 1:
         p.error(f"--batches {args.batches!r}: batch sizes must be >= 1")
     if args.prompt_tokens < 1:
@@ -125,26 +137,52 @@ def run(args: argparse.Namespace) -> list[dict]:
     emulated = cm.driver_status().kind == "emulator"
     rows: list[dict] = []
     with cm.CudaCtx(0) as ctx, DeviceModel(weights, ctx) as model:
+        for kv in args.kv_list:
+            opts = {} if kv == "hbm" else _sparse_options(args, model)
+            for mode in args.sampling_list:
+                for b in args.batch_list:
+                    rows.append(_measure(args, model, b, label, emulated, mode, kv, opts))
+    for kv in args.kv_list:
         for mode in args.sampling_list:
-            for b in args.batch_list:
-                rows.append(_measure(args, model, b, label, emulated, mode))
-    for mode in args.sampling_list:
-        base = next((r for r in rows if r["batch"] == 1 and r["sampling"] == mode), None)
-        for r in rows:
-            if r["sampling"] == mode:
-                r["ratio"] = r["tokens_s"] / base["tokens_s"] if base else None
+            base = next((r for r in rows if r["batch"] == 1 and r["sampling"] == mode and r["kv"] == kv), None)
+            for r in rows:
+                if r["sampling"] == mode and r["kv"] == kv:
+                    r["ratio"] = r["tokens_s"] / base["tokens_s"] if base else None
     rows += _targets(rows, label)
     return rows
 
 
-def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool, mode: str = "greedy") -> dict:
-    """One batch size in one sampling mode: B rows prefilled, then the timed steps (see the module's docstring)."""
+def _prompts(args: argparse.Namespace, vocab: int, b: int) -> np.ndarray:
+    return np.random.default_rng(args.seed + b).integers(0, vocab, (b, args.prompt_tokens), dtype=np.int32)
+
+
+def _sparse_options(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """The sparse mode's BatchSession options (see the module's docstring): the projection calibrated from the keys
+    of batch 1's prompt, prefilled in hbm mode."""
+    import math
+
+    from hss.predictor.calibrate import calibrate_projection
+    c = model.config
+    ids = _prompts(args, c.vocab_size, 1)[0]
+    rank = min(32, c.head_dim, ids.size)   # the demo's rank where the head and the prompt allow it
+    with model.session("hbm", max_tokens=ids.size + 1) as sess:
+        sess.prefill(ids)
+        keys = sess.kv.read_keys(sess.stream, ids.size)
+    return dict(budget=args.budget, keep_first=1, keep_recent=4, rank=rank,
+                projection=calibrate_projection(keys, rank), head_temperature=math.sqrt(c.head_dim))
+
+
+def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool, mode: str = "greedy",
+             kv: str = "hbm", opts: dict[str, Any] | None = None) -> dict:
+    """One batch size in one KV mode and sampling mode: B rows prefilled, then the timed steps (see the module's
+    docstring)."""
     from hss.bench._timer import host_us
     from hss.model.batch import BatchSession
 
     c, p, n = model.config, args.prompt_tokens, args.tokens
-    prompts = np.random.default_rng(args.seed + b).integers(0, c.vocab_size, (b, p), dtype=np.int32)
-    with BatchSession(model, "hbm", max_batch=b, max_tokens=p + n + 1, graph=args.graph, batch_sizes=(b,)) as sess:
+    prompts = _prompts(args, c.vocab_size, b)
+    with BatchSession(model, kv, max_batch=b, max_tokens=p + n + 1, graph=args.graph, batch_sizes=(b,),
+                      **(opts or {})) as sess:
         t0 = time.perf_counter()
         for i, ids in enumerate(prompts):
             sess.add(ids, max_new=n, sampling=_sampled(args.seed + i) if mode == "sampled" else None)
@@ -160,13 +198,16 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
     how = "graph replay" if args.graph else "eager"
     note = (f"prompts {b} x {p} tokens prefilled in {prefill_s:.2f} s; {how}, host wall time per step (median of "
             f"{count} x {per} steps)")
+    if kv == "sparse":
+        note += f"; sparse: budget {opts['budget']} + first 1 / last 4 pages a layer"
     if emulated:
         note += " (emulator: not a hardware measurement)"
-    return dict(model=label, batch=b, sampling=mode, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None, note=note)
+    return dict(model=label, batch=b, kv=kv, sampling=mode, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None, note=note)
 
 
 def _targets(rows: list[dict], label: str) -> list[dict]:
-    by_batch = {r["batch"]: r for r in rows if r.get("sampling", "greedy") == "greedy"}
+    hbm = [r for r in rows if r.get("kv", "hbm") == "hbm"]
+    by_batch = {r["batch"]: r for r in hbm if r.get("sampling", "greedy") == "greedy"}
     out = []
     for batch, times in TARGETS:
         name = f"target: batch {batch} >= {times:g}x batch 1"
@@ -175,10 +216,10 @@ def _targets(rows: list[dict], label: str) -> list[dict]:
             verdict = f"{ratio:.2f}x: {'met' if ratio >= times else 'not met'}"
         else:
             ratio, verdict = None, f"not run (needs batches 1 and {batch})"
-        out.append(dict(model=label, batch=batch, sampling="greedy", tokens_s=None, ms=None, ratio=ratio,
+        out.append(dict(model=label, batch=batch, kv="hbm", sampling="greedy", tokens_s=None, ms=None, ratio=ratio,
                         variant=name, note=verdict))
     greedy = by_batch.get(1)
-    sampled = next((r for r in rows if r["batch"] == 1 and r.get("sampling") == "sampled"), None)
+    sampled = next((r for r in hbm if r["batch"] == 1 and r.get("sampling") == "sampled"), None)
     name = f"target: sampled batch-1 step <= {1 + SAMPLING_COST:g}x greedy"
     if greedy and sampled:
         cost = sampled["ms"] / greedy["ms"]
@@ -186,7 +227,7 @@ def _targets(rows: list[dict], label: str) -> list[dict]:
         ms = sampled["ms"]
     else:
         cost, ms, verdict = None, None, "not run (needs batch 1 with --sampling greedy,sampled)"
-    out.append(dict(model=label, batch=1, sampling="sampled", tokens_s=None, ms=ms, ratio=cost, variant=name,
+    out.append(dict(model=label, batch=1, kv="hbm", sampling="sampled", tokens_s=None, ms=ms, ratio=cost, variant=name,
                     note=verdict))
     return out
 
@@ -194,12 +235,12 @@ def _targets(rows: list[dict], label: str) -> list[dict]:
 def table(rows: list[dict]) -> str:
     def num(value: float | None, fmt: str) -> str:
         return "" if value is None else format(value, fmt)
-    lines = ["| model | batch | sampling | decode tokens/s | ms/step | x batch 1 | note |",
-             "|---|---:|---|---:|---:|---:|---|"]
+    lines = ["| model | batch | kv | sampling | decode tokens/s | ms/step | x batch 1 | note |",
+             "|---|---:|---|---|---:|---:|---:|---|"]
     for r in rows:
         batch = r.get("variant") or ("" if r["batch"] is None else str(r["batch"]))
-        lines.append(f"| {r['model']} | {batch} | {r.get('sampling', '')} | {num(r['tokens_s'], ',.1f')} | "
-                     f"{num(r['ms'], '.3f')} | "
+        lines.append(f"| {r['model']} | {batch} | {r.get('kv', '')} | {r.get('sampling', '')} | "
+                     f"{num(r['tokens_s'], ',.1f')} | {num(r['ms'], '.3f')} | "
                      f"{num(r['ratio'], '.2f')} | {r['note']} |")
     return "\n".join(lines)
 
