@@ -147,6 +147,40 @@ def test_demo_batch_one_stays_the_single_sequence_demo_unless_asked():
     assert "batch 1 (BatchSession)" in forced.stdout and list(row_tokens(forced.stdout)) == [0]
 
 
+SPARSE_FLAGS = ("--kv", "sparse", "--tokens", "6", "--prompt-tokens", "224", "--budget", "1", "--keep-first", "1",
+                "--keep-recent", "1")   # 7 pages of 32 tokens, 3 attended a step: the selection matters
+
+
+@pytest.mark.skipif(sparse_support() is not None, reason=f"hss.swap's sparse mode is missing: {sparse_support()}")
+def test_demo_batch_sparse_rows_decode_what_the_sparse_demo_decodes_alone():
+    """--batch 2 --kv sparse: the header names the mode and its pages, every row's tokens are the single-sequence
+    --kv sparse demo's of its prompt (the same calibrated projection and head temperature), and the report sums the
+    rows' counters: 5 steps x 3 of 7 pages x 2 layers x 2 rows attended."""
+    from hss.demo.batch import PROMPTS
+    out = demo("--model", "random", "--batch", "2", *SPARSE_FLAGS)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("kv sparse (budget 1, first 1, recent 1 pages); batch 2 (BatchSession); graph off; prompts 224 tokens; "
+            "up to 6 tokens per row\n") in out.stdout
+    rows = row_tokens(out.stdout)
+    assert sorted(rows) == [0, 1] and all(len(t) == 6 for t in rows.values())
+    for i in (0, 1):
+        alone = demo("--model", "random", *SPARSE_FLAGS, "--eval-tokens", "4", "--prompt", PROMPTS[i])
+        assert alone.returncode == 0, alone.stdout + alone.stderr
+        assert [int(t) for t in re.search(r"token ids: ([\d ]+)", alone.stdout).group(1).split()] == rows[i], i
+    hits, misses = (int(n) for n in re.search(r"pages attended \(all rows and layers\) 60: (\d+) hits in HBM, "
+                                              r"(\d+) misses read from the host", out.stdout).groups())
+    assert hits + misses == 60 and misses > 0 and " MB read" in out.stdout
+    assert all(f"  row {i}: 224 prompt + 6 tokens (max_new); decode " in out.stdout for i in range(2))
+
+
+def test_demo_batch_refuses_the_exact_swap():
+    for run in (("--batch", "2"), ("--batch", "1", "--batch-session")):
+        out = demo("--model", "random", *run, "--kv", "swap", "--tokens", "3")
+        assert out.returncode == 2 and out.stderr.startswith(f"hss: error: {' '.join(run)}: the exact swap (--kv swap) "
+                                                             "is not batched: pass --kv sparse"), out.stderr
+        assert "--kv hbm" in out.stderr and "drop --batch" in out.stderr
+
+
 # -- sampling flags ---------------------------------------------------------------------------------------------
 def parsed(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()

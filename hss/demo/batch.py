@@ -1,6 +1,9 @@
 """``python -m hss demo --batch N``: N prompts decoded together through :class:`~hss.model.batch.BatchSession`, the
-KV history in HBM (the only mode batched so far), greedily or sampled as the demo's sampling flags say (row i draws
-with ``--seed`` + i: the rows differ, a run repeats).
+KV history in HBM (``--kv hbm``, the default) or behind the device sparse step (``--kv sparse``: each row's complete
+pages in one pinned host store, with the single-sequence demo's sparse settings, :func:`hss.demo.model.sparse_options`:
+``--budget``, ``--keep-first``, ``--keep-recent``, ``--rank``, the projection calibrated once before the batch and the
+per-head temperature; ``--resident`` and ``--tile`` are the single sequence's), greedily or sampled as the demo's
+sampling flags say (row i draws with ``--seed`` + i: the rows differ, a run repeats). The exact swap is not batched.
 
 The rows' prompts: one per non-empty line of ``--prompt-file`` (cycled when the file has fewer lines than N, the
 first N when it has more), else ``--prompt`` in every row, else N of :data:`PROMPTS` (cycled past eight);
@@ -12,8 +15,10 @@ only) shows the step, the live rows and the tokens so far.
 
 The report: the prefill's time and tokens/s; the decode's steps and wall time, then the timed steps (graph replays,
 or eager steps after each batch size's first: the first step of a batch size and its capture are excluded) as
-tokens/s for the batch, ms per step and tokens/s of each row (its timed steps over their time). On the emulator
-every time and rate is marked as no hardware measurement.
+tokens/s for the batch, ms per step and tokens/s of each row (its timed steps over their time); in the sparse mode
+also the pages the rows attended, summed over rows and layers (:meth:`~hss.model.batch.BatchSession.counters`: hits
+in their HBM slots, misses read from the host store, the bytes read). On the emulator every time and rate is marked
+as no hardware measurement.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ import dataclasses
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hss import cuda_min as cm
 from hss.checkpoint import Tokenizer, Weights
@@ -106,9 +113,15 @@ class _Rows:
             print(head + ("\n" + " " * len(head)).join(lines), flush=True)
 
 
-def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name: str, emulated: bool) -> int:
-    """The batched demo (``args`` from :func:`hss.demo.model.add_arguments`, the model loaded): exit status 0, or
-    1 when ``--check`` finds a wrong token in a row."""
+SparseOptions = Callable[[DeviceModel, Tokenizer | None, argparse.Namespace, int], dict[str, Any]]
+
+
+def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name: str, emulated: bool,
+        sparse_options: SparseOptions | None = None) -> int:
+    """The batched demo (``args`` from :func:`hss.demo.model.add_arguments`, the model loaded, ``args.kv`` hbm or
+    sparse): exit status 0, or 1 when ``--check`` finds a wrong token in a row. ``sparse_options``: for ``--kv
+    sparse``, :func:`hss.demo.model.sparse_options` (called once, the model on the device, with the batch's
+    max_tokens)."""
     c = weights.config
     rows = prompts(args, tok, c.vocab_size)
     n_tokens = args.tokens if args.tokens is not None else (EMULATOR_TOKENS if emulated else 128)
@@ -123,15 +136,21 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
     lengths = sorted(len(ids) for ids in rows)
     span = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]} to {lengths[-1]}"
     print(f"hss demo on {where(ctx, emulated)}: {name}")
-    print(f"{model_line(c)}; kv hbm; batch {len(rows)} (BatchSession); graph {'on' if graph else 'off'}; prompts "
+    kv = "sparse" if args.kv == "sparse" else "hbm"
+    if kv == "sparse" and sparse_options is None:
+        raise TypeError("--kv sparse needs sparse_options (hss.demo.model.sparse_options)")
+    mode = (f"kv sparse (budget {args.budget}, first {args.keep_first}, recent {args.keep_recent} pages)"
+            if kv == "sparse" else "kv hbm")
+    print(f"{model_line(c)}; {mode}; batch {len(rows)} (BatchSession); graph {'on' if graph else 'off'}; prompts "
           f"{span} tokens{' (chat)' if args.chat else ''}; up to {n_tokens} tokens per row")
     print(f"sampling: {sampling_text(sampling_params(args), len(rows))}")
     t0 = time.perf_counter()
     out = _Rows(tok, sys.stderr.isatty())
     with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
         weights_line(model, t0, emulated)
-        with BatchSession(model, "hbm", max_batch=len(rows), max_tokens=max_tokens, graph=graph,
-                          fuse_rope=args.fuse_rope) as sess:
+        opts = sparse_options(model, tok, args, max_tokens) if kv == "sparse" and sparse_options else {}
+        with BatchSession(model, kv, max_batch=len(rows), max_tokens=max_tokens, graph=graph,
+                          fuse_rope=args.fuse_rope, **opts) as sess:
             print("--- generated ---", flush=True)
             t1 = time.perf_counter()
             for i, ids in enumerate(rows):
@@ -144,10 +163,17 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
             print("--- end ---")
             tokens = {rid: f.tokens for rid, f in sorted(sess.finished.items())}
             reasons = {rid: f.reason for rid, f in sess.finished.items()}
+            pages = _pages(sess) if kv == "sparse" else None
     if args.print_ids and tok is not None:
         for rid, toks in tokens.items():
             print(f"[row {rid}] token ids: {' '.join(map(str, toks))}")
     _report(rows, tokens, reasons, prefill_s, stats, graph, emulated)
+    if pages is not None:
+        attended = pages["hits"] + pages["misses"]
+        print(f"KV: each row's complete pages in a pinned host store, attended through the device sparse step; pages "
+              f"attended (all rows and layers) {attended:,}: {pages['hits']:,} hits in HBM, {pages['misses']:,} "
+              f"misses read from the host (hit rate {pages['hits'] / max(attended, 1):.3f}), "
+              f"{pages['bytes_read'] / 1e6:.3f} MB read")
     if not args.check:
         return 0
     ok = True
@@ -156,6 +182,12 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
         ok &= result.ok
         print(f"check against the numpy forward (bf16 weights): row {rid}: {result}")
     return 0 if ok else 1
+
+
+def _pages(sess: BatchSession) -> dict[str, int]:
+    """The sparse batch's ``hits`` / ``misses`` / ``bytes_read``, summed over its rows and layers."""
+    rows = [sess.counters(rid) for rid in sorted(sess.finished)]
+    return {k: sum(int(r[k].sum()) for r in rows) for k in ("hits", "misses", "bytes_read")}
 
 
 def _decode(sess: BatchSession, out: _Rows, graph: bool) -> _Stats:

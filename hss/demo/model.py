@@ -17,8 +17,9 @@ Without a GPU the same code runs on the CPU emulator for a short prompt and a fe
 bandwidth it prints is marked as no hardware measurement.
 
 ``--batch N`` decodes N prompts together through :class:`~hss.model.batch.BatchSession` (:mod:`hss.demo.batch`:
-the KV history in HBM, one CUDA graph per batch size; each row's text printed as ``[row i] ...`` when it finishes,
-tokens/s per row and for the batch at the end); ``--batch 1`` (the default) is the single-sequence demo above.
+the KV history in HBM, or with ``--kv sparse`` behind the device sparse step with this demo's sparse settings; one
+CUDA graph per batch size; each row's text printed as ``[row i] ...`` when it finishes, tokens/s per row and for the
+batch at the end); the exact swap is not batched. ``--batch 1`` (the default) is the single-sequence demo above.
 
 The model: ``--model PATH`` (a GGUF file, a Hugging Face checkpoint directory, ``hf:ORG/NAME``), ``--model random``
 (a tiny random model, no file), or by default SmolLM2-135M-Instruct's GGUF from hss's cache, fetched there on first
@@ -58,8 +59,8 @@ from hss.model.kv import sparse_support
 from hss.model.session import DeviceModel, Session, StageTimer
 from hss.model.staged import RING
 
-__all__ = ["add_arguments", "run", "random_model", "int_at_least", "prompt_text", "prompt_ids", "PARAGRAPH",
-           "RANDOM_CONFIG", "NOT_MEASURED", "EMULATOR_PROMPT", "EMULATOR_TOKENS"]
+__all__ = ["add_arguments", "run", "random_model", "sparse_options", "int_at_least", "prompt_text", "prompt_ids",
+           "PARAGRAPH", "RANDOM_CONFIG", "NOT_MEASURED", "EMULATOR_PROMPT", "EMULATOR_TOKENS"]
 
 RANDOM_CONFIG = Config(n_layer=2, dim=128, n_head=4, n_kv_head=2, head_dim=64, ffn_dim=256, vocab_size=512,
                        context_length=512)
@@ -97,8 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     count("--tokens", 1, None, "N", f"tokens to generate (default 128; emulator {EMULATOR_TOKENS})")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default=None, help="where the KV history lives "
-                   "(default swap; with --batch N > 1: hbm, the only mode batched so far)")
-    count("--batch", 1, 1, "N", "decode N prompts together (BatchSession, --kv hbm only for now; prompts: one per "
+                   "(default swap; with --batch N > 1: hbm, or sparse; the exact swap is not batched)")
+    count("--batch", 1, 1, "N", "decode N prompts together (BatchSession, --kv hbm or sparse; prompts: one per "
           "line of --prompt-file, cycled to N rows, else --prompt in every row, else N of the built-in prompts, "
           "cycled; --prompt-tokens applies to each row). Default 1: the single-sequence demo")
     p.add_argument("--batch-session", action="store_true", help="decode through BatchSession even for --batch 1 "
@@ -211,6 +212,16 @@ def _options(args: argparse.Namespace, kv: str) -> dict[str, Any]:
     return opts
 
 
+def sparse_options(model: DeviceModel, tok: Tokenizer | None, args: argparse.Namespace,
+                   max_tokens: int) -> dict[str, Any]:
+    """The sparse mode's settings, for ``Session(kv="sparse")`` and ``BatchSession(model, "sparse")`` alike:
+    ``--budget``, ``--keep-first``, ``--keep-recent``, ``--rank``, the calibrated projection (:func:`_calibration`,
+    one hbm prefill of other text) and ``head_temperature`` sqrt(head_dim)."""
+    return {"budget": args.budget, "keep_first": args.keep_first, "keep_recent": args.keep_recent, "rank": args.rank,
+            "projection": _calibration(model, tok, args, max_tokens),
+            "head_temperature": math.sqrt(model.config.head_dim)}
+
+
 def _calibration(model: DeviceModel, tok: Tokenizer | None, args: argparse.Namespace, max_tokens: int) -> np.ndarray:
     """A calibrated projection for the sparse mode's predictor, from the keys of other text than the prompt (the Zen
     of Python), prefilled in hbm mode."""
@@ -292,10 +303,10 @@ def run(args: argparse.Namespace) -> int:
     """The demo (``args`` from :func:`add_arguments`): exit status 0, or 1 when ``--check`` finds a wrong token; an
     unusable model file, prompt or option is an :class:`HssError` (``python -m hss`` prints it, exit status 2)."""
     batched = args.batch > 1 or args.batch_session
-    if batched and args.kv not in (None, "hbm"):
-        raise HssError(f"--batch {args.batch}{' --batch-session' if args.batch_session else ''} decodes with --kv hbm "
-                       f"only for now, not --kv {args.kv}: pass --kv hbm (or no --kv), or drop --batch to decode one "
-                       f"sequence with --kv {args.kv}")
+    if batched and args.kv == "swap":
+        raise HssError(f"--batch {args.batch}{' --batch-session' if args.batch_session else ''}: the exact swap "
+                       "(--kv swap) is not batched: pass --kv sparse (the device sparse step) or --kv hbm (or no --kv) "
+                       "with --batch, or drop --batch to decode one sequence with --kv swap")
     args = argparse.Namespace(**{**vars(args), "kv": args.kv or ("hbm" if batched else "swap")})
     sampling = sampling_params(args)
     if args.check and not sampling.greedy:
@@ -309,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     weights, tok, name = _load(args)
     if batched:
         from hss.demo import batch
-        return batch.run(args, weights, tok, name, emulated)
+        return batch.run(args, weights, tok, name, emulated, sparse_options)
     c = weights.config
     own_prompt = args.prompt is not None or args.prompt_file or args.chat
     n_prompt = args.prompt_tokens if args.prompt_tokens is not None else (
@@ -331,9 +342,7 @@ def run(args: argparse.Namespace) -> int:
         weights_line(model, t0, emulated)
         opts = _options(args, args.kv)
         if args.kv == "sparse":
-            opts.update(budget=args.budget, keep_first=args.keep_first, keep_recent=args.keep_recent,
-                        projection=_calibration(model, tok, args, max_tokens),
-                        head_temperature=math.sqrt(c.head_dim))
+            opts.update(sparse_options(model, tok, args, max_tokens))
         with model.session(args.kv, max_tokens=max_tokens, graph=graph, sampling=sampling, **opts) as sess:
             out = _generate(args, sess, model, ids, tok, n_tokens, emulated)
         if args.kv == "sparse":
