@@ -146,8 +146,9 @@ __device__ __forceinline__ void for_tokens(const RowTokens& t, const RowParams& 
 }
 
 // One radix round's counts: hist[(key >> sh) & mask] += 1 for each token whose key >> up == prefix (every token
-// when first), one atomic per distinct bin of the warp (logits cluster in few bins). Every lane of every warp
-// runs the same iterations, so the full-warp match is safe.
+// when first). A warp whose live lanes share one bin adds their count in one atomic (equal logits); otherwise each
+// live lane adds 1 (shared atomics serialize only on equal bins; a whole-warp match costs more than that). Every
+// lane of every warp runs the same iterations, so the whole-warp votes are safe.
 __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, int up, uint32_t prefix, int sh,
                             uint32_t mask, uint32_t* hist) {
     const int lane = threadIdx.x & 31;
@@ -166,8 +167,15 @@ __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, 
                 live = first || (key >> up) == prefix;
                 if (live) bin = (key >> sh) & mask;
             }
-            const unsigned peers = __match_any_sync(HSS_FULL_MASK, bin);
-            if (live && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (uint32_t)__popc(peers));
+            const unsigned lanes = __ballot_sync(HSS_FULL_MASK, live);
+            if (lanes == 0u) continue;   // warp-uniform
+            const int lead = __ffs(lanes) - 1;
+            const uint32_t lead_bin = __shfl_sync(HSS_FULL_MASK, bin, lead);
+            if (__all_sync(HSS_FULL_MASK, !live || bin == lead_bin)) {
+                if (lane == lead) atomicAdd(&hist[lead_bin], (uint32_t)__popc(lanes));
+            } else if (live) {
+                atomicAdd(&hist[bin], 1u);
+            }
         }
     }
 }
