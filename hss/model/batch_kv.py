@@ -47,13 +47,13 @@ Scratch = Callable[[int], tuple[int, int]]   # layer -> (K, V) positional prefil
 def sparse_options(c: Config, kv: str, max_batch: int, max_tokens: int, pages: int | None,
                    **opts: Any) -> dict[str, Any] | None:
     """:class:`BatchSparseKV`'s options (``budget``, ``keep_first``, ``keep_recent``, ``rank``, ``projection``,
-    ``head_temperature``) checked before any device work, as keywords for it; None for kv='hbm', which takes none of
-    them (``TypeError`` / :class:`HssError` naming the option)."""
+    ``head_temperature``) checked before any device work, as keywords for it; None for kv='hbm' and kv='swap', which
+    take none of them (``TypeError`` / :class:`HssError` naming the option)."""
     budget, projection, temperature = opts["budget"], opts["projection"], opts["head_temperature"]
-    if kv == "hbm":
+    if kv != "sparse":
         for name in ("budget", "projection", "head_temperature"):
             if opts[name] is not None:
-                raise HssError(f"{name}= is for the sparse KV mode (kv='sparse'), not kv='hbm'")
+                raise HssError(f"{name}= is for the sparse KV mode (kv='sparse'), not kv={kv!r}")
         return None
     problem = sparse_support()
     if problem:
@@ -88,6 +88,7 @@ class _PagedRows(Closeable):
     stack, the session's forward workspace and row states."""
 
     mode = ""
+    graph_epoch = 0   # the step's work never changes with the rows: one capture per batch size replays throughout
 
     def __init__(self, ctx: cm.CudaCtx, config: Config, fwd: Forward, state: int, stream: int, max_batch: int,
                  max_tokens: int, block_size: int) -> None:
@@ -128,6 +129,10 @@ class _PagedRows(Closeable):
 
     def step_ops(self, b: int) -> list[Op]:
         """Ops at the start of a step of ``b`` rows, before the embedding."""
+        return []
+
+    def step_end_ops(self, b: int) -> list[Op]:
+        """Ops at the end of a step of ``b`` rows, after the token's launch."""
         return []
 
     def close(self) -> None:
