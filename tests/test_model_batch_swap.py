@@ -284,16 +284,22 @@ def test_one_copy_per_row_and_layer(model):
 
 @given(ops=st.lists(st.tuples(st.sampled_from(["take", "grow", "give"]), st.integers(0, 9)), max_size=40))
 def test_block_pool_never_gives_an_id_twice(ops):
+    """Random joins, growth and leaves: no id held twice, the free count exact, a join of at most ``extent`` pages
+    takes the first aligned free run when there is one, a growing row the id after its last when free."""
     pool, held = _BlockPool(23, 5), []
     for op, n in ops:
         if op == "take" and n <= pool.count:
+            extent = pool.free[:20].reshape(4, 5).all(axis=1)   # aligned runs of 5 free ids
             got = pool.take(n)
-            if pool.count + n >= 5 and n and got[0] % 5 == 0:
-                assert got == list(range(got[0], got[0] + n))
+            if 0 < n <= 5 and extent.any():   # the first free run, else the lowest ids
+                first = 5 * int(np.flatnonzero(extent)[0])
+                assert got == list(range(first, first + n))
             held.append(got)
         elif op == "grow" and held and pool.count:
             row = held[n % len(held)]
+            after = row[-1] + 1 if row and row[-1] + 1 < 23 and pool.free[row[-1] + 1] else None
             row.append(pool.take_after(row[-1] if row else None))
+            assert after is None or row[-1] == after
         elif op == "give" and held:
             pool.give(held.pop(n % len(held)))
         ids = [i for row in held for i in row]

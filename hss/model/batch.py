@@ -64,7 +64,7 @@ class _Row:
     sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)   # the KV mode's page ids, position order
-    kv_counts: np.ndarray | None = None              # sparse, swap: page counters, int64 [n_layer, 2]
+    kv_counts: np.ndarray | None = None              # sparse: counters of the lanes it left, int64 [n_layer, 2]
 
 
 class BatchSession(Closeable):

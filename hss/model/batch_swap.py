@@ -99,7 +99,7 @@ class _BlockPool:
 
     def take(self, n: int) -> list[int]:
         """``n`` ids (``n <= count``) for a joining row."""
-        start = self._first_extent() if n else None
+        start = self._first_extent() if 0 < n <= self.extent else None
         ids = list(range(start, start + n)) if start is not None else self._lowest(n)
         self.free[ids] = False
         self.count -= len(ids)
@@ -183,7 +183,7 @@ class BatchSwapKV(Closeable):
         self._lanes: dict[int, list[int]] = {}   # lane -> its row's block ids (the row's ``pages``), live lanes
         self._ids: dict[int, int] = {}           # lane -> its row's id, live lanes
         self._pending: dict[int, int] = {}       # row id -> the block the page it completes this step goes to
-        self._done: dict[int, np.ndarray] = {}   # finished rows' counters
+        self._tally: dict[int, list[int]] = {}   # row id -> [hits, misses] per layer since it joined (all alike)
         self._runs: tuple[list[tuple[int, int, int]], int] | None = None   # the copies (see _plan), None: stale
         self._epochs = itertools.count(1)
         self.graph_epoch = 0
@@ -335,15 +335,18 @@ class BatchSwapKV(Closeable):
         after them) and, for one of the first R pages, into their resident pages; their tables name the new page.
         The next epoch (module doc)."""
         L, R, bb, s = self.config.n_layer, self.resident, self.page_bytes, self.stream
-        n = self.counts
-        n["steps"] += 1
+        hits = misses = 0
         for r in rows:   # this step attended len(r.pages) complete pages of every layer
             hit = min(len(r.pages), R)
-            counts = np.array([hit, len(r.pages) - hit], np.int64)
-            r.kv_counts = counts[None, :].repeat(L, 0) + (0 if r.kv_counts is None else r.kv_counts)
-            n["hits"] += L * hit
-            n["misses"] += L * (len(r.pages) - hit)
-            n["bytes_read"] += L * (len(r.pages) - hit) * bb
+            tally = self._tally.setdefault(r.id, [0, 0])
+            tally[0] += hit
+            tally[1] += len(r.pages) - hit
+            hits, misses = hits + hit, misses + len(r.pages) - hit
+        n = self.counts
+        n["steps"] += 1
+        n["hits"] += L * hits
+        n["misses"] += L * misses
+        n["bytes_read"] += L * misses * bb
         done = [r for r in rows if r.pos % self.block_size == 0]
         for r in done:
             block, p, lane = self._pending.pop(r.id), len(r.pages), r.lane
@@ -365,7 +368,6 @@ class BatchSwapKV(Closeable):
 
     def release(self, row: Any) -> None:
         """The row leaves: its counters are kept, its block ids go back to the pool."""
-        self._done[row.id] = row.kv_counts
         self._blocks_free.give(row.pages + ([self._pending.pop(row.id)] if row.id in self._pending else []))
         row.pages = []
         self._lanes.pop(row.lane, None)
@@ -395,11 +397,10 @@ class BatchSwapKV(Closeable):
         """A row's page counters since it joined (``row`` its live record, or None for a finished row ``rid``):
         ``hits`` (complete pages attended from its resident pages), ``misses`` (streamed from the host store),
         ``bytes_read``, int64 ``[n_layer]``."""
-        counts = self._done[rid] if row is None else row.kv_counts
-        if counts is None:
-            counts = np.zeros((self.config.n_layer, 2), np.int64)
-        return {"hits": counts[:, 0].copy(), "misses": counts[:, 1].copy(),
-                "bytes_read": counts[:, 1] * self.page_bytes}
+        hits, misses = self._tally.get(rid, (0, 0))
+        layers = self.config.n_layer
+        return {"hits": np.full(layers, hits, np.int64), "misses": np.full(layers, misses, np.int64),
+                "bytes_read": np.full(layers, misses * self.page_bytes, np.int64)}
 
     # -- the step ----------------------------------------------------------------------------------
     def _copy(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
