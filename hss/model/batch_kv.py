@@ -1,5 +1,6 @@
 """The KV modes of a :class:`~hss.model.batch.BatchSession`: where each row's history lives and how a step of ``b``
-rows attends it (docs/design.md §21.2, §21.7).
+rows attends it (docs/design.md §21.2, §21.7; the exact swap, behind the same interface, is
+:class:`~hss.model.batch_swap.BatchSwapKV`, §21.8).
 
 - :class:`BatchHbmKV` (``kv="hbm"``): pages of :data:`~hss.model.kv.HBM_PAGE` tokens from one shared HBM pool, one
   token-count tile per layer over each row's pages.
@@ -11,7 +12,8 @@ rows attends it (docs/design.md §21.2, §21.7).
 Both keep a page table i32 ``[max_batch, entries]`` on the device (lane r's row: its page ids in position order, -1
 unused) with a host mirror, and answer the session's calls: :meth:`check_join` / :meth:`join` (a prefilled row's
 pages from the positional scratch caches), :meth:`before_step` / :meth:`after_step` (between steps),
-:meth:`step_ops` / :meth:`attention_ops` (the step program, captured as a graph), :meth:`release`, :meth:`move` and
+:meth:`step_ops` / :meth:`attention_ops` / :meth:`step_end_ops` (the step program, captured as a graph; its
+``graph_epoch`` constant here), :meth:`release`, :meth:`move` and
 :meth:`clear` (a row leaves and the last lane's row moves into its lane). The rows are the session's ``_Row`` records
 (``lane``, ``pos``: the position the next step writes, ``pages``: the page ids this mode gave the row).
 """
