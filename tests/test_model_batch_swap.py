@@ -185,6 +185,35 @@ def test_graphs_change_exactly_with_the_epoch(model):
     assert stale != tokens, "the epoch does not bite"
 
 
+def test_the_epoch_follows_the_copies_only(model):
+    """A row without staged pages joining and leaving changes no copy: the graph of the batch size and its prefetched
+    slots stay; with every page resident nothing is ever copied and one capture serves throughout."""
+    long, short = prompt_of(2 * BS + 5, 55), prompt_of(10, 56)
+    with BatchSession(model, "swap", max_batch=2, max_tokens=4 * BS, graph=True, batch_sizes=(2,), resident=0,
+                      ring=2) as b:
+        a = b.add(long, max_new=12)
+        b.step()
+        b.step()                                     # captured, the slots prefetched
+        epoch, captures = b.kv.graph_epoch, b.captures
+        assert b.kv.prefetched and captures == 1
+        s = b.add(short, max_new=4)
+        b.step()
+        assert (b.kv.graph_epoch, b.captures, b.kv.prefetched) == (epoch, captures, True)
+        b.remove(s)
+        b.step()
+        assert (b.kv.graph_epoch, b.captures) == (epoch, captures)
+        b.drain()
+    assert_decodes_alone(model, long, b.finished[a].tokens, 4 * BS, "long", "swap", resident=0, ring=2)
+    assert_decodes_alone(model, short, b.finished[s].tokens, 4 * BS, "short", "swap", resident=0, ring=2)
+    with BatchSession(model, "swap", max_batch=2, max_tokens=4 * BS, graph=True, batch_sizes=(2,),
+                      resident=LAYERS * 4) as b:
+        rows = [b.add(long, max_new=3 * BS // 2), b.add(short, max_new=BS)]
+        b.drain()
+        assert b.captures == 1 and b.kv.graph_epoch == 0
+    for p, r in zip((long, short), rows):
+        assert_decodes_alone(model, p, b.finished[r].tokens, 4 * BS, str(len(p)), "swap", resident=LAYERS * 4)
+
+
 def racing(monkeypatch) -> None:
     """Make the copy stream run each copy as soon as it is queued (as a fast copy engine may)."""
     copy = BatchSwapKV._copy

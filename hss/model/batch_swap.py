@@ -24,8 +24,9 @@ and tile as a lone ``Session(kv="swap")``, so the same bits. A step, in queue or
   copy stream waits for it and copies the slot's next user (layer l + S, or the next step's layer l % S);
 * at its end: the compute stream waits for the copy stream (a capture joins every stream it forked).
 
-The copies' sizes and addresses change when the rows do (a row completes a page, joins, leaves or changes lanes) and
-with ``prefetched``: :attr:`BatchSwapKV.graph_epoch` is a fresh number after each such change, so a step graph
+The copies' sizes and addresses change when the rows' staged pages do (a row completes a page, or one with staged
+pages joins, leaves or changes lanes) and with ``prefetched``: :attr:`BatchSwapKV.graph_epoch` is a fresh number after
+each change of the step's work (the copies, and whether the step before made the first ones), so a step graph
 captured under one epoch replays exactly while it holds; :meth:`BatchSwapKV.next_epoch` queues the next epoch's step
 ahead of time (the rows completing a page this step take their block id before it, in :meth:`before_step`). Block
 ids come from a pool that gives a joining row a free run of ``entries`` ids when it can, and a growing row the id
@@ -184,11 +185,12 @@ class BatchSwapKV(Closeable):
         self._ids: dict[int, int] = {}           # lane -> its row's id, live lanes
         self._pending: dict[int, int] = {}       # row id -> the block the page it completes this step goes to
         self._tally: dict[int, list[int]] = {}   # row id -> [hits, misses] per layer since it joined (all alike)
-        self._runs: tuple[list[tuple[int, int, int]], int] | None = None   # the copies (see _plan), None: stale
+        self._runs: tuple[tuple[tuple[int, int, int], ...], int] | None = None   # the copies (_plan), None: stale
         self._epochs = itertools.count(1)
         self.graph_epoch = 0
         self._planned: int | None = None   # the epoch next_epoch promised to the change after_step makes
         self.prefetched = False            # whether the step queued before the next one copied its first layers
+        self._step: tuple[tuple[tuple[int, int, int], ...], bool] = ((), False)   # the epoch's (copies, prefetched)
         self.counts = dict(steps=0, hits=0, misses=0, bytes_read=0)
 
     # -- layout ------------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class BatchSwapKV(Closeable):
         return self._blocks_free.count
 
     # -- the plan: what a step copies --------------------------------------------------------------
-    def _plan(self) -> tuple[list[tuple[int, int, int]], int]:
+    def _plan(self) -> tuple[tuple[tuple[int, int, int], ...], int]:
         """(runs, staged pages): per run of consecutive block ids of a live lane's pages R .. full - 1, (its first
         page in a slot, its first block, its pages); the staged pages of all lanes."""
         if self._runs is None:
@@ -233,7 +235,7 @@ class BatchSwapKV(Closeable):
                     if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
                         runs.append((lane * self._room + first - R, blocks[first], i - first))
                         first = i
-            self._runs = runs, sum(n for _, _, n in runs)
+            self._runs = tuple(runs), sum(n for _, _, n in runs)
         return self._runs
 
     @property
@@ -241,26 +243,38 @@ class BatchSwapKV(Closeable):
         """Bytes a step streams from the host store now (all layers, the live rows' staged pages)."""
         return self.config.n_layer * self._plan()[1] * self.page_bytes
 
-    def _changed(self) -> None:
-        """The rows changed between steps (a join, leave or move): a new epoch, the slots to be copied afresh."""
-        self._runs, self.prefetched, self._planned = None, False, None
-        self.graph_epoch = next(self._epochs)
+    def _key(self, prefetched: bool) -> tuple[tuple[tuple[int, int, int], ...], bool]:
+        """What a step queues with the current lanes: their copies, and whether the step before copied its first
+        layers (``prefetched``: it did if asked and it had the same copies to make)."""
+        self._runs = None
+        runs, staged = self._plan()
+        return runs, prefetched and staged > 0 and runs == self._step[0]
+
+    def _update(self, prefetched: bool) -> None:
+        """The lanes changed (or a step was queued: ``prefetched`` whether it copied the next step's first layers):
+        a new epoch when the step's work did (the promised one, if :meth:`next_epoch` promised this change)."""
+        key = self._key(prefetched)
+        self.prefetched = key[1]
+        if key != self._step:
+            self._step = key
+            self.graph_epoch = self._planned if self._planned is not None else next(self._epochs)
+        self._planned = None
 
     def next_epoch(self) -> contextlib.AbstractContextManager[int] | None:
         """A context in which the ops queue the step as it will be after :meth:`after_step` of the step queued now
         (its rows completing pages, or the slots prefetched), yielding that epoch, for a capture ahead of time; None
         when that step's work is this one's."""
         done = {lane: self._pending[rid] for lane, rid in self._ids.items() if rid in self._pending}
-        prefetched = not done and self.ring > 1
-        if not done and prefetched == self.prefetched:
-            return None
-        return self._planning(done, prefetched)
+        saved = self._lanes
+        self._lanes = {lane: blocks + [done[lane]] if lane in done else blocks for lane, blocks in saved.items()}
+        key = self._key(self.ring > 1)
+        planned, self._lanes, self._runs = self._lanes, saved, None
+        return None if key == self._step else self._planning(planned, key[1])
 
     @contextlib.contextmanager
-    def _planning(self, done: dict[int, int], prefetched: bool) -> Iterator[int]:
+    def _planning(self, lanes: dict[int, list[int]], prefetched: bool) -> Iterator[int]:
         saved = self._lanes, self.prefetched, self._runs
-        self._lanes = {lane: blocks + [done[lane]] if lane in done else blocks for lane, blocks in saved[0].items()}
-        self.prefetched, self._runs = prefetched, None
+        self._lanes, self.prefetched, self._runs = lanes, prefetched, None
         self._planned = next(self._epochs)
         try:
             yield self._planned
@@ -303,7 +317,7 @@ class BatchSwapKV(Closeable):
         self._set_row(lane, full)
         self._lanes[lane] = row.pages
         self._ids[lane] = row.id
-        self._changed()
+        self._update(self.prefetched)
 
     def _images(self, kv: np.ndarray, n: int) -> np.ndarray:
         """Page images uint8 ``[n_layer, n, block_bytes]`` (the store's layout, padding zero) of the bf16 K and V rows
@@ -360,11 +374,7 @@ class BatchSwapKV(Closeable):
             if p + 1 < self.entries:
                 self._table[:, lane, p + 1] = self._tail_page(lane, np.arange(L))
             self._put_table(lane, p, min(p + 2, self.entries))
-        prefetched = not done and self.ring > 1
-        if done or prefetched != self.prefetched:
-            self._runs, self.prefetched = None, prefetched
-            self.graph_epoch = self._planned if self._planned is not None else next(self._epochs)
-        self._planned = None
+        self._update(self.ring > 1)
 
     def release(self, row: Any) -> None:
         """The row leaves: its counters are kept, its block ids go back to the pool."""
@@ -372,7 +382,7 @@ class BatchSwapKV(Closeable):
         row.pages = []
         self._lanes.pop(row.lane, None)
         self._ids.pop(row.lane, None)
-        self._changed()
+        self._update(self.prefetched)
 
     def move(self, row: Any, src: int, dst: int) -> None:
         """``row`` moves from lane ``src`` into ``dst``: its resident and tail pages (device to device, in stream
@@ -385,13 +395,13 @@ class BatchSwapKV(Closeable):
         self._set_row(dst, len(row.pages))
         self._lanes[dst] = self._lanes.pop(src)
         self._ids[dst] = self._ids.pop(src)
-        self._changed()
+        self._update(self.prefetched)
 
     def clear(self, lane: int) -> None:
         """``lane`` goes idle (its table rows are left as they are: an idle lane attends nothing)."""
         self._lanes.pop(lane, None)
         self._ids.pop(lane, None)
-        self._changed()
+        self._update(self.prefetched)
 
     def counters(self, row: Any, rid: int) -> dict[str, np.ndarray]:
         """A row's page counters since it joined (``row`` its live record, or None for a finished row ``rid``):
