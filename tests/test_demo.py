@@ -174,12 +174,32 @@ def test_demo_batch_sparse_rows_decode_what_the_sparse_demo_decodes_alone():
     assert all(f"  row {i}: 224 prompt + 6 tokens (max_new); decode " in out.stdout for i in range(2))
 
 
-def test_demo_batch_refuses_the_exact_swap():
-    for run in (("--batch", "2"), ("--batch", "1", "--batch-session")):
-        out = demo("--model", "random", *run, "--kv", "swap", "--tokens", "3")
-        assert out.returncode == 2 and out.stderr.startswith(f"hss: error: {' '.join(run)}: the exact swap (--kv swap) "
-                                                             "is not batched: pass --kv sparse"), out.stderr
-        assert "--kv hbm" in out.stderr and "drop --batch" in out.stderr
+# a page and 28 tokens: the first page of each layer resident, the second streamed once it completes
+SWAP_FLAGS = ("--kv", "swap", "--tokens", "6", "--prompt-tokens", "60", "--resident", "2")
+
+
+def test_demo_batch_swap_rows_decode_what_the_swap_demo_decodes_alone():
+    """--batch 2 --kv swap (graphs on, captured again as the rows' pages change): the header names the mode, every
+    row's tokens are the single-sequence --kv swap demo's of its prompt, and the report sums the rows' counters:
+    (5 steps x 1 + 1) pages x 2 layers x 2 rows attended, 5 x 2 x 2 resident, the one completed during the steps
+    streamed (a capture for its epoch and one for the slots prefetched after it); --batch-session with --batch 1 is
+    the same path."""
+    from hss.demo.batch import PROMPTS
+    out = demo("--model", "random", "--batch", "2", "--graph", *SWAP_FLAGS)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("kv swap (2 resident pages a row, all layers; ring 3); batch 2 (BatchSession); graph on; prompts 60 "
+            "tokens; up to 6 tokens per row\n") in out.stdout
+    rows = row_tokens(out.stdout)
+    assert sorted(rows) == [0, 1] and all(len(t) == 6 for t in rows.values())
+    for i in (0, 1):
+        alone = demo("--model", "random", *SWAP_FLAGS, "--prompt", PROMPTS[i])
+        assert alone.returncode == 0, alone.stdout + alone.stderr
+        assert [int(t) for t in re.search(r"token ids: ([\d ]+)", alone.stdout).group(1).split()] == rows[i], i
+    assert ("pages attended (all rows and layers) 24: 20 resident in HBM, 4 streamed from the host, 0.066 MB "
+            "streamed; the step captured 3 time(s)") in out.stdout, out.stdout
+    assert all(f"  row {i}: 60 prompt + 6 tokens (max_new); decode " in out.stdout for i in range(2))
+    one = demo("--model", "random", "--batch", "1", "--batch-session", *SWAP_FLAGS)
+    assert one.returncode == 0 and "kv swap (2 resident" in one.stdout and list(row_tokens(one.stdout)) == [0]
 
 
 # -- sampling flags ---------------------------------------------------------------------------------------------

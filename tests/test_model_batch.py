@@ -330,8 +330,7 @@ def test_pages_come_from_a_shared_pool(model):
 
 
 def test_bad_arguments_raise_before_device_work(model):
-    cases = [(HssError, "exact swap", lambda: BatchSession(model, "swap", max_batch=2, max_tokens=8)),
-             (HssError, "budget", lambda: BatchSession(model, "sparse", max_batch=2, max_tokens=8)),
+    cases = [(HssError, "budget", lambda: BatchSession(model, "sparse", max_batch=2, max_tokens=8)),
              (HssError, "kv must", lambda: BatchSession(model, "ram", max_batch=2, max_tokens=8)),
              (TypeError, "model", lambda: BatchSession(object(), max_batch=2, max_tokens=8)),
              (HssError, "max_batch", lambda: BatchSession(model, max_batch=0, max_tokens=8)),
@@ -492,14 +491,14 @@ def test_sparse_bad_options_raise_before_device_work(model):
     for kw in ({"budget": 2}, {"projection": good}, {"head_temperature": 8.0}):
         with pytest.raises(HssError, match="sparse KV mode"):
             BatchSession(model, "hbm", **ok, **kw)
-    with pytest.raises(HssError, match="exact swap"):
+    with pytest.raises(HssError, match="sparse KV mode"):
         BatchSession(model, "swap", **ok, budget=1)
     with pytest.raises(HssError, match="one row of max_tokens"):
         BatchSession(model, "sparse", **ok, budget=1, pages=1)
     assert cm.mem_info()[0] == free, "a refused BatchSession allocated device memory"
     with BatchSession(model, **ok) as b:
         r = b.add([1, 2, 3])
-        with pytest.raises(HssError, match="sparse KV mode"):
+        with pytest.raises(HssError, match="swap KV modes"):
             b.counters(r)
     with BatchSession(model, "sparse", **ok, budget=1, projection=good, head_temperature=8.0) as b:
         with pytest.raises(HssError, match="never added"):

@@ -2,7 +2,7 @@
 replayed as a CUDA graph) of SmolLM2-135M-Instruct at several batch sizes.
 
     python -m hss.bench batch [--prompt-tokens 2048] [--tokens 256] [--batches 1,16,64] [--model smollm2]
-                              [--sampling greedy,sampled] [--kv hbm,sparse] [--budget 16]
+                              [--sampling greedy,sampled] [--kv hbm,sparse,swap] [--budget 16] [--resident 0]
     python -m hss.bench batch --smoke      tiny sizes on the tiny random model (runs on the CPU emulator in CI)
 
 For each batch size B: a BatchSession of B rows, each prefilled with its own ``--prompt-tokens`` random token ids
@@ -16,14 +16,18 @@ puts it there; never fetched here: when it is missing the suite says so and skip
 shapes with random weights (no file); ``random`` the demo's tiny random model; anything else a model path
 (:func:`hss.checkpoint.load_model`).
 
-``--kv``: ``hbm`` (default) and/or ``sparse`` (the device sparse step: ``--budget`` pages + the first 1 / last 4 a
+``--kv``: ``hbm`` (default), ``sparse`` (the device sparse step: ``--budget`` pages + the first 1 / last 4 a
 layer, the predictor calibrated once from the first prompt's keys, per-head scores with temperature sqrt(head_dim):
-the demo's setting), each measured in the same run. ``--sampling``: ``greedy`` (default; ``model_argmax`` ends the
+the demo's setting) and/or ``swap`` (the exact swap: every row's complete pages but ``--resident`` (all layers) streamed
+from pinned host memory each step), each measured in the same run. The swap rows also give the bytes streamed per step
+(averaged over the timed steps and their warm-up), the pinned H2D bandwidth measured in the same run (one copy of up
+to 256 MiB from a pinned buffer, timed with events, the best of three) and the floor they set: streamed bytes / that
+bandwidth, and the step's time as a multiple of it. ``--sampling``: ``greedy`` (default; ``model_argmax`` ends the
 step) and/or ``sampled`` (every row draws with :data:`SAMPLED`, its own seed: the sampler's launch ends the step),
 each batch size measured in each, in the same run.
 
 Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s, greedy); with both samplings,
-a sampled batch-1 step within 5 % of a greedy one.
+a sampled batch-1 step within 5 % of a greedy one; the swap's batch-16 step within 1.3x its H2D floor (greedy).
 """
 from __future__ import annotations
 
@@ -34,13 +38,14 @@ from typing import Any
 
 import numpy as np
 
-SMOKE = dict(model="random", prompt_tokens=24, tokens=8, batches="1,2", sampling="greedy,sampled", kv="hbm,sparse",
-             budget=1)
+SMOKE = dict(model="random", prompt_tokens=40, tokens=8, batches="1,2", sampling="greedy,sampled",
+             kv="hbm,sparse,swap", budget=1)
 TARGETS = ((16, 8.0), (64, 20.0))   # (batch, at least this many times batch 1's decode tokens/s)
 TIMED_BATCHES = 3                   # host_us batches of steps: the median of their µs per step
 SAMPLING_COST = 0.05                # a sampled batch-1 step within this fraction of a greedy one
+SWAP_FLOOR = (16, 1.3)              # (batch, the swap step within this multiple of its H2D floor)
 SAMPLINGS = ("greedy", "sampled")
-KV_MODES = ("hbm", "sparse")
+KV_MODES = ("hbm", "sparse", "swap")
 
 
 def _sampled(seed: int) -> Any:
@@ -66,8 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="replay each step as a CUDA graph (default)")
     p.add_argument("--sampling", default="greedy", help="comma-separated: greedy (model_argmax) and/or sampled "
                    f"({SAMPLED}; each row its own seed)")
-    p.add_argument("--kv", default="hbm", help="comma-separated: hbm and/or sparse (the device sparse step)")
+    p.add_argument("--kv", default="hbm", help="comma-separated: hbm, sparse (the device sparse step) and/or swap "
+                   "(the exact swap)")
     p.add_argument("--budget", type=int, default=16, help="sparse: pages attended a layer besides the first 1 / last 4")
+    p.add_argument("--resident", type=int, default=0, help="swap: pages a row keeps in HBM, all layers (default 0: "
+                   "every complete page streamed each step)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the random models")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a code-path check")
     args = p.parse_args(argv)
@@ -88,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kv {args.kv!r}: comma-separated, each one of {', '.join(KV_MODES)}")
     if args.budget < 0:
         p.error(f"--budget {args.budget}: at least 0")
+    if args.resident < 0:
+        p.error(f"--resident {args.resident}: at least 0")
     if not args.batch_list or args.batch_list[0] < 1:
         p.error(f"--batches {args.batches!r}: batch sizes must be >= 1")
     if args.prompt_tokens < 1:
@@ -137,11 +147,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     emulated = cm.driver_status().kind == "emulator"
     rows: list[dict] = []
     with cm.CudaCtx(0) as ctx, DeviceModel(weights, ctx) as model:
+        h2d = _h2d_gbps(ctx, (1 << 20) if emulated else (256 << 20)) if "swap" in args.kv_list else None
         for kv in args.kv_list:
-            opts = {} if kv == "hbm" else _sparse_options(args, model)
+            opts = (_sparse_options(args, model) if kv == "sparse" else {"resident": args.resident} if kv == "swap"
+                    else {})
             for mode in args.sampling_list:
                 for b in args.batch_list:
-                    rows.append(_measure(args, model, b, label, emulated, mode, kv, opts))
+                    rows.append(_measure(args, model, b, label, emulated, mode, kv, opts, h2d))
     for kv in args.kv_list:
         for mode in args.sampling_list:
             base = next((r for r in rows if r["batch"] == 1 and r["sampling"] == mode and r["kv"] == kv), None)
@@ -150,6 +162,17 @@ def run(args: argparse.Namespace) -> list[dict]:
                     r["ratio"] = r["tokens_s"] / base["tokens_s"] if base else None
     rows += _targets(rows, label)
     return rows
+
+
+def _h2d_gbps(ctx: Any, nbytes: int) -> float:
+    """GB/s of one ``nbytes`` host-to-device copy from a pinned buffer (CUDA events, the best of three)."""
+    from hss import cuda_min as cm
+    from hss.bench._timer import gpu_us
+    s = ctx.stream
+    with cm.PinnedBuffer(nbytes, ctx) as host, cm.DeviceBuffer(nbytes, ctx) as dev:
+        host.array[:] = 1
+        t = gpu_us(s, lambda: cm.copy_h_to_d_async(dev, host, nbytes, s), batches=3, warmup=1)
+    return nbytes / (min(t.samples) * 1e-6) / 1e9
 
 
 def _prompts(args: argparse.Namespace, vocab: int, b: int) -> np.ndarray:
@@ -173,9 +196,9 @@ def _sparse_options(args: argparse.Namespace, model: Any) -> dict[str, Any]:
 
 
 def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool, mode: str = "greedy",
-             kv: str = "hbm", opts: dict[str, Any] | None = None) -> dict:
+             kv: str = "hbm", opts: dict[str, Any] | None = None, h2d: float | None = None) -> dict:
     """One batch size in one KV mode and sampling mode: B rows prefilled, then the timed steps (see the module's
-    docstring)."""
+    docstring). ``h2d``: the pinned H2D bandwidth (GB/s) for the swap's floor."""
     from hss.bench._timer import host_us
     from hss.model.batch import BatchSession
 
@@ -190,7 +213,11 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
         warmup = 2 if args.graph else 1   # the eager first step (and the capture with the second)
         steps = n - 2 - warmup   # the rows leave at the step that makes their n-th token: it is never timed
         per, count = max(1, steps // TIMED_BATCHES), min(TIMED_BATCHES, steps)
+        counts = dict(getattr(sess.kv, "counts", {}))
         t = host_us({"step": sess.step}, batch=per, batches=count, warmup=warmup)["step"]
+        if kv == "swap":   # the bytes the steps streamed, per step
+            done = {k: v - counts[k] for k, v in sess.kv.counts.items()}
+            streamed = done["bytes_read"] / max(done["steps"], 1)
         if len(sess.rows) != b or (args.graph and sess.graph_sizes != (b,)):   # the timing would mean another thing
             raise RuntimeError(f"batch {b}: {len(sess.rows)} rows live, graphs of sizes {sess.graph_sizes} after "
                                "the timed steps")
@@ -198,11 +225,19 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
     how = "graph replay" if args.graph else "eager"
     note = (f"prompts {b} x {p} tokens prefilled in {prefill_s:.2f} s; {how}, host wall time per step (median of "
             f"{count} x {per} steps)")
+    out = dict(model=label, batch=b, kv=kv, sampling=mode, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None)
     if kv == "sparse":
         note += f"; sparse: budget {opts['budget']} + first 1 / last 4 pages a layer"
+    if kv == "swap":
+        floor = streamed / (h2d * 1e9) * 1e3 if h2d else None
+        out.update(streamed=streamed, floor_ms=floor, floor_ratio=ms / floor if floor else None)
+        note += (f"; swap: {opts['resident']} resident pages a row (all layers), {streamed / 1e6:.3f} MB streamed a "
+                 f"step, pinned H2D {h2d:.1f} GB/s")
+        note += (f", H2D floor {floor:.3f} ms a step = {ms / floor:.2f}x" if floor else
+                 ", no H2D floor (nothing streamed)")
     if emulated:
         note += " (emulator: not a hardware measurement)"
-    return dict(model=label, batch=b, kv=kv, sampling=mode, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None, note=note)
+    return {**out, "note": note}
 
 
 def _targets(rows: list[dict], label: str) -> list[dict]:
@@ -229,6 +264,19 @@ def _targets(rows: list[dict], label: str) -> list[dict]:
         cost, ms, verdict = None, None, "not run (needs batch 1 with --sampling greedy,sampled)"
     out.append(dict(model=label, batch=1, kv="hbm", sampling="sampled", tokens_s=None, ms=ms, ratio=cost, variant=name,
                     note=verdict))
+    batch, times = SWAP_FLOOR
+    name = f"target: swap batch {batch} within {times:g}x its H2D floor"
+    swap = next((r for r in rows if r.get("kv") == "swap" and r["batch"] == batch
+                 and r.get("sampling", "greedy") == "greedy"), None)
+    ratio = None if swap is None else swap.get("floor_ratio")
+    if ratio is not None:
+        verdict = (f"{ratio:.2f}x ({swap['ms']:.3f} ms a step, floor {swap['floor_ms']:.3f} ms): "
+                   f"{'met' if ratio <= times else 'not met'}")
+    else:
+        verdict = (f"not run (needs --kv swap with batch {batch}, greedy)" if swap is None else
+                   "not run (the steps streamed nothing: lower --resident)")
+    out.append(dict(model=label, batch=batch, kv="swap", sampling="greedy", tokens_s=None,
+                    ms=None if swap is None else swap["ms"], ratio=ratio, variant=name, note=verdict))
     return out
 
 

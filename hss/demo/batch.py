@@ -1,9 +1,11 @@
 """``python -m hss demo --batch N``: N prompts decoded together through :class:`~hss.model.batch.BatchSession`, the
-KV history in HBM (``--kv hbm``, the default) or behind the device sparse step (``--kv sparse``: each row's complete
+KV history in HBM (``--kv hbm``, the default), behind the device sparse step (``--kv sparse``: each row's complete
 pages in one pinned host store, with the single-sequence demo's sparse settings, :func:`hss.demo.model.sparse_options`:
 ``--budget``, ``--keep-first``, ``--keep-recent``, ``--rank``, the projection calibrated once before the batch and the
-per-head temperature; ``--resident`` and ``--tile`` are the single sequence's), greedily or sampled as the demo's
-sampling flags say (row i draws with ``--seed`` + i: the rows differ, a run repeats). The exact swap is not batched.
+per-head temperature; ``--resident`` and ``--tile`` are the single sequence's) or behind the exact swap (``--kv swap``:
+each row's complete pages in one pinned host store, all but its first ``--resident`` (all layers; default 0, as the
+single sequence's) streamed into HBM every step through ``--ring`` layer slots), greedily or sampled as the demo's
+sampling flags say (row i draws with ``--seed`` + i: the rows differ, a run repeats).
 
 The rows' prompts: one per non-empty line of ``--prompt-file`` (cycled when the file has fewer lines than N, the
 first N when it has more), else ``--prompt`` in every row, else N of :data:`PROMPTS` (cycled past eight);
@@ -17,8 +19,9 @@ The report: the prefill's time and tokens/s; the decode's steps and wall time, t
 or eager steps after each batch size's first: the first step of a batch size and its capture are excluded) as
 tokens/s for the batch, ms per step and tokens/s of each row (its timed steps over their time); in the sparse mode
 also the pages the rows attended, summed over rows and layers (:meth:`~hss.model.batch.BatchSession.counters`: hits
-in their HBM slots, misses read from the host store, the bytes read). On the emulator every time and rate is marked
-as no hardware measurement.
+in their HBM slots, misses read from the host store, the bytes read); in the swap mode the same sums (hits: the
+resident pages, misses: the pages streamed) and the step's captures (one per change of the rows' pages). On the
+emulator every time and rate is marked as no hardware measurement.
 """
 from __future__ import annotations
 
@@ -118,8 +121,8 @@ SparseOptions = Callable[[DeviceModel, Tokenizer | None, argparse.Namespace, int
 
 def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name: str, emulated: bool,
         sparse_options: SparseOptions | None = None) -> int:
-    """The batched demo (``args`` from :func:`hss.demo.model.add_arguments`, the model loaded, ``args.kv`` hbm or
-    sparse): exit status 0, or 1 when ``--check`` finds a wrong token in a row. ``sparse_options``: for ``--kv
+    """The batched demo (``args`` from :func:`hss.demo.model.add_arguments`, the model loaded, ``args.kv`` hbm,
+    sparse or swap): exit status 0, or 1 when ``--check`` finds a wrong token in a row. ``sparse_options``: for ``--kv
     sparse``, :func:`hss.demo.model.sparse_options` (called once, the model on the device, with the batch's
     max_tokens)."""
     c = weights.config
@@ -136,11 +139,12 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
     lengths = sorted(len(ids) for ids in rows)
     span = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]} to {lengths[-1]}"
     print(f"hss demo on {where(ctx, emulated)}: {name}")
-    kv = "sparse" if args.kv == "sparse" else "hbm"
+    kv = args.kv if args.kv in ("sparse", "swap") else "hbm"
     if kv == "sparse" and sparse_options is None:
         raise TypeError("--kv sparse needs sparse_options (hss.demo.model.sparse_options)")
-    mode = (f"kv sparse (budget {args.budget}, first {args.keep_first}, recent {args.keep_recent} pages)"
-            if kv == "sparse" else "kv hbm")
+    resident = args.resident if args.resident is not None else 0
+    mode = {"sparse": f"kv sparse (budget {args.budget}, first {args.keep_first}, recent {args.keep_recent} pages)",
+            "swap": f"kv swap ({resident} resident pages a row, all layers; ring {args.ring})"}.get(kv, "kv hbm")
     print(f"{model_line(c)}; {mode}; batch {len(rows)} (BatchSession); graph {'on' if graph else 'off'}; prompts "
           f"{span} tokens{' (chat)' if args.chat else ''}; up to {n_tokens} tokens per row")
     print(f"sampling: {sampling_text(sampling_params(args), len(rows))}")
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
     out = _Rows(tok, sys.stderr.isatty())
     with contextlib.closing(ctx), DeviceModel(weights, ctx) as model:
         weights_line(model, t0, emulated)
-        opts = sparse_options(model, tok, args, max_tokens) if kv == "sparse" and sparse_options else {}
+        opts = ({"resident": resident, "ring": args.ring} if kv == "swap" else
+                sparse_options(model, tok, args, max_tokens) if kv == "sparse" and sparse_options else {})
         with BatchSession(model, kv, max_batch=len(rows), max_tokens=max_tokens, graph=graph,
                           fuse_rope=args.fuse_rope, **opts) as sess:
             print("--- generated ---", flush=True)
@@ -163,12 +168,19 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
             print("--- end ---")
             tokens = {rid: f.tokens for rid, f in sorted(sess.finished.items())}
             reasons = {rid: f.reason for rid, f in sess.finished.items()}
-            pages = _pages(sess) if kv == "sparse" else None
+            pages = _pages(sess) if kv != "hbm" else None
+            captures = sess.captures
     if args.print_ids and tok is not None:
         for rid, toks in tokens.items():
             print(f"[row {rid}] token ids: {' '.join(map(str, toks))}")
     _report(rows, tokens, reasons, prefill_s, stats, graph, emulated)
-    if pages is not None:
+    if pages is not None and kv == "swap":
+        attended = pages["hits"] + pages["misses"]
+        print(f"KV: each row's complete pages in a pinned host store, all but its resident ones streamed into HBM "
+              f"every step (the exact swap); pages attended (all rows and layers) {attended:,}: {pages['hits']:,} "
+              f"resident in HBM, {pages['misses']:,} streamed from the host, {pages['bytes_read'] / 1e6:.3f} MB "
+              f"streamed; the step captured {captures} time(s) (again whenever the rows' pages change)")
+    elif pages is not None:
         attended = pages["hits"] + pages["misses"]
         print(f"KV: each row's complete pages in a pinned host store, attended through the device sparse step; pages "
               f"attended (all rows and layers) {attended:,}: {pages['hits']:,} hits in HBM, {pages['misses']:,} "
@@ -185,7 +197,7 @@ def run(args: argparse.Namespace, weights: Weights, tok: Tokenizer | None, name:
 
 
 def _pages(sess: BatchSession) -> dict[str, int]:
-    """The sparse batch's ``hits`` / ``misses`` / ``bytes_read``, summed over its rows and layers."""
+    """The swap batch's ``hits`` / ``misses`` / ``bytes_read``, summed over its rows and layers."""
     rows = [sess.counters(rid) for rid in sorted(sess.finished)]
     return {k: sum(int(r[k].sum()) for r in rows) for k in ("hits", "misses", "bytes_read")}
 

@@ -17,9 +17,11 @@ Without a GPU the same code runs on the CPU emulator for a short prompt and a fe
 bandwidth it prints is marked as no hardware measurement.
 
 ``--batch N`` decodes N prompts together through :class:`~hss.model.batch.BatchSession` (:mod:`hss.demo.batch`:
-the KV history in HBM, or with ``--kv sparse`` behind the device sparse step with this demo's sparse settings; one
-CUDA graph per batch size; each row's text printed as ``[row i] ...`` when it finishes, tokens/s per row and for the
-batch at the end); the exact swap is not batched. ``--batch 1`` (the default) is the single-sequence demo above.
+the KV history in HBM, with ``--kv sparse`` behind the device sparse step with this demo's sparse settings, or with
+``--kv swap`` behind the exact swap, every row's complete pages streamed from pinned host memory each step with this
+demo's ``--resident`` and ``--ring``; one CUDA graph per batch size; each row's text printed as ``[row i] ...`` when
+it finishes, tokens/s per row and for the batch at the end). ``--batch 1`` (the default) is the single-sequence demo
+above.
 
 The model: ``--model PATH`` (a GGUF file, a Hugging Face checkpoint directory, ``hf:ORG/NAME``), ``--model random``
 (a tiny random model, no file), or by default SmolLM2-135M-Instruct's GGUF from hss's cache, fetched there on first
@@ -98,8 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     count("--tokens", 1, None, "N", f"tokens to generate (default 128; emulator {EMULATOR_TOKENS})")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--kv", choices=("hbm", "swap", "sparse"), default=None, help="where the KV history lives "
-                   "(default swap; with --batch N > 1: hbm, or sparse; the exact swap is not batched)")
-    count("--batch", 1, 1, "N", "decode N prompts together (BatchSession, --kv hbm or sparse; prompts: one per "
+                   "(default swap; with --batch N > 1: hbm)")
+    count("--batch", 1, 1, "N", "decode N prompts together (BatchSession, --kv hbm, sparse or swap; prompts: one per "
           "line of --prompt-file, cycled to N rows, else --prompt in every row, else N of the built-in prompts, "
           "cycled; --prompt-tokens applies to each row). Default 1: the single-sequence demo")
     p.add_argument("--batch-session", action="store_true", help="decode through BatchSession even for --batch 1 "
@@ -303,10 +305,6 @@ def run(args: argparse.Namespace) -> int:
     """The demo (``args`` from :func:`add_arguments`): exit status 0, or 1 when ``--check`` finds a wrong token; an
     unusable model file, prompt or option is an :class:`HssError` (``python -m hss`` prints it, exit status 2)."""
     batched = args.batch > 1 or args.batch_session
-    if batched and args.kv == "swap":
-        raise HssError(f"--batch {args.batch}{' --batch-session' if args.batch_session else ''}: the exact swap "
-                       "(--kv swap) is not batched: pass --kv sparse (the device sparse step) or --kv hbm (or no --kv) "
-                       "with --batch, or drop --batch to decode one sequence with --kv swap")
     args = argparse.Namespace(**{**vars(args), "kv": args.kv or ("hbm" if batched else "swap")})
     sampling = sampling_params(args)
     if args.check and not sampling.greedy:

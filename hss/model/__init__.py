@@ -6,7 +6,8 @@ KV history in HBM or behind the high-speed swap.
   (decode steps replayed as CUDA graphs).
 - :class:`BatchSession` (:mod:`hss.model.batch`): up to ``max_batch`` sequences of ragged lengths decoded together
   (rows join with ``add``, leave when they finish or on ``remove``; ``step`` decodes one token per row; one CUDA
-  graph per batch size), KV pages from a shared pool; ``hbm`` and ``sparse`` modes (:mod:`hss.model.batch_kv`).
+  graph per batch size), KV pages from a shared pool; ``hbm`` and ``sparse`` modes (:mod:`hss.model.batch_kv`) and
+  the exact ``swap`` (:mod:`hss.model.batch_swap`).
 - Sampling (:mod:`hss.model.sample`): ``Session(sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))`` or
   ``BatchSession.add(ids, sampling=...)`` (each row its own parameters and seed); None: greedy (``model_argmax``).
   :class:`Sampler` is the device sampler both use.

@@ -11,9 +11,12 @@ each row's own parameters and seed), which writes each row's next token into its
 The step reads its shapes from nothing the host writes: the rows' states (i32 ``[STATE_WORDS, max_batch]``,
 word-major, see :mod:`hss.decls.model`), their page tables and the live row count live on the device, so each batch
 size's step is captured once as a CUDA graph and replayed whatever the rows' lengths. Rows past the live count hold
-the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone. The KV modes (``hbm``, and
-``sparse``: the device sparse step over each row's pages in a pinned host store, its newest page in HBM) live in
-:mod:`hss.model.batch_kv`. The rules: docs/design.md §21.
+the idle state (:data:`~hss.decls.model.IDLE_STATE`) that every kernel leaves alone. The KV modes (``hbm``;
+``sparse``: the device sparse step over each row's pages in a pinned host store, its newest page in HBM; ``swap``:
+the exact swap, every row's complete pages streamed from a pinned host store on a copy stream each step) live in
+:mod:`hss.model.batch_kv` and :mod:`hss.model.batch_swap`. The swap's step changes with the rows' page counts: its
+``graph_epoch`` says when, and each batch size's graph is captured again (ahead of time, while the device runs the
+step before, where the change is known) before its next replay. The rules: docs/design.md §21.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from hss._util import Closeable
 from hss.decls import model as km
 from hss.errors import HssError
 from hss.model.batch_kv import BatchHbmKV, BatchSparseKV, sparse_options
+from hss.model.batch_swap import BatchSwapKV, swap_options
 from hss.model.forward import Forward, Op
 from hss.model.sample import GREEDY, Sampler, SamplingParams
 from hss.model.session import DeviceModel, prompt_ids
@@ -69,13 +73,16 @@ class BatchSession(Closeable):
     sampling, wherever the two runs' logits agree (on a GPU cuBLAS may pick another GEMM algorithm for another batch
     size).
 
-    ``kv``: ``"hbm"`` (the KV history in HBM, :class:`~hss.model.batch_kv.BatchHbmKV`) or ``"sparse"`` (each row's
+    ``kv``: ``"hbm"`` (the KV history in HBM, :class:`~hss.model.batch_kv.BatchHbmKV`), ``"sparse"`` (each row's
     complete pages in one pinned host store, attended through the device sparse step with each row's own selection,
     residency and counters, its newest page in HBM: :class:`~hss.model.batch_kv.BatchSparseKV`, docs/design.md
-    §21.7); the exact ``swap`` raises :class:`HssError` (decode it with :class:`~hss.model.session.Session`).
+    §21.7) or ``"swap"`` (the exact swap: each row's complete pages in one pinned host store, streamed into HBM
+    every step on a copy stream while the layers run, its newest page in HBM, as a lone ``Session(kv="swap")``:
+    :class:`~hss.model.batch_swap.BatchSwapKV`, docs/design.md §21.8).
     ``max_tokens``: prompt + generated tokens a row may hold (at most the model's context length). ``pages``: KV
     pages shared by the rows (hbm: of :data:`~hss.model.kv.HBM_PAGE` tokens in HBM, K and V of every layer for each
-    page id; sparse: the swap's disk block ids of :func:`~hss.model.kv.swap_block_size` tokens); rows take pages as
+    page id; sparse: the swap's disk block ids, swap: the host store's block ids, of
+    :func:`~hss.model.kv.swap_block_size` tokens); rows take pages as
     they grow and give them back when they leave, so ragged rows share memory (default ``max_batch * ceil(max_tokens
     / page)``: no row ever waits; fewer oversubscribe, and :meth:`add` / :meth:`step` raise when the pool cannot
     cover them). ``batch_sizes``: the batch sizes a step is built for (``max_batch`` is added; a step of R live rows
@@ -84,6 +91,11 @@ class BatchSession(Closeable):
     :meth:`add` (its positional scratch caches hold one row of ``max_tokens``). ``fuse_rope``: hbm: the RoPE and KV
     write inside the attention launch (False: ``model_rope_kv_paged`` first; the same bits); the sparse mode always
     runs ``model_rope_kv_paged`` first (the step's scores read the rotated queries).
+
+    Swap options (as ``Session(kv="swap")``'s): ``resident`` (pages a row keeps in HBM, all layers: the first
+    ``resident // n_layer`` complete pages of every layer, never streamed; default 512), ``ring`` (staging slots:
+    layers whose copies run ahead of the attention; default 3); :meth:`counters` gives each row's pages attended
+    from HBM (hits) and streamed (misses).
 
     Sparse options (as ``Session(kv="sparse")``'s): ``budget`` (pages chosen by score per row and layer, required),
     ``keep_first`` / ``keep_recent`` (pages always attended; default 1 / 4), ``rank`` (the predictor's),
@@ -101,7 +113,8 @@ class BatchSession(Closeable):
     Integration points: the per-row greedy choice is :meth:`Forward.rows_head_ops
     <hss.model.forward.Forward.rows_head_ops>`'s ``model_argmax`` (logits bf16 ``[max_batch, vocab]`` in
     :attr:`logits_buffer`, the token into each row's state word 0, its position advanced), the op the sampler replaces;
-    the KV mode is :attr:`kv` (its ``step_ops`` / ``attention_ops`` in the step, ``join`` after a prefill,
+    the KV mode is :attr:`kv` (its ``step_ops`` / ``attention_ops`` / ``step_end_ops`` in the step, ``join`` after a
+    prefill,
     ``before_step`` / ``after_step`` around a step). Everything is checked before device work; a call that raises
     ``TypeError`` / :class:`HssError` changes nothing.
     """
@@ -110,14 +123,11 @@ class BatchSession(Closeable):
                  pages: int | None = None, graph: bool = False, batch_sizes: Iterable[int] = BATCH_SIZES,
                  prefill_chunk: int = 2048, fuse_rope: bool = True, budget: int | None = None, keep_first: int = 1,
                  keep_recent: int = 4, rank: int = 32, projection: np.ndarray | None = None,
-                 head_temperature: float | None = None) -> None:
+                 head_temperature: float | None = None, resident: int | None = None, ring: int | None = None) -> None:
         if not isinstance(model, DeviceModel):
             raise TypeError(f"model must be a DeviceModel, got {type(model).__name__}")
-        if kv == "swap":
-            raise HssError("BatchSession does not batch the exact swap (kv='swap') yet: use kv='sparse' or kv='hbm', "
-                           "or decode exact swap sequences one at a time with DeviceModel.session")
-        if kv not in ("hbm", "sparse"):
-            raise HssError(f"kv must be 'hbm' or 'sparse' (the modes a BatchSession has so far), got {kv!r}")
+        if kv not in ("hbm", "sparse", "swap"):
+            raise HssError(f"kv must be 'hbm', 'sparse' or 'swap', got {kv!r}")
         c = model.config
         self.max_batch = _args.as_int("max_batch", max_batch, 1, 65535, "rows decoded together (grid.y of silu_mul)")
         self.max_tokens = _args.as_int("max_tokens", max_tokens, 2, c.context_length,
@@ -133,6 +143,7 @@ class BatchSession(Closeable):
         sparse = sparse_options(c, kv, self.max_batch, self.max_tokens, pages, budget=budget, keep_first=keep_first,
                                  keep_recent=keep_recent, rank=rank, projection=projection,
                                  head_temperature=head_temperature)
+        swap = swap_options(c, kv, self.max_tokens, pages, resident, ring)
         self.batch_sizes = tuple(sorted({b for b in sizes if b < self.max_batch} | {self.max_batch}))
         self.chunk = min(_args.as_int("prefill_chunk", prefill_chunk, 1), self.max_tokens, 65535)
         self.model, self.config, self.graph, self.fuse_rope, self.mode = model, c, graph, fuse_rope, kv
@@ -151,16 +162,20 @@ class BatchSession(Closeable):
             idle = np.repeat(np.array(km.IDLE_STATE, _I32)[:, None], S, axis=1)
             cm.copy_h_to_d_async(self.state, idle, idle.nbytes, s)
             cm.memset_d32_async(self.live, 0, 1, s)
-            if sparse is None:
-                self.kv: BatchHbmKV | BatchSparseKV = own(BatchHbmKV(
-                    ctx, c, self.fwd, self.state.ptr, s, max_batch=S, max_tokens=self.max_tokens, pages=pages,
-                    fuse_rope=fuse_rope))
+            if sparse is not None:
+                self.kv: BatchHbmKV | BatchSparseKV | BatchSwapKV = own(BatchSparseKV(
+                    ctx, c, self.fwd, self.state.ptr, self.live, s, max_batch=S, max_tokens=self.max_tokens,
+                    pages=pages, **sparse))
+            elif swap is not None:
+                self.kv = own(BatchSwapKV(ctx, c, self.fwd, self.state.ptr, s, max_batch=S,
+                                          max_tokens=self.max_tokens, pages=pages, fuse_rope=fuse_rope, **swap))
             else:
-                self.kv = own(BatchSparseKV(ctx, c, self.fwd, self.state.ptr, self.live, s, max_batch=S,
-                                            max_tokens=self.max_tokens, pages=pages, **sparse))
+                self.kv = own(BatchHbmKV(ctx, c, self.fwd, self.state.ptr, s, max_batch=S,
+                                         max_tokens=self.max_tokens, pages=pages, fuse_rope=fuse_rope))
             self._host_tokens = own(cm.PinnedBuffer(4 * S, ctx))
             self.sampler: Sampler | None = None   # made by the first add() whose sampling is not greedy
-            self._graphs: dict[int, cm.CudaGraph] = {}
+            self._graphs: dict[int, tuple[int, cm.CudaGraph]] = {}   # batch size -> (KV epoch, its step's graph)
+            self._ahead: dict[int, tuple[int, cm.CudaGraph]] = {}    # ... captured for the next epoch
             self._owned.callback(self._drop_graphs)
         except BaseException:
             self._owned.close()
@@ -182,7 +197,7 @@ class BatchSession(Closeable):
 
     @property
     def pages(self) -> int:
-        """KV pages the rows share (hbm: HBM pages; sparse: the swap's disk block ids)."""
+        """KV pages the rows share (hbm: HBM pages; sparse: the swap's disk block ids; swap: the host store's)."""
         return self.kv.pages
 
     @property
@@ -199,14 +214,15 @@ class BatchSession(Closeable):
         raise HssError(f"row {r} was never added to this batch")
 
     def counters(self, row: int) -> dict[str, np.ndarray]:
-        """The sparse mode's page counters of ``row`` (live or finished) since it joined: ``hits`` / ``misses``
-        (selected complete pages found in its HBM slots / read from the host store) and ``bytes_read``, int64
-        ``[n_layer]``; waits for the device. The hbm mode raises :class:`HssError` (it reads no pages)."""
+        """The swap modes' page counters of ``row`` (live or finished) since it joined: ``hits`` / ``misses``
+        (complete pages attended from HBM / read from the host store: sparse, the selected pages found in its HBM
+        slots; swap, its resident pages and the ones streamed) and ``bytes_read``, int64 ``[n_layer]``; waits for
+        the device (sparse). The hbm mode raises :class:`HssError` (it reads no pages)."""
         r = self._row_id(row)
         if r not in self._rows and r not in self.finished:
             raise HssError(f"row {r} was never added to this batch")
-        if not isinstance(self.kv, BatchSparseKV):
-            raise HssError("counters are the sparse KV mode's (kv='sparse'); this batch keeps its KV in HBM")
+        if isinstance(self.kv, BatchHbmKV):
+            raise HssError("counters are the swap KV modes' (kv='sparse', kv='swap'); this batch keeps its KV in HBM")
         return self.kv.counters(self._rows.get(r), r)
 
     def _row_id(self, row: Any) -> int:
@@ -347,6 +363,7 @@ class BatchSession(Closeable):
                 prog += [fwd.qkv_op(layer, b), *kv.attention_ops(layer, b), *fwd.post_ops(layer, b)]
             prog += fwd.rows_head_ops(b, self.logits_buffer.ptr, self.max_batch, self.state.ptr, self.max_batch,
                                       self.live.ptr, sampler=self.sampler)
+            prog += kv.step_end_ops(b)
             self._programs[b] = prog
         return prog
 
@@ -363,11 +380,12 @@ class BatchSession(Closeable):
         self.kv.before_step(live)   # (raises, changing nothing, when the pages cannot cover the step)
         n = len(self._lanes)
         b = self.batch_size(n)
-        graph = self._graphs.get(b)
+        graph = self._graph(b)
         if graph is None and self.graph and b in self._stepped:
             graph = self._capture(b)
         if graph is not None:
             graph.launch(s)
+            self._capture_ahead(b)   # (host time while the device runs the step)
         else:
             self._run(self._program(b))
             self._stepped.add(b)
@@ -402,7 +420,40 @@ class BatchSession(Closeable):
         self._drop_graphs()
         self._stepped.clear()
 
+    def _graph(self, b: int) -> cm.CudaGraph | None:
+        """Size ``b``'s graph for the KV mode's current ``graph_epoch``: the one captured, or the one captured ahead
+        for it; None (stale ones closed) when neither holds."""
+        epoch = self.kv.graph_epoch
+        for store in (self._graphs, self._ahead):
+            got = store.get(b)
+            if got is not None and got[0] == epoch:
+                if store is self._ahead:
+                    self._close(self._graphs, b)
+                    self._graphs[b] = self._ahead.pop(b)
+                return got[1]
+        self._close(self._graphs, b)
+        return None
+
+    def _capture_ahead(self, b: int) -> None:
+        """Capture size ``b``'s step of the KV mode's next epoch (swap: the rows completing a page with this step,
+        or the slots prefetched), when it has one: no device work."""
+        plan = getattr(self.kv, "next_epoch", None)
+        ahead = None if plan is None else plan()
+        if ahead is None:
+            return
+        with ahead as epoch:
+            graph = self._captured(b)
+        self._close(self._ahead, b)
+        self._ahead[b] = (epoch, graph)
+
     def _capture(self, b: int) -> cm.CudaGraph:
+        graph = self._captured(b)
+        self._close(self._graphs, b)
+        self._graphs[b] = (self.kv.graph_epoch, graph)
+        return graph
+
+    def _captured(self, b: int) -> cm.CudaGraph:
+        """Size ``b``'s step captured as it is queued now (counted in :attr:`captures`)."""
         s = self.stream
         cm.begin_capture(s)
         try:
@@ -411,18 +462,23 @@ class BatchSession(Closeable):
             with contextlib.suppress(Exception):
                 cm.end_capture(s).close()
             raise
-        graph = self._graphs[b] = cm.end_capture(s)
         self.captures += 1
-        return graph
+        return cm.end_capture(s)
+
+    @staticmethod
+    def _close(store: dict[int, tuple[int, cm.CudaGraph]], b: int) -> None:
+        got = store.pop(b, None)
+        if got is not None:
+            got[1].close()
 
     def _drop_graphs(self) -> None:
-        graphs, self._graphs = self._graphs, {}
-        for g in graphs.values():
-            g.close()
+        for store in (self._graphs, self._ahead):
+            for b in list(store):
+                self._close(store, b)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
-        """The batch sizes whose step is captured."""
+        """The batch sizes whose step is captured (for the current KV epoch, or an earlier one)."""
         return tuple(sorted(self._graphs))
 
     def logits(self, row: int) -> np.ndarray:

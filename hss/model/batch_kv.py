@@ -1,5 +1,6 @@
 """The KV modes of a :class:`~hss.model.batch.BatchSession`: where each row's history lives and how a step of ``b``
-rows attends it (docs/design.md §21.2, §21.7).
+rows attends it (docs/design.md §21.2, §21.7; the exact swap, behind the same interface, is
+:class:`~hss.model.batch_swap.BatchSwapKV`, §21.8).
 
 - :class:`BatchHbmKV` (``kv="hbm"``): pages of :data:`~hss.model.kv.HBM_PAGE` tokens from one shared HBM pool, one
   token-count tile per layer over each row's pages.
@@ -11,7 +12,8 @@ rows attends it (docs/design.md §21.2, §21.7).
 Both keep a page table i32 ``[max_batch, entries]`` on the device (lane r's row: its page ids in position order, -1
 unused) with a host mirror, and answer the session's calls: :meth:`check_join` / :meth:`join` (a prefilled row's
 pages from the positional scratch caches), :meth:`before_step` / :meth:`after_step` (between steps),
-:meth:`step_ops` / :meth:`attention_ops` (the step program, captured as a graph), :meth:`release`, :meth:`move` and
+:meth:`step_ops` / :meth:`attention_ops` / :meth:`step_end_ops` (the step program, captured as a graph; its
+``graph_epoch`` constant here), :meth:`release`, :meth:`move` and
 :meth:`clear` (a row leaves and the last lane's row moves into its lane). The rows are the session's ``_Row`` records
 (``lane``, ``pos``: the position the next step writes, ``pages``: the page ids this mode gave the row).
 """
@@ -47,13 +49,13 @@ Scratch = Callable[[int], tuple[int, int]]   # layer -> (K, V) positional prefil
 def sparse_options(c: Config, kv: str, max_batch: int, max_tokens: int, pages: int | None,
                    **opts: Any) -> dict[str, Any] | None:
     """:class:`BatchSparseKV`'s options (``budget``, ``keep_first``, ``keep_recent``, ``rank``, ``projection``,
-    ``head_temperature``) checked before any device work, as keywords for it; None for kv='hbm', which takes none of
-    them (``TypeError`` / :class:`HssError` naming the option)."""
+    ``head_temperature``) checked before any device work, as keywords for it; None for kv='hbm' and kv='swap', which
+    take none of them (``TypeError`` / :class:`HssError` naming the option)."""
     budget, projection, temperature = opts["budget"], opts["projection"], opts["head_temperature"]
-    if kv == "hbm":
+    if kv != "sparse":
         for name in ("budget", "projection", "head_temperature"):
             if opts[name] is not None:
-                raise HssError(f"{name}= is for the sparse KV mode (kv='sparse'), not kv='hbm'")
+                raise HssError(f"{name}= is for the sparse KV mode (kv='sparse'), not kv={kv!r}")
         return None
     problem = sparse_support()
     if problem:
@@ -88,6 +90,7 @@ class _PagedRows(Closeable):
     stack, the session's forward workspace and row states."""
 
     mode = ""
+    graph_epoch = 0   # the step's work never changes with the rows: one capture per batch size replays throughout
 
     def __init__(self, ctx: cm.CudaCtx, config: Config, fwd: Forward, state: int, stream: int, max_batch: int,
                  max_tokens: int, block_size: int) -> None:
@@ -128,6 +131,10 @@ class _PagedRows(Closeable):
 
     def step_ops(self, b: int) -> list[Op]:
         """Ops at the start of a step of ``b`` rows, before the embedding."""
+        return []
+
+    def step_end_ops(self, b: int) -> list[Op]:
+        """Ops at the end of a step of ``b`` rows, after the token's launch."""
         return []
 
     def close(self) -> None:

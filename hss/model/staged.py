@@ -25,7 +25,8 @@ the compute stream, and it keeps streaming across the step's tail into the next 
 work changes with ``full`` (the complete pages per layer, every ``block_size`` tokens) and with ``prefetched``
 (false for the first step after a change): :attr:`StagedPages.epoch` counts those changes, and a step graph captured
 under one epoch is valid until the next (:meth:`StagedPages.planning` queues the next epoch's step ahead of time,
-for a capture).
+for a capture). The same step for the rows of a :class:`~hss.model.batch.BatchSession` (one copy per row and layer,
+one tile of every row per layer) is :class:`~hss.model.batch_swap.BatchSwapKV` (docs/design.md §21.8).
 """
 from __future__ import annotations
 
