@@ -146,10 +146,12 @@ __device__ __forceinline__ void for_tokens(const RowTokens& t, const RowParams& 
 }
 
 // One radix round's counts: hist[(key >> sh) & mask] += 1 for each token whose key >> up == prefix (every token
-// when first), one shared atomic per live token. (Measured on an H100 at V = 49,152: cheaper than aggregating a
-// warp's equal bins first, by a whole-warp match or by votes; equal bins only serialize the atomics.)
+// when first). A warp whose live lanes share one bin adds their count in one atomic (equal logits); otherwise each
+// live lane adds 1 (shared atomics serialize only on equal bins; a whole-warp match costs more than that). Every
+// lane of every warp runs the same iterations, so the whole-warp votes are safe.
 __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, int up, uint32_t prefix, int sh,
                             uint32_t mask, uint32_t* hist) {
+    const int lane = threadIdx.x & 31;
     for (int k = 0; k < t.cpt; ++k) {
         const int c = t.c0 + k;
         float x[8];
@@ -157,10 +159,23 @@ __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, 
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const int i = 8 * c + e;
-            if (i >= t.vocab) continue;
-            const float v = isnan(x[e]) ? hss_neg_inf() : x[e];
-            const uint32_t key = key_of(penalize(v, in_history(t, p, i), p));
-            if (first || (key >> up) == prefix) atomicAdd(&hist[(key >> sh) & mask], 1u);
+            bool live = i < t.vocab;
+            uint32_t bin = 0xffffffffu;
+            if (live) {
+                const float v = isnan(x[e]) ? hss_neg_inf() : x[e];
+                const uint32_t key = key_of(penalize(v, in_history(t, p, i), p));
+                live = first || (key >> up) == prefix;
+                if (live) bin = (key >> sh) & mask;
+            }
+            const unsigned lanes = __ballot_sync(HSS_FULL_MASK, live);
+            if (lanes == 0u) continue;   // warp-uniform
+            const int lead = __ffs(lanes) - 1;
+            const uint32_t lead_bin = __shfl_sync(HSS_FULL_MASK, bin, lead);
+            if (__all_sync(HSS_FULL_MASK, !live || bin == lead_bin)) {
+                if (lane == lead) atomicAdd(&hist[lead_bin], (uint32_t)__popc(lanes));
+            } else if (live) {
+                atomicAdd(&hist[bin], 1u);
+            }
         }
     }
 }
