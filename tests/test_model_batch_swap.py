@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_model_batch import SPARSE_SCHEDULE, assert_decodes_alone, prompt_of, run_schedule
+from test_model_batch import SPARSE_SCHEDULE, alone, assert_decodes_alone, prompt_of, run_schedule
+from test_model_sampling import same_draws, state_token
 
 import hss.model.batch_swap as swap_mod
 from hss import cuda_min as cm
@@ -112,18 +113,31 @@ def test_swap_graph_replay_equals_eager_bit_for_bit(model):
 
 def test_sampling_rows_draw_what_they_draw_alone(model):
     """A sampled row and a greedy one, joining at different steps (the sampled row moves lanes when the first
-    leaves): each draws what Session(kv="swap", sampling=) draws alone with its seed."""
+    leaves) and completing pages as they decode: the greedy row decodes what it decodes alone, the sampled one draws
+    what Session(kv="swap", sampling=) draws with its seed (token for token while the logits agree: all of them on
+    the emulator)."""
     first, drawn = prompt_of(2 * BS - 2, 41), prompt_of(3 * BS + 5, 42)
+    logits = []
     with BatchSession(model, "swap", max_batch=3, max_tokens=TOKENS, graph=True, **SWAP) as b:
         g = b.add(first, max_new=5)
         b.step()
         s = b.add(drawn, max_new=3 * BS // 2, sampling=DRAWN)
-        b.drain()
+        while b.rows:
+            if s in b.rows:
+                logits.append(b.logits(s))
+            b.step()
+    got = b.finished[s].tokens
     assert_decodes_alone(model, first, b.finished[g].tokens, TOKENS, "greedy", "swap", **SWAP)
-    assert_decodes_alone(model, drawn, b.finished[s].tokens, TOKENS, "sampled", "swap", sampling=DRAWN, **SWAP)
-    with model.session("swap", max_tokens=TOKENS, **SWAP) as sess:
+    with model.session("swap", max_tokens=TOKENS, sampling=DRAWN, **SWAP) as sess:
         sess.prefill(drawn)
-        assert sess.generate(len(b.finished[s].tokens)) != b.finished[s].tokens, "the row sampled"
+        want, want_logits = [], []
+        for i in range(len(got)):
+            if i:
+                sess.step()
+            want.append(state_token(sess))
+            want_logits.append(sess.logits())
+    same_draws(got, logits, want, want_logits, "sampled")
+    assert got != alone(model, drawn, len(got), TOKENS, "swap", **SWAP), "the row sampled"
 
 
 @given(lengths=st.lists(st.integers(1, 4 * BS), min_size=1, max_size=4), steps=st.lists(st.integers(0, 40),

@@ -114,9 +114,8 @@ class BatchSession(Closeable):
     <hss.model.forward.Forward.rows_head_ops>`'s ``model_argmax`` (logits bf16 ``[max_batch, vocab]`` in
     :attr:`logits_buffer`, the token into each row's state word 0, its position advanced), the op the sampler replaces;
     the KV mode is :attr:`kv` (its ``step_ops`` / ``attention_ops`` / ``step_end_ops`` in the step, ``join`` after a
-    prefill,
-    ``before_step`` / ``after_step`` around a step). Everything is checked before device work; a call that raises
-    ``TypeError`` / :class:`HssError` changes nothing.
+    prefill, ``before_step`` / ``after_step`` around a step, ``graph_epoch`` / ``next_epoch`` for its graphs).
+    Everything is checked before device work; a call that raises ``TypeError`` / :class:`HssError` changes nothing.
     """
 
     def __init__(self, model: DeviceModel, kv: str = "hbm", *, max_batch: int, max_tokens: int,
