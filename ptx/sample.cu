@@ -5,7 +5,7 @@
 //
 // sample_tokens(logits bf16 [m, vocab], h bf16 [m, dim] or null, weight bf16 [vocab, dim], params u32 [m,
 //               SAMPLE_PARAM_WORDS], history i32 [m, history_cap], state i32, rows i32 [1] or null, vocab, dim,
-//               history_cap, m, state_stride, advance)
+//               history_cap, m, state_stride, advance, stage)
 //   One CTA per row r < m (rows r >= rows[0] skipped when `rows` is not null: nothing read or written).
 //   params row r (words): 0 temperature f32, 1 top_k i32 (0..SAMPLE_CANDIDATES), 2 top_p f32 (0, 1], 3 min_p f32
 //   [0, 1], 4 repetition_penalty f32 > 0, 5 presence_penalty f32, 6/7 seed u64 (low word first), 8 step u32,
@@ -37,8 +37,13 @@
 //      (cap > 0); step += 1, count += 1.
 //   Every mass and prefix is an integer, so a row's token is the same on every run and in every batch.
 //
+//   stage != 0: the first pass keeps every penalised key in shared memory and the later passes read them there
+//   (same results; the logits and the history are read once).
+//
 // Launch (hss.decls.sample's sample_geometry): grid (m), block (SAMPLE_THREADS), dynamic shared memory 4
-// ceil(vocab / 32) bytes (the history bitmap); vocab <= SAMPLE_MAX_VOCAB.
+// ceil(vocab / 32) bytes (the history bitmap), and with stage 4 SAMPLE_THREADS (8 cpt + 1) more (the keys: thread
+// t's j-th token at t (8 cpt + 1) + j, cpt = ceil(ceil(vocab / 8) / SAMPLE_THREADS); an odd stride, so a warp's
+// lanes read 32 banks); vocab <= SAMPLE_MAX_VOCAB.
 #include "hss_common.cuh"
 #include "hss_dot.cuh"
 
@@ -102,6 +107,7 @@ __device__ __forceinline__ float penalize(float x, bool present, const RowParams
 struct RowTokens {
     const __nv_bfloat16* logits;
     const uint32_t* bitmap;
+    uint32_t* keys;   // staged keys of this thread (stride 1: its j-th token at keys[j]), or null
     int vocab, cpt, c0;
     bool vec;
 };
@@ -129,6 +135,17 @@ __device__ __forceinline__ bool in_history(const RowTokens& t, const RowParams& 
 // through `chunk_end(k)`, which every lane reaches once per chunk.
 template <class F, class G>
 __device__ __forceinline__ void for_tokens(const RowTokens& t, const RowParams& p, F&& f, G&& chunk_end) {
+    if (t.keys != nullptr) {   // CTA-uniform: the staged keys (no NaN left)
+        for (int k = 0; k < t.cpt; ++k) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int i = 8 * (t.c0 + k) + e;
+                if (i < t.vocab) f(k, i, z_of(t.keys[8 * k + e]), false);
+            }
+            chunk_end(k);
+        }
+        return;
+    }
     for (int k = 0; k < t.cpt; ++k) {
         const int c = t.c0 + k;
         float x[8];
@@ -146,12 +163,21 @@ __device__ __forceinline__ void for_tokens(const RowTokens& t, const RowParams& 
 }
 
 // One radix round's counts: hist[(key >> sh) & mask] += 1 for each token whose key >> up == prefix (every token
-// when first). A warp whose live lanes share one bin adds their count in one atomic (equal logits); otherwise each
-// live lane adds 1 (shared atomics serialize only on equal bins; a whole-warp match costs more than that). Every
-// lane of every warp runs the same iterations, so the whole-warp votes are safe.
+// when first), one shared atomic per counted token (on an H100 faster than aggregating a warp's equal bins first,
+// equal logits included).
 __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, int up, uint32_t prefix, int sh,
                             uint32_t mask, uint32_t* hist) {
-    const int lane = threadIdx.x & 31;
+    if (t.keys != nullptr) {   // CTA-uniform
+        for (int k = 0; k < t.cpt; ++k) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const uint32_t key = t.keys[8 * k + e];
+                if (8 * (t.c0 + k) + e < t.vocab && (first || (key >> up) == prefix))
+                    atomicAdd(&hist[(key >> sh) & mask], 1u);
+            }
+        }
+        return;
+    }
     for (int k = 0; k < t.cpt; ++k) {
         const int c = t.c0 + k;
         float x[8];
@@ -159,22 +185,10 @@ __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, 
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const int i = 8 * c + e;
-            bool live = i < t.vocab;
-            uint32_t bin = 0xffffffffu;
-            if (live) {
+            if (i < t.vocab) {
                 const float v = isnan(x[e]) ? hss_neg_inf() : x[e];
                 const uint32_t key = key_of(penalize(v, in_history(t, p, i), p));
-                live = first || (key >> up) == prefix;
-                if (live) bin = (key >> sh) & mask;
-            }
-            const unsigned lanes = __ballot_sync(HSS_FULL_MASK, live);
-            if (lanes == 0u) continue;   // warp-uniform
-            const int lead = __ffs(lanes) - 1;
-            const uint32_t lead_bin = __shfl_sync(HSS_FULL_MASK, bin, lead);
-            if (__all_sync(HSS_FULL_MASK, !live || bin == lead_bin)) {
-                if (lane == lead) atomicAdd(&hist[lead_bin], (uint32_t)__popc(lanes));
-            } else if (live) {
-                atomicAdd(&hist[bin], 1u);
+                if (first || (key >> up) == prefix) atomicAdd(&hist[(key >> sh) & mask], 1u);
             }
         }
     }
@@ -471,7 +485,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_tokens(const __nv_bfloat16* __restrict__ logits, const __nv_bfloat16* __restrict__ h,
               const __nv_bfloat16* __restrict__ weight, uint32_t* __restrict__ params, int* __restrict__ history,
               int* __restrict__ state, const int* __restrict__ rows, int vocab, int dim, int history_cap, int m,
-              int state_stride, int advance) {
+              int state_stride, int advance, int stage) {
     extern __shared__ uint32_t bitmap[];
     __shared__ Shared s;
     const int row = blockIdx.x;
@@ -511,13 +525,17 @@ sample_tokens(const __nv_bfloat16* __restrict__ logits, const __nv_bfloat16* __r
     t.cpt = (chunks + (int)blockDim.x - 1) / (int)blockDim.x;
     t.c0 = threadIdx.x * t.cpt;
     t.vec = (reinterpret_cast<uintptr_t>(t.logits) & 15u) == 0;
-    // pass 1: the maximum and the flags
+    t.keys = nullptr;
+    uint32_t* keys = stage ? bitmap + ((vocab + 31) >> 5) + threadIdx.x * (8 * t.cpt + 1) : nullptr;
+    // pass 1: the maximum and the flags (and the staged keys)
     float lm = hss_neg_inf();
     bool nan_seen = false;
-    for_tokens(t, p, [&](int, int, float z, bool was_nan) {
+    for_tokens(t, p, [&](int, int i, float z, bool was_nan) {
         lm = fmaxf(lm, z);
         nan_seen |= was_nan;
+        if (keys != nullptr) keys[i - 8 * t.c0] = key_of(z);
     }, [](int) {});
+    t.keys = keys;   // each thread reads only its own keys: no barrier needed before the next pass
     const bool any_nan = __syncthreads_or(nan_seen);
     const float top = block_max(lm, s.red);
     uint32_t flags = any_nan ? SAMPLE_FLAG_NAN : 0u;

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hss import cuda_min as cm
+from hss.cuda._context import shared_optin
 from hss.decls import model as km
 from hss.decls import sample as ks
 from hss.errors import HssError
@@ -141,11 +142,12 @@ PARAMS = st.fixed_dictionaries({
 
 @given(m=st.integers(1, 4), vocab=st.sampled_from([7, 64, 1000, 1025, 3000]), cap=st.sampled_from([0, 5, 32]),
        rows=st.lists(PARAMS, min_size=4, max_size=4), steps=st.integers(1, 3), std=st.sampled_from([1.0, 3.0]),
-       seed=SEEDS)
-def test_kernel_matches_reference(gpu, stream, m, vocab, cap, rows, steps, std, seed):
-    """Tokens, counters, the history ring and flags after several launches, rows with their own parameters."""
+       stage=st.booleans(), seed=SEEDS)
+def test_kernel_matches_reference(gpu, stream, m, vocab, cap, rows, steps, std, stage, seed):
+    """Tokens, counters, the history ring and flags after several launches, rows with their own parameters, the
+    keys staged in shared memory or read from the logits at every pass."""
     rng = np.random.default_rng(seed)
-    with Sampler(gpu, 4, vocab, history=cap) as s:
+    with Sampler(gpu, 4, vocab, history=cap, stage=stage) as s:
         mirror = Mirror(4, cap)
         for r in range(4):
             mirror.reset(s, stream, r, int(rng.integers(0, 2**64, dtype=np.uint64)),
@@ -183,15 +185,15 @@ def ties_logits(rng, m, vocab, dim, kind):
 
 
 @given(m=st.integers(1, 3), vocab=st.sampled_from([100, 2048, 5003]), dim=st.sampled_from([8, 40]),
-       kind=st.sampled_from(["plain", "ties", "many"]), seed=SEEDS)
-def test_temperature_zero_is_model_argmax(gpu, stream, m, vocab, dim, kind, seed):
+       kind=st.sampled_from(["plain", "ties", "many"]), stage=st.booleans(), seed=SEEDS)
+def test_temperature_zero_is_model_argmax(gpu, stream, m, vocab, dim, kind, stage, seed):
     """Greedy rows take model_argmax's token (run on the same logits, h and LM head), bit for bit, and advance
-    the model state the same way."""
+    the model state the same way (staged keys or not)."""
     rng = np.random.default_rng(seed)
     h, weight, logits = ties_logits(rng, m, vocab, dim, kind)
     init = np.concatenate([np.full(m, -5), rng.integers(0, 100, m), np.zeros(2 * m)]).astype(np.int32)
     init[2 * m:3 * m] = init[m:2 * m] + 1
-    with Sampler(gpu, m, vocab, history=8) as s:
+    with Sampler(gpu, m, vocab, history=8, stage=stage) as s:
         for r in range(m):
             s.reset(r, int(rng.integers(2**63)), stream)
         got = launch(s, stream, logits, h, weight, advance=1, state_init=init)
@@ -294,7 +296,8 @@ def test_top_p_and_min_p_boundaries(gpu, stream):
         assert seen == allowed, (kw, seen)
 
 
-def test_nan_and_inf_rules(gpu, stream, rng):
+@pytest.mark.parametrize("stage", [False, True])
+def test_nan_and_inf_rules(gpu, stream, rng, stage):
     vocab = 300
     logits = randn(rng, (3, vocab), 1.0)
     nan_at = rng.integers(0, vocab, 40)
@@ -302,7 +305,7 @@ def test_nan_and_inf_rules(gpu, stream, rng):
     logits[0, nan_at[0]] = np.nan
     logits[1, [5, 200]] = np.inf   # +inf: greedy, the first of them
     logits[2] = np.nan             # nothing above -inf: token 0
-    with Sampler(gpu, 3, vocab) as s:
+    with Sampler(gpu, 3, vocab, stage=stage) as s:
         for r in range(3):
             s.reset(r, r + 5, stream)
             s.set_params(r, stream, temperature=1.0)
@@ -313,12 +316,36 @@ def test_nan_and_inf_rules(gpu, stream, rng):
     assert flags.tolist() == [ks.FLAG_NAN, ks.FLAG_INF, ks.FLAG_NAN | ks.FLAG_EMPTY]
 
 
+@pytest.mark.parametrize("vocab", [49152, 151936])
+def test_model_sized_vocabularies(gpu, stream, rng, vocab):
+    """SmolLM2's vocabulary (the keys staged where they fit) and Qwen's (read from the logits at every pass), rows
+    with llama.cpp's defaults and a long history, against the reference."""
+    m, cap = 3, 64
+    with Sampler(gpu, m, vocab, history=cap) as s:
+        assert s.stage == ks.stage_fits(vocab, shared_optin())
+        mirror = Mirror(m, cap)
+        for r in range(m):
+            mirror.reset(s, stream, r, 77 + r, rng.integers(0, vocab, 200).astype(np.int32))
+            mirror.set(s, stream, r, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1)
+        for _ in range(3):
+            logits = randn(rng, (m, vocab), 2.0)
+            got = launch(s, stream, logits)
+            for r in range(m):
+                out = mirror.expect(r, logits[r])
+                assert got[r] == out.token or near_boundary(out, mirror.params[r]), (r, got[r], out.token)
+                mirror.history[r, (mirror.count[r] - 1) % cap] = got[r]
+
+
 def test_bad_arguments_raise_before_device_work(gpu, stream):
     rec = Recording(gpu)
     with pytest.raises(HssError, match="rows"):
         Sampler(rec, 0, 100)
     with pytest.raises(HssError, match="vocab"):
         Sampler(rec, 1, ks.MAX_VOCAB + 1)
+    with pytest.raises(HssError, match="stage=True"):   # the keys of 151,936 tokens fit no device's shared memory
+        Sampler(rec, 1, 151936, stage=True)
+    with pytest.raises(TypeError, match="stage"):
+        Sampler(rec, 1, 100, stage=1)
     assert rec.calls == []
     with Sampler(gpu, 2, 100) as s:
         s.reset(0, 3, stream)

@@ -7,15 +7,19 @@
 For each vocabulary size V and row count R: bf16 logits ``[R, V]`` (N(0, 3²): a spread like a small model's), an LM
 head ``[V, dim]`` and ``h [R, dim]`` (both launches recompute greedy near ties from them, as the model step does)
 and the model state layout of a batch step (positions advance by one per launch). Settings: ``greedy``
-(temperature 0), ``top-k/p/min-p`` (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and ``temp 1.0`` (plain
-temperature 1, the whole vocabulary). Columns:
+(temperature 0), ``top-k/p/min-p`` (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), ``+ rep 1.1`` (the same
+with a repetition penalty of 1.1 over each row's 64-token history: llama.cpp's defaults, the batch bench's sampled
+rows) and ``temp 1.0`` (plain temperature 1, the whole vocabulary). Where the sampler stages its keys in shared
+memory (``Sampler.stage``), the two filtered settings are timed again with ``stage=False`` (``unstaged`` rows: the
+keys recomputed from the logits at every pass). Columns:
 
 * ``sample µs``: GPU time per ``sample_tokens`` launch (CUDA events around ``--iters`` back-to-back launches queued
   behind a large memset, so the host's issue time is hidden; median of 5 batches);
 * ``argmax µs``: ``model_argmax`` over the same logits, timed the same way, and ``× argmax`` = sample / argmax;
 * ``torch µs``: on the same logits and stream, ``torch.argmax`` (greedy), softmax + ``torch.topk`` + min-p + cumsum
-  top-p + ``torch.multinomial`` (top-k/p/min-p), softmax + ``torch.multinomial`` (temp 1.0); ``× torch`` = sample /
-  torch (skipped with a note when PyTorch or its CUDA is missing, and with ``--no-torch``).
+  top-p + ``torch.multinomial`` (top-k/p/min-p; with a gather / scatter repetition penalty first, as Hugging
+  Face's ``RepetitionPenaltyLogitsProcessor``, for ``+ rep 1.1``), softmax + ``torch.multinomial`` (temp 1.0);
+  ``× torch`` = sample / torch (skipped with a note when PyTorch or its CUDA is missing, and with ``--no-torch``).
 The greedy rows also check that the sampler's tokens are ``model_argmax``'s (a ``CHECK FAILED`` note if not).
 
 The target line: sampling within 5 % of a batch-1 SmolLM2-135M decode step, the top-k/p/min-p launch at V = 49,152,
@@ -32,8 +36,11 @@ import numpy as np
 
 SETTINGS = {"greedy": {"temperature": 0.0},
             "top-k/p/min-p": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+            "+ rep 1.1": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1},
             "temp 1.0": {"temperature": 1.0}}
 TARGET_SETTING, TARGET_VOCAB, TARGET_FRACTION, ASSUMED_STEP_US = "top-k/p/min-p", 49152, 0.05, 1000.0
+UNSTAGED = ("top-k/p/min-p", "+ rep 1.1")   # timed again with stage=False where the keys are staged
+HISTORY = 64   # tokens of each row's history
 SMOKE = dict(vocabs="3000", rows="1,3", dim=8, iters=2, warmup=1, batches=2)
 
 
@@ -81,12 +88,21 @@ class _Case:
         state = np.zeros((km.STATE_WORDS, rows), np.int32)
         state[2] = 1
         self.states = {name: self.dev(state) for name in ("sample", "argmax")}
-        self.sampler = Sampler(gpu, rows, vocab)
-        self.owned.append(self.sampler)
-        for r in range(rows):   # a history to read (the settings' penalties are off, as in most requests)
-            self.sampler.reset(r, 1000 + r, stream, prompt=rng.integers(0, vocab, 64).astype(np.int32))
-        _, self._sample = self.sampler.op(self.logits_dev.ptr, state=self.states["sample"].ptr, m=rows,
-                                          h=h_dev.ptr, weight=w_dev.ptr, dim=dim, state_stride=rows, advance=1)
+        self.history = rng.integers(0, vocab, (rows, HISTORY)).astype(np.int32)
+        self.samplers = {False: Sampler(gpu, rows, vocab, history=HISTORY)}
+        self.owned.append(self.samplers[False])
+        self.staged = self.samplers[False].stage
+        if self.staged:
+            self.samplers[True], self.samplers[False] = self.samplers[False], Sampler(gpu, rows, vocab,
+                                                                                      history=HISTORY, stage=False)
+            self.owned.append(self.samplers[False])
+        self._sample = {}
+        for staged, sampler in self.samplers.items():
+            for r in range(rows):   # a history to read (penalised by the + rep setting only)
+                sampler.reset(r, 1000 + r, stream, prompt=self.history[r])
+            _, self._sample[staged] = sampler.op(self.logits_dev.ptr, state=self.states["sample"].ptr, m=rows,
+                                                 h=h_dev.ptr, weight=w_dev.ptr, dim=dim, state_stride=rows,
+                                                 advance=1)
         geom = km.argmax_geometry(rows)
         pack = km.MODEL_ARGMAX.pack(logits=self.logits_dev.ptr, h=h_dev.ptr, weight=w_dev.ptr, vocab=vocab, dim=dim,
                                     state=self.states["argmax"].ptr, advance=1, m=rows, state_stride=rows, rows=0)
@@ -101,11 +117,13 @@ class _Case:
         return buf
 
     def set(self, params: dict) -> None:
-        for r in range(self.rows):
-            self.sampler.set_params(r, self.stream, **params)
+        for sampler in self.samplers.values():
+            for r in range(self.rows):
+                sampler.set_params(r, self.stream, **params)
 
-    def sample(self) -> None:
-        self._sample(self.stream)
+    def sample(self, staged: bool | None = None) -> None:
+        """One launch of the default sampler (None), or of the staged (True) / unstaged (False) one."""
+        self._sample[self.staged if staged is None else staged](self.stream)
 
     def argmax(self) -> None:
         self._argmax(self.stream)
@@ -177,6 +195,9 @@ def _case(gpu: Any, stream: int, vocab: int, r: int, args: argparse.Namespace, r
             else:
                 row["note"] = "; ".join(x for x in (row["note"], f"torch {torch_why}") if x)
             out.append(row)
+            if c.staged and name in UNSTAGED:
+                out.append(dict(base, setting=f"{name}, unstaged", argmax_us=argmax_us, note="stage=False",
+                                sample_us=_gpu(stream, lambda: c.sample(False), args, flush)))
     finally:
         c.close()
     return out
@@ -193,13 +214,16 @@ def _torch_missing() -> str | None:
 
 
 def _torch_logits(c: _Case) -> Any:
+    """(logits, history) as CUDA tensors."""
     import torch
-    return torch.from_numpy(np.ascontiguousarray(c.logits).view(np.int16)).view(torch.bfloat16).cuda()
+    logits = torch.from_numpy(np.ascontiguousarray(c.logits).view(np.int16)).view(torch.bfloat16).cuda()
+    return logits, torch.from_numpy(c.history.astype(np.int64)).cuda()
 
 
-def _torch_pipeline(logits: Any, params: dict, stream: int) -> Any:
+def _torch_pipeline(data: Any, params: dict, stream: int) -> Any:
     """One sampling call on ``stream`` as a PyTorch serving loop writes it for ``params``."""
     import torch
+    logits, history = data
     ext = torch.cuda.ExternalStream(stream)
     temp = params["temperature"]
     gen = torch.Generator(device=logits.device)
@@ -213,7 +237,12 @@ def _torch_pipeline(logits: Any, params: dict, stream: int) -> Any:
         return torch.multinomial(probs, 1, generator=gen)
 
     def filtered() -> Any:
-        probs = torch.softmax(logits.float() / temp, dim=-1)
+        x = logits.float()
+        if "repetition_penalty" in params:   # Hugging Face's RepetitionPenaltyLogitsProcessor
+            score = torch.gather(x, 1, history)
+            rp = params["repetition_penalty"]
+            x = x.scatter(1, history, torch.where(score < 0, score * rp, score / rp))
+        probs = torch.softmax(x / temp, dim=-1)
         top, idx = torch.topk(probs, params["top_k"], dim=-1)
         top = top.masked_fill(top < params["min_p"] * top[:, :1], 0.0)
         cum = torch.cumsum(top, dim=-1)

@@ -16,7 +16,7 @@ from hss.cuda._driver import api, check, cuda_error, driver_status
 from hss.errors import CudaError, HssError
 
 __all__ = ["CudaCtx", "CudaStream", "CudaEvent", "stream_sync", "stream_wait_event", "compute_capability",
-           "multiprocessor_count", "stream_handle", "ordinal_of", "device_count"]
+           "multiprocessor_count", "shared_optin", "stream_handle", "ordinal_of", "device_count"]
 
 _GONE = {"CUDA_ERROR_DEINITIALIZED", "CUDA_ERROR_CONTEXT_IS_DESTROYED", "CUDA_ERROR_INVALID_CONTEXT"}
 _EVENT_DISABLE_TIMING = 2
@@ -321,6 +321,14 @@ def multiprocessor_count(ctx: CudaCtx | PrimaryContext | None = None) -> int:
     """Number of SMs of the device of ``ctx`` (or of the current device)."""
     pctx = owner_context(ctx)
     attr = api.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    return int(check(api.cuDeviceGetAttribute(attr, pctx.device), "cuDeviceGetAttribute"))
+
+
+def shared_optin(ctx: CudaCtx | PrimaryContext | None = None) -> int:
+    """The most shared memory a block of the device of ``ctx`` (or of the current device) may opt in to, in bytes
+    (static and dynamic together)."""
+    pctx = owner_context(ctx)
+    attr = api.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
     return int(check(api.cuDeviceGetAttribute(attr, pctx.device), "cuDeviceGetAttribute"))
 
 

@@ -8,7 +8,9 @@ position words at ``state_stride + r`` and ``2 state_stride + r`` (as ``model_ar
 when it runs, as the kernel does, so a replayed graph draws with the counters the last replay left.
 
 Geometry (:func:`sample_geometry`; the ``check`` holds emulated launches to it): grid (m), block (``THREADS``),
-dynamic shared memory ``4 ceil(vocab / 32)`` bytes.
+dynamic shared memory ``4 ceil(vocab / 32)`` bytes (the history bitmap), and with ``stage`` the penalised keys,
+``4 stage_words(vocab)`` bytes more (:func:`stage_fits`: whether they fit a device's opt-in shared memory; past 48
+KiB the function needs ``set_max_dynamic_shared``).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from hss.reference import sample as ref
 
 __all__ = ["MODULE", "THREADS", "CANDIDATES", "MASS_BITS", "PARAM_WORDS", "MAX_VOCAB", "RADIX_BINS", "FLAG_NAN",
            "FLAG_INF", "FLAG_EMPTY", "P_TEMPERATURE", "P_TOP_K", "P_TOP_P", "P_MIN_P", "P_REPETITION",
-           "P_PRESENCE", "P_SEED_LO", "P_SEED_HI", "P_STEP", "P_COUNT", "P_FLAGS", "sample_geometry",
+           "P_PRESENCE", "P_SEED_LO", "P_SEED_HI", "P_STEP", "P_COUNT", "P_FLAGS", "sample_geometry", "stage_words",
+           "stage_fits", "STATIC_SHARED",
            "SAMPLE_TOKENS"]
 
 BF16 = ml_dtypes.bfloat16
@@ -41,9 +44,25 @@ P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_REPETITION, P_PRESENCE = range(6)
 P_SEED_LO, P_SEED_HI, P_STEP, P_COUNT, P_FLAGS = range(6, 11)
 
 
-def sample_geometry(m: int, vocab: int) -> Geometry:
-    """``sample_tokens``: one CTA per row; the history bitmap in dynamic shared memory."""
-    return Geometry((m, 1, 1), (THREADS, 1, 1), 4 * ceil_div(vocab, 32))
+STATIC_SHARED = 10 * 1024  # room kept for the kernel's static shared memory (8,896 bytes built for sm_90)
+
+
+def stage_words(vocab: int) -> int:
+    """u32 words of the staged keys: ``THREADS`` rows of ``8 cpt + 1`` (``cpt`` chunks of 8 tokens a thread)."""
+    cpt = ceil_div(ceil_div(vocab, 8), THREADS)
+    return THREADS * (8 * cpt + 1)
+
+
+def stage_fits(vocab: int, shared_optin: int) -> bool:
+    """Whether the staged keys and the bitmap fit ``shared_optin`` bytes of shared memory a block (a device's
+    opt-in limit; 227 KiB on an H100 or H200: vocabularies up to 49,152)."""
+    return 4 * ceil_div(vocab, 32) + 4 * stage_words(vocab) + STATIC_SHARED <= shared_optin
+
+
+def sample_geometry(m: int, vocab: int, stage: bool = False) -> Geometry:
+    """``sample_tokens``: one CTA per row; the history bitmap (and with ``stage`` the keys) in dynamic shared
+    memory."""
+    return Geometry((m, 1, 1), (THREADS, 1, 1), 4 * ceil_div(vocab, 32) + (4 * stage_words(vocab) if stage else 0))
 
 
 # -- emulation ------------------------------------------------------------------------------------
@@ -90,7 +109,9 @@ def _emulate(a: SimpleNamespace, launch: Launch) -> None:
 
 
 def _check(a: SimpleNamespace, launch: Launch) -> str | None:
-    want = sample_geometry(a.m, a.vocab)
+    if a.stage not in (0, 1):
+        return f"stage must be 0 or 1 (got {a.stage})"
+    want = sample_geometry(a.m, a.vocab, bool(a.stage))
     if (launch.grid, launch.block, launch.shared) != (want.grid, want.block, want.shared):
         return f"needs grid {want.grid}, block {want.block} and {want.shared} bytes of dynamic shared memory"
     if a.advance >= 0 and a.state_stride < a.m:
@@ -111,7 +132,7 @@ def _refine(a: SimpleNamespace, per_row: int) -> int:
 SAMPLE_TOKENS = declare(
     MODULE, "sample_tokens",
     "ptr logits, ptr h, ptr weight, ptr params, ptr history, ptr state, ptr rows, i32 vocab, i32 dim, "
-    "i32 history_cap, i32 m, i32 state_stride, i32 advance",
+    "i32 history_cap, i32 m, i32 state_stride, i32 advance, i32 stage",
     reads={"logits": lambda a: 2 * max(a.m, 0) * max(a.vocab, 0),
            "h": lambda a: _refine(a, 2 * max(a.m, 0) * max(a.dim, 0)),
            "weight": lambda a: _refine(a, 2 * max(a.vocab, 0) * max(a.dim, 0)),

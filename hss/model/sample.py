@@ -14,6 +14,7 @@ import numpy as np
 from hss import _args
 from hss import cuda_min as cm
 from hss._util import Closeable
+from hss.cuda._context import shared_optin
 from hss.cuda.gpu import CudaBackend, launcher
 from hss.decls import sample as ks
 from hss.errors import HssError
@@ -117,19 +118,34 @@ class Sampler(Closeable):
     The op reads everything from the device (parameters, counters, history, ``rows``), so a captured graph replays
     it and each replay draws anew. :meth:`set_params`, :meth:`reset` and :meth:`flags` queue copies on the stream
     they are given: call them outside a capture (between replays).
+
+    ``stage``: whether the launch keeps the penalised keys in shared memory after its first pass over the logits
+    (the same tokens, fewer instructions a pass); None (default) stages where they fit the device's opt-in shared
+    memory (:func:`hss.decls.sample.stage_fits`: vocabularies up to 49,152 on an H100 or H200).
     """
 
     def __init__(self, gpu: CudaBackend, rows: int, vocab: int, *, history: int = 64,
-                 ctx: cm.CudaCtx | None = None) -> None:
+                 stage: bool | None = None, ctx: cm.CudaCtx | None = None) -> None:
         self.rows = _args.as_int("rows", rows, 1, 65535, "the grid has one CTA per row")
         self.vocab = _args.as_int("vocab", vocab, 1, ks.MAX_VOCAB, "the history bitmap lives in shared memory")
         self.history_cap = _args.as_int("history", history, 0, 1 << 20)
+        if stage is not None and not isinstance(stage, bool):
+            raise TypeError(f"stage must be a bool or None (where it fits), got {type(stage).__name__}")
+        optin = shared_optin(ctx if ctx is not None else getattr(gpu, "ctx", None))
+        fits = ks.stage_fits(self.vocab, optin)
+        if stage and not fits:
+            raise HssError(f"stage=True: the keys of a {self.vocab}-token vocabulary do not fit the device's "
+                           f"{optin} bytes of shared memory a block; pass stage=None or False")
+        self.stage = fits if stage is None else stage
         self.gpu = gpu
         self._owned = contextlib.ExitStack()
         self._host = np.zeros((self.rows, ks.PARAM_WORDS), np.uint32)
         self._host[:, : ks.P_PRESENCE + 1] = _params_words(**SAMPLING_DEFAULTS)
         try:
             self._kernel = gpu.kernel(ks.MODULE, ks.SAMPLE_TOKENS.name)
+            shared = ks.sample_geometry(1, self.vocab, self.stage).shared
+            if shared > 48 * 1024:
+                self._kernel.func.set_max_dynamic_shared(shared)
             self.params = self._owned.enter_context(cm.DeviceBuffer(self._host.nbytes, ctx)).ptr
             self.history = self._owned.enter_context(cm.DeviceBuffer(max(4 * self.rows * self.history_cap, 4),
                                                                      ctx)).ptr
@@ -258,8 +274,8 @@ class Sampler(Closeable):
         params, history = self.params + 4 * ks.PARAM_WORDS * first, self.history + 4 * self.history_cap * first
         pack = ks.SAMPLE_TOKENS.pack(logits=logits, h=h, weight=weight, params=params, history=history,
                                      state=state, rows=rows, vocab=self.vocab, dim=d, history_cap=self.history_cap,
-                                     m=mm, state_stride=stride, advance=adv)
-        geom = ks.sample_geometry(mm, self.vocab)
+                                     m=mm, state_stride=stride, advance=adv, stage=int(self.stage))
+        geom = ks.sample_geometry(mm, self.vocab, self.stage)
         run = launcher(self.gpu, self._kernel, geom.block, geom.shared, pack)
         grid = geom.grid
         return "sample", lambda s, _pack=pack: run(s, *grid)
