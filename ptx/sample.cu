@@ -171,9 +171,9 @@ __device__ void count_round(const RowTokens& t, const RowParams& p, bool first, 
         for (int k = 0; k < t.cpt; ++k) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
+                if (8 * (t.c0 + k) + e >= t.vocab) continue;   // (never written)
                 const uint32_t key = t.keys[8 * k + e];
-                if (8 * (t.c0 + k) + e < t.vocab && (first || (key >> up) == prefix))
-                    atomicAdd(&hist[(key >> sh) & mask], 1u);
+                if (first || (key >> up) == prefix) atomicAdd(&hist[(key >> sh) & mask], 1u);
             }
         }
         return;

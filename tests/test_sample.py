@@ -321,7 +321,7 @@ def test_model_sized_vocabularies(gpu, stream, rng, vocab):
     """SmolLM2's vocabulary (the keys staged where they fit) and Qwen's (read from the logits at every pass), rows
     with llama.cpp's defaults and a long history, against the reference."""
     m, cap = 3, 64
-    with Sampler(gpu, m, vocab, history=cap) as s:
+    with Sampler(gpu, m, vocab, history=cap, stage=None) as s:
         assert s.stage == ks.stage_fits(vocab, shared_optin())
         mirror = Mirror(m, cap)
         for r in range(m):
@@ -334,6 +334,14 @@ def test_model_sized_vocabularies(gpu, stream, rng, vocab):
                 out = mirror.expect(r, logits[r])
                 assert got[r] == out.token or near_boundary(out, mirror.params[r]), (r, got[r], out.token)
                 mirror.history[r, (mirror.count[r] - 1) % cap] = got[r]
+
+
+def test_staged_samplers_of_two_sizes(gpu, stream, rng):
+    """A staged sampler made after a larger one leaves the larger one's launch room (one limit for the kernel)."""
+    with Sampler(gpu, 1, 40000, stage=True) as big, Sampler(gpu, 1, 100, stage=True) as small:
+        for s, vocab in ((big, 40000), (small, 100), (big, 40000)):
+            s.set_params(0, stream, temperature=1.0, top_k=5)
+            assert 0 <= launch(s, stream, randn(rng, (1, vocab), 1.0))[0] < vocab
 
 
 def test_bad_arguments_raise_before_device_work(gpu, stream):

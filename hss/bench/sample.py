@@ -9,9 +9,10 @@ head ``[V, dim]`` and ``h [R, dim]`` (both launches recompute greedy near ties f
 and the model state layout of a batch step (positions advance by one per launch). Settings: ``greedy``
 (temperature 0), ``top-k/p/min-p`` (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), ``+ rep 1.1`` (the same
 with a repetition penalty of 1.1 over each row's 64-token history: llama.cpp's defaults, the batch bench's sampled
-rows) and ``temp 1.0`` (plain temperature 1, the whole vocabulary). Where the sampler stages its keys in shared
-memory (``Sampler.stage``), the two filtered settings are timed again with ``stage=False`` (``unstaged`` rows: the
-keys recomputed from the logits at every pass). Columns:
+rows) and ``temp 1.0`` (plain temperature 1, the whole vocabulary), each with the Sampler's default ``stage``.
+Where the keys fit the device's shared memory, the two filtered settings are timed again with the other ``stage``
+(``staged`` rows: the penalised keys kept in shared memory after the first pass; ``unstaged``: recomputed from
+the logits at every pass). Columns:
 
 * ``sample µs``: GPU time per ``sample_tokens`` launch (CUDA events around ``--iters`` back-to-back launches queued
   behind a large memset, so the host's issue time is hidden; median of 5 batches);
@@ -39,7 +40,7 @@ SETTINGS = {"greedy": {"temperature": 0.0},
             "+ rep 1.1": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1},
             "temp 1.0": {"temperature": 1.0}}
 TARGET_SETTING, TARGET_VOCAB, TARGET_FRACTION, ASSUMED_STEP_US = "top-k/p/min-p", 49152, 0.05, 1000.0
-UNSTAGED = ("top-k/p/min-p", "+ rep 1.1")   # timed again with stage=False where the keys are staged
+OTHER_STAGE = ("top-k/p/min-p", "+ rep 1.1")   # timed again with the other stage where the keys fit
 HISTORY = 64   # tokens of each row's history
 SMOKE = dict(vocabs="3000", rows="1,3", dim=8, iters=2, warmup=1, batches=2)
 
@@ -75,8 +76,10 @@ class _Case:
         import ml_dtypes
 
         from hss import cuda_min as cm
+        from hss.cuda._context import shared_optin
         from hss.cuda.gpu import launcher
         from hss.decls import model as km
+        from hss.decls.sample import stage_fits
         from hss.model.sample import Sampler
         bf16 = ml_dtypes.bfloat16
         self.cm, self.stream, self.vocab, self.rows = cm, stream, vocab, rows
@@ -89,18 +92,19 @@ class _Case:
         state[2] = 1
         self.states = {name: self.dev(state) for name in ("sample", "argmax")}
         self.history = rng.integers(0, vocab, (rows, HISTORY)).astype(np.int32)
-        self.samplers = {False: Sampler(gpu, rows, vocab, history=HISTORY)}
-        self.owned.append(self.samplers[False])
-        self.staged = self.samplers[False].stage
-        if self.staged:
-            self.samplers[True], self.samplers[False] = self.samplers[False], Sampler(gpu, rows, vocab,
-                                                                                      history=HISTORY, stage=False)
-            self.owned.append(self.samplers[False])
+        self.samplers = {"default": Sampler(gpu, rows, vocab, history=HISTORY)}
+        self.owned.append(self.samplers["default"])
+        other = not self.samplers["default"].stage
+        self.other = None   # the other stage's row label, where it runs
+        if not other or stage_fits(vocab, shared_optin(gpu.ctx)):
+            self.samplers["other"] = Sampler(gpu, rows, vocab, history=HISTORY, stage=other)
+            self.owned.append(self.samplers["other"])
+            self.other = "staged" if other else "unstaged"
         self._sample = {}
-        for staged, sampler in self.samplers.items():
+        for which, sampler in self.samplers.items():
             for r in range(rows):   # a history to read (penalised by the + rep setting only)
                 sampler.reset(r, 1000 + r, stream, prompt=self.history[r])
-            _, self._sample[staged] = sampler.op(self.logits_dev.ptr, state=self.states["sample"].ptr, m=rows,
+            _, self._sample[which] = sampler.op(self.logits_dev.ptr, state=self.states["sample"].ptr, m=rows,
                                                  h=h_dev.ptr, weight=w_dev.ptr, dim=dim, state_stride=rows,
                                                  advance=1)
         geom = km.argmax_geometry(rows)
@@ -121,9 +125,9 @@ class _Case:
             for r in range(self.rows):
                 sampler.set_params(r, self.stream, **params)
 
-    def sample(self, staged: bool | None = None) -> None:
-        """One launch of the default sampler (None), or of the staged (True) / unstaged (False) one."""
-        self._sample[self.staged if staged is None else staged](self.stream)
+    def sample(self, which: str = "default") -> None:
+        """One launch of the sampler with the default ``stage`` ("default") or the other one ("other")."""
+        self._sample[which](self.stream)
 
     def argmax(self) -> None:
         self._argmax(self.stream)
@@ -195,9 +199,10 @@ def _case(gpu: Any, stream: int, vocab: int, r: int, args: argparse.Namespace, r
             else:
                 row["note"] = "; ".join(x for x in (row["note"], f"torch {torch_why}") if x)
             out.append(row)
-            if c.staged and name in UNSTAGED:
-                out.append(dict(base, setting=f"{name}, unstaged", argmax_us=argmax_us, note="stage=False",
-                                sample_us=_gpu(stream, lambda: c.sample(False), args, flush)))
+            if c.other and name in OTHER_STAGE:
+                out.append(dict(base, setting=f"{name}, {c.other}", argmax_us=argmax_us,
+                                note=f"stage={c.other == 'staged'}",
+                                sample_us=_gpu(stream, lambda: c.sample("other"), args, flush)))
     finally:
         c.close()
     return out

@@ -120,12 +120,13 @@ class Sampler(Closeable):
     they are given: call them outside a capture (between replays).
 
     ``stage``: whether the launch keeps the penalised keys in shared memory after its first pass over the logits
-    (the same tokens, fewer instructions a pass); None (default) stages where they fit the device's opt-in shared
-    memory (:func:`hss.decls.sample.stage_fits`: vocabularies up to 49,152 on an H100 or H200).
+    (the same tokens, fewer instructions a pass): True (an HssError where they do not fit the device's opt-in shared
+    memory, :func:`hss.decls.sample.stage_fits`: vocabularies up to 49,152 on an H100 or H200), None (where they
+    fit) or False (default: every pass reads the logits and the history bitmap).
     """
 
     def __init__(self, gpu: CudaBackend, rows: int, vocab: int, *, history: int = 64,
-                 stage: bool | None = None, ctx: cm.CudaCtx | None = None) -> None:
+                 stage: bool | None = False, ctx: cm.CudaCtx | None = None) -> None:
         self.rows = _args.as_int("rows", rows, 1, 65535, "the grid has one CTA per row")
         self.vocab = _args.as_int("vocab", vocab, 1, ks.MAX_VOCAB, "the history bitmap lives in shared memory")
         self.history_cap = _args.as_int("history", history, 0, 1 << 20)
@@ -143,9 +144,8 @@ class Sampler(Closeable):
         self._host[:, : ks.P_PRESENCE + 1] = _params_words(**SAMPLING_DEFAULTS)
         try:
             self._kernel = gpu.kernel(ks.MODULE, ks.SAMPLE_TOKENS.name)
-            shared = ks.sample_geometry(1, self.vocab, self.stage).shared
-            if shared > 48 * 1024:
-                self._kernel.func.set_max_dynamic_shared(shared)
+            if self.stage:   # the same limit for every staged sampler (a later one never lowers it)
+                self._kernel.func.set_max_dynamic_shared(optin - ks.STATIC_SHARED)
             self.params = self._owned.enter_context(cm.DeviceBuffer(self._host.nbytes, ctx)).ptr
             self.history = self._owned.enter_context(cm.DeviceBuffer(max(4 * self.rows * self.history_cap, 4),
                                                                      ctx)).ptr
