@@ -42,7 +42,7 @@
 //   Last, after a barrier (every thread has read p): pos[slots[r]] = p + 1.
 //   Algorithm: order-preserving u32 keys (NaN -> 0, -0.0 -> +0.0, else sign-flipped bits); a radix select over
 //   4 passes of 8-bit digits (most significant first) restricted to the keys matching the digits chosen so far,
-//   each pass a warp-aggregated (__match_any_sync) shared histogram then one warp scanning its 256 bins from the
+//   each pass a shared histogram (one atomic per counted key) then one warp scanning its 256 bins from the
 //   top, stopping early once the threshold bucket is taken whole; then a stable compaction: thread t owns
 //   QSA_TOPK_ITEMS consecutive blocks of a QSA_TOPK_TILE tile, one block-wide exclusive scan per tile counts the
 //   keys above the threshold and the ones equal to it before each block, so the ties are taken lowest index first
@@ -234,11 +234,10 @@ __device__ __forceinline__ void qsd_topk_keys(const float* __restrict__ row, u32
     }
 }
 
-// hist[digit] += 1 for every active lane, one shared atomic per distinct digit of the warp. All 32 lanes call it.
+// hist[digit] += 1 for an active lane: one shared atomic per counted key (on an H100 the sampler's radix counts ran
+// faster so than aggregating a warp's equal digits with __match_any_sync or votes first, equal digits included).
 __device__ __forceinline__ void qsd_hist_add(u32* hist, u32 digit, bool active) {
-    if (__ballot_sync(HSS_FULL_MASK, active) == 0u) return;   // warp-uniform
-    const u32 peers = __match_any_sync(HSS_FULL_MASK, active ? digit : 0xffffffffu);
-    if (active && (threadIdx.x & 31) == (u32)(__ffs(peers) - 1)) atomicAdd(hist + digit, (u32)__popc(peers));
+    if (active) atomicAdd(hist + digit, 1u);
 }
 
 // Warp 0: the digit holding rank `krem` counted from the top of the 256-bin histogram `hist`:
