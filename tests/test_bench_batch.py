@@ -78,3 +78,19 @@ def test_bad_options_are_usage_errors(capsys, argv, message):
 def test_the_suite_is_discovered():
     from hss.bench.__main__ import SUITES
     assert "batch" in SUITES
+
+
+def test_staged_rows_use_a_staged_sampler_and_get_their_own_target():
+    from hss.model import sample
+    args = batch.parse_args(["--smoke"])
+    args.sampling_list, args.kv_list, args.batch_list = ["greedy", "sampled", "staged"], ["hbm"], [1]
+    before = sample.SESSION_STAGE
+    rows = batch.run(args)
+    assert sample.SESSION_STAGE is before   # restored after the staged rows
+    measured = {r["sampling"]: r for r in rows if "variant" not in r}
+    assert f"sampler stage={before}" in measured["sampled"]["note"]
+    assert "sampler stage=True" in measured["staged"]["note"]   # the tiny vocabulary's keys fit
+    assert "sampler stage" not in measured["greedy"]["note"]
+    targets = {r["variant"]: r for r in rows if "variant" in r}
+    staged = targets["target: staged batch-1 step <= 1.05x greedy"]
+    assert staged["ratio"] == pytest.approx(measured["staged"]["ms"] / measured["greedy"]["ms"])

@@ -23,11 +23,14 @@ from pinned host memory each step), each measured in the same run. The swap rows
 (averaged over the timed steps and their warm-up), the pinned H2D bandwidth measured in the same run (one copy of up
 to 256 MiB from a pinned buffer, timed with events, the best of three) and the floor they set: streamed bytes / that
 bandwidth, and the step's time as a multiple of it. ``--sampling``: ``greedy`` (default; ``model_argmax`` ends the
-step) and/or ``sampled`` (every row draws with :data:`SAMPLED`, its own seed: the sampler's launch ends the step),
-each batch size measured in each, in the same run.
+step), ``sampled`` (every row draws with :data:`SAMPLED`, its own seed: the sampler's launch ends the step) and/or
+``staged`` (as ``sampled``, the sampler keeping the penalised keys in shared memory where they fit:
+``Sampler(stage=None)``, whatever :data:`hss.model.sample.SESSION_STAGE` says), each batch size measured in each, in
+the same run.
 
-Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s, greedy); with both samplings,
-a sampled batch-1 step within 5 % of a greedy one; the swap's batch-16 step within 1.3x its H2D floor (greedy).
+Targets (printed): batch 16 >= 8x batch 1, batch 64 >= 20x batch 1 (decode tokens/s, greedy); with greedy and
+sampled (or staged) rows, a sampled (staged) batch-1 step within 5 % of a greedy one; the swap's batch-16 step within
+1.3x its H2D floor (greedy).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ TARGETS = ((16, 8.0), (64, 20.0))   # (batch, at least this many times batch 1's
 TIMED_BATCHES = 3                   # host_us batches of steps: the median of their µs per step
 SAMPLING_COST = 0.05                # a sampled batch-1 step within this fraction of a greedy one
 SWAP_FLOOR = (16, 1.3)              # (batch, the swap step within this multiple of its H2D floor)
-SAMPLINGS = ("greedy", "sampled")
+SAMPLINGS = ("greedy", "sampled", "staged")
 KV_MODES = ("hbm", "sparse", "swap")
 
 
@@ -69,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="replay each step as a CUDA graph (default)")
-    p.add_argument("--sampling", default="greedy", help="comma-separated: greedy (model_argmax) and/or sampled "
-                   f"({SAMPLED}; each row its own seed)")
+    p.add_argument("--sampling", default="greedy", help="comma-separated: greedy (model_argmax), sampled "
+                   f"({SAMPLED}; each row its own seed) and/or staged (sampled, the keys staged in shared memory)")
     p.add_argument("--kv", default="hbm", help="comma-separated: hbm, sparse (the device sparse step) and/or swap "
                    "(the exact swap)")
     p.add_argument("--budget", type=int, default=16, help="sparse: pages attended a layer besides the first 1 / last 4")
@@ -199,16 +202,29 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
              kv: str = "hbm", opts: dict[str, Any] | None = None, h2d: float | None = None) -> dict:
     """One batch size in one KV mode and sampling mode: B rows prefilled, then the timed steps (see the module's
     docstring). ``h2d``: the pinned H2D bandwidth (GB/s) for the swap's floor."""
+    from hss.model import sample
+
+    prompts = _prompts(args, model.config.vocab_size, b)
+    stage = sample.SESSION_STAGE
+    if mode == "staged":
+        sample.SESSION_STAGE = None
+    try:
+        return _timed(args, model, b, label, emulated, mode, kv, opts, h2d, prompts)
+    finally:
+        sample.SESSION_STAGE = stage
+
+
+def _timed(args: argparse.Namespace, model: Any, b: int, label: str, emulated: bool, mode: str, kv: str,
+           opts: dict[str, Any] | None, h2d: float | None, prompts: np.ndarray) -> dict:
     from hss.bench._timer import host_us
     from hss.model.batch import BatchSession
 
-    c, p, n = model.config, args.prompt_tokens, args.tokens
-    prompts = _prompts(args, c.vocab_size, b)
+    p, n = args.prompt_tokens, args.tokens
     with BatchSession(model, kv, max_batch=b, max_tokens=p + n + 1, graph=args.graph, batch_sizes=(b,),
                       **(opts or {})) as sess:
         t0 = time.perf_counter()
         for i, ids in enumerate(prompts):
-            sess.add(ids, max_new=n, sampling=_sampled(args.seed + i) if mode == "sampled" else None)
+            sess.add(ids, max_new=n, sampling=None if mode == "greedy" else _sampled(args.seed + i))
         prefill_s = time.perf_counter() - t0
         warmup = 2 if args.graph else 1   # the eager first step (and the capture with the second)
         steps = n - 2 - warmup   # the rows leave at the step that makes their n-th token: it is never timed
@@ -218,6 +234,8 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
         if kv == "swap":   # the bytes the steps streamed, per step
             done = {k: v - counts[k] for k, v in sess.kv.counts.items()}
             streamed = done["bytes_read"] / max(done["steps"], 1)
+        sampler = getattr(sess, "sampler", None)
+        stage = None if sampler is None else sampler.stage
         if len(sess.rows) != b or (args.graph and sess.graph_sizes != (b,)):   # the timing would mean another thing
             raise RuntimeError(f"batch {b}: {len(sess.rows)} rows live, graphs of sizes {sess.graph_sizes} after "
                                "the timed steps")
@@ -226,6 +244,8 @@ def _measure(args: argparse.Namespace, model: Any, b: int, label: str, emulated:
     note = (f"prompts {b} x {p} tokens prefilled in {prefill_s:.2f} s; {how}, host wall time per step (median of "
             f"{count} x {per} steps)")
     out = dict(model=label, batch=b, kv=kv, sampling=mode, tokens_s=b / (ms * 1e-3), ms=ms, ratio=None)
+    if stage is not None:
+        note += f"; sampler stage={stage}"
     if kv == "sparse":
         note += f"; sparse: budget {opts['budget']} + first 1 / last 4 pages a layer"
     if kv == "swap":
@@ -254,16 +274,18 @@ def _targets(rows: list[dict], label: str) -> list[dict]:
         out.append(dict(model=label, batch=batch, kv="hbm", sampling="greedy", tokens_s=None, ms=None, ratio=ratio,
                         variant=name, note=verdict))
     greedy = by_batch.get(1)
-    sampled = next((r for r in hbm if r["batch"] == 1 and r.get("sampling") == "sampled"), None)
-    name = f"target: sampled batch-1 step <= {1 + SAMPLING_COST:g}x greedy"
-    if greedy and sampled:
-        cost = sampled["ms"] / greedy["ms"]
-        verdict = f"{cost:.3f}x: {'met' if cost <= 1 + SAMPLING_COST else 'not met'}"
-        ms = sampled["ms"]
-    else:
-        cost, ms, verdict = None, None, "not run (needs batch 1 with --sampling greedy,sampled)"
-    out.append(dict(model=label, batch=1, kv="hbm", sampling="sampled", tokens_s=None, ms=ms, ratio=cost, variant=name,
-                    note=verdict))
+    modes = ["sampled"] + (["staged"] if any(r.get("sampling") == "staged" for r in hbm) else [])
+    for mode in modes:
+        sampled = next((r for r in hbm if r["batch"] == 1 and r.get("sampling") == mode), None)
+        name = f"target: {mode} batch-1 step <= {1 + SAMPLING_COST:g}x greedy"
+        if greedy and sampled:
+            cost = sampled["ms"] / greedy["ms"]
+            verdict = f"{cost:.3f}x: {'met' if cost <= 1 + SAMPLING_COST else 'not met'}"
+            ms = sampled["ms"]
+        else:
+            cost, ms, verdict = None, None, f"not run (needs batch 1 with --sampling greedy,{mode})"
+        out.append(dict(model=label, batch=1, kv="hbm", sampling=mode, tokens_s=None, ms=ms, ratio=cost,
+                        variant=name, note=verdict))
     batch, times = SWAP_FLOOR
     name = f"target: swap batch {batch} within {times:g}x its H2D floor"
     swap = next((r for r in rows if r.get("kv") == "swap" and r["batch"] == batch

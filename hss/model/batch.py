@@ -32,6 +32,7 @@ from hss import cuda_min as cm
 from hss._util import Closeable
 from hss.decls import model as km
 from hss.errors import HssError
+from hss.model import sample as _sample
 from hss.model.batch_kv import BatchHbmKV, BatchSparseKV, sparse_options
 from hss.model.batch_swap import BatchSwapKV, swap_options
 from hss.model.forward import Forward, Op
@@ -413,7 +414,7 @@ class BatchSession(Closeable):
         """Make :attr:`sampler` (every lane greedy, as the live rows are) and drop the argmax steps and their graphs:
         each batch size's step is built again with the sampler's launch (eagerly first, then captured)."""
         self.sampler = self._owned.enter_context(Sampler(self.model.gpu, self.max_batch, self.config.vocab_size,
-                                                         ctx=self.model.ctx))
+                                                         stage=_sample.SESSION_STAGE, ctx=self.model.ctx))
         self.sampler.reset(0, 0, self.stream)   # uploads every lane's (greedy) parameters
         self._programs.clear()
         self._drop_graphs()

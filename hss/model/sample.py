@@ -91,6 +91,10 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
+#: ``stage`` of the samplers that :class:`~hss.model.session.Session` and :class:`~hss.model.batch.BatchSession` make
+#: (see :class:`Sampler`): False until the staged launch is measured faster on the device
+SESSION_STAGE: bool | None = False
+
 
 class Sampler(Closeable):
     """The device state and launch of the token sampler for up to ``rows`` batch rows of a ``vocab``-token model.

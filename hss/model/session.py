@@ -26,6 +26,7 @@ from hss.checkpoint import Weights
 from hss.cuda.gpu import CudaBackend
 from hss.decls import model as km
 from hss.errors import HssError
+from hss.model import sample as _sample
 from hss.model.forward import Forward, Op
 from hss.model.kv import HbmKV, SwapKV
 from hss.model.sample import GREEDY, Sampler, SamplingParams
@@ -188,7 +189,7 @@ class Session(Closeable):
             self._ring = own(cm.PinnedBuffer(4 * AHEAD, model.ctx))
             self._ring_events = [own(cm.CudaEvent(ctx=model.ctx)) for _ in range(AHEAD)]
             if not self.sampling.greedy:
-                self.sampler = own(Sampler(model.gpu, 1, c.vocab_size, ctx=model.ctx))
+                self.sampler = own(Sampler(model.gpu, 1, c.vocab_size, stage=_sample.SESSION_STAGE, ctx=model.ctx))
                 self.sampler.start(0, self.sampling, s)
         except BaseException:
             self._owned.close()
