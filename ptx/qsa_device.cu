@@ -40,13 +40,14 @@
 //   -inf above NaN; -0.0 == +0.0), ascending, expanded: tokens[r, i*ratio + j] = b_i*ratio + j, then the tail
 //   complete*ratio .. visible - 1; counts[r] = K*ratio + tail. Entries past counts[r] are never written.
 //   Last, after a barrier (every thread has read p): pos[slots[r]] = p + 1.
-//   Algorithm: order-preserving u32 keys (NaN -> 0, -0.0 -> +0.0, else sign-flipped bits); a radix select over
-//   4 passes of 8-bit digits (most significant first) restricted to the keys matching the digits chosen so far,
-//   each pass a shared histogram (one atomic per counted key) then one warp scanning its 256 bins from the
-//   top, stopping early once the threshold bucket is taken whole; then a stable compaction: thread t owns
-//   QSA_TOPK_ITEMS consecutive blocks of a QSA_TOPK_TILE tile, one block-wide exclusive scan per tile counts the
-//   keys above the threshold and the ones equal to it before each block, so the ties are taken lowest index first
-//   and every chosen block knows its (ascending) output position.
+//   Algorithm: order-preserving u32 keys (NaN -> 0, -0.0 -> +0.0, else sign-flipped bits); a pre-pass finds the
+//   smallest and largest key; a radix select over 8-bit digits (most significant first) from the highest bit in
+//   which they differ, restricted to the keys matching the digits chosen so far, each pass a shared histogram (a
+//   warp whose counted keys share a digit adds them with one atomic, else one atomic per key) then one warp
+//   scanning its 256 bins from the top, stopping early once the threshold bucket is taken whole; then a stable
+//   compaction: thread t owns QSA_TOPK_ITEMS consecutive blocks of a QSA_TOPK_TILE tile, one block-wide exclusive
+//   scan per tile counts the keys above the threshold and the ones equal to it before each block, so the ties are
+//   taken lowest index first and every chosen block knows its (ascending) output position.
 // qsa_sparse_attn(q bf16 [R, nq, hd] 16 B, k_pool, v_pool bf16 [pages, block_size, nkv, hd] 16 B, block_tables
 //                 i32 [R, max_pages], tokens i32 [R, sel_cap], counts i32 [R], part_ml f32 [R, nq, S, 2],
 //                 part_o f32 [R, nq, S, hd] 8 B, max_pages, sel_cap, block_size, nq, nkv, hd, scale f32)
@@ -234,10 +235,20 @@ __device__ __forceinline__ void qsd_topk_keys(const float* __restrict__ row, u32
     }
 }
 
-// hist[digit] += 1 for an active lane: one shared atomic per counted key (on an H100 the sampler's radix counts ran
-// faster so than aggregating a warp's equal digits with __match_any_sync or votes first, equal digits included).
+// hist[digit] += 1 for each active lane (every lane of the warp calls it). Where the warp's active lanes share one
+// digit (equal scores, a narrow range of them) its first active lane adds their count with one atomic, else each
+// active lane adds 1 (on an H100 the sampler's radix counts ran faster so than aggregating equal digits with
+// __match_any_sync first; same-address atomics of a whole warp serialise, hence the uniform case).
 __device__ __forceinline__ void qsd_hist_add(u32* hist, u32 digit, bool active) {
-    if (active) atomicAdd(hist + digit, 1u);
+    const u32 act = __ballot_sync(HSS_FULL_MASK, active);
+    if (act == 0u) return;   // warp-uniform
+    const u32 lead = __ffs(act) - 1;
+    const u32 d0 = __shfl_sync(HSS_FULL_MASK, digit, lead);
+    if (__all_sync(HSS_FULL_MASK, !active || digit == d0)) {
+        if ((threadIdx.x & 31) == lead) atomicAdd(hist + d0, (u32)__popc(act));
+    } else if (active) {
+        atomicAdd(hist + digit, 1u);
+    }
 }
 
 // Warp 0: the digit holding rank `krem` counted from the top of the 256-bin histogram `hist`:
@@ -313,46 +324,81 @@ __device__ __forceinline__ void qsd_topk_select(const float* __restrict__ row, u
     __shared__ u32 choice[3];
     __shared__ u32 wsum[2][32];
     __shared__ u32 tile_total[2];
+    __shared__ u32 wmin[32], wmax[32];
     const u32 tid = threadIdx.x, warp = tid >> 5;
     const u32 n_tiles = (n + QSA_TOPK_TILE - 1) / QSA_TOPK_TILE;
     const bool cached = n_tiles > 1 && 4ull * n <= qsa_dynamic_smem_bytes();
     for (u32 i = tid; i < 2 * 256; i += QSA_TOPK_THREADS) (&hist[0][0])[i] = 0u;
 
+    // Pre-pass: the smallest and largest key (caching every tile's keys where there is room). The radix passes
+    // start at the highest bit in which the keys differ: the bits above it are every key's, so a row of scores in
+    // a narrow range spends no pass (and no contended atomics) on them.
     u32 key[QSA_TOPK_ITEMS];   // tile 0's keys, kept for the whole selection when the row is one tile
 #pragma unroll
     for (int j = 0; j < QSA_TOPK_ITEMS; ++j) key[j] = qsd_order_key(bits0[j]);
-    if (cached) {
-        const size_t i0 = (size_t)tid * QSA_TOPK_ITEMS;
+    u32 kmin = 0xffffffffu, kmax = 0u;
+    for (u32 t = 0; t < n_tiles; ++t) {
+        const size_t i0 = (size_t)t * QSA_TOPK_TILE + (size_t)tid * QSA_TOPK_ITEMS;
+        if (t > 0) {
+            qsd_topk_keys(row, n, t, vec, cache, false, cached, key);
+        } else if (cached) {
 #pragma unroll
-        for (int j = 0; j < QSA_TOPK_ITEMS; ++j)
-            if (i0 + j < n) cache[i0 + j] = key[j];
+            for (int j = 0; j < QSA_TOPK_ITEMS; ++j)
+                if (i0 + j < n) cache[i0 + j] = key[j];
+        }
+#pragma unroll
+        for (int j = 0; j < QSA_TOPK_ITEMS; ++j) {
+            if (i0 + j < n) {
+                kmin = min(kmin, key[j]);
+                kmax = max(kmax, key[j]);
+            }
+        }
     }
-    __syncthreads();   // histograms cleared
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        kmin = min(kmin, __shfl_xor_sync(HSS_FULL_MASK, kmin, off));
+        kmax = max(kmax, __shfl_xor_sync(HSS_FULL_MASK, kmax, off));
+    }
+    if ((tid & 31) == 0) {
+        wmin[warp] = kmin;
+        wmax[warp] = kmax;
+    }
+    __syncthreads();   // histograms cleared, every warp's extremes written
+#pragma unroll 8
+    for (u32 w = 0; w < QSA_TOPK_THREADS / 32; ++w) {
+        kmin = min(kmin, wmin[w]);
+        kmax = max(kmax, wmax[w]);
+    }
+    const u32 diff = kmin ^ kmax;
+    const int top = diff ? 31 - __clz(diff) : -1;   // the highest bit in which two keys differ (-1: all equal)
 
-    // Radix select: after pass d, the keys whose bits under `mask` equal `prefix` hold the threshold, and krem
-    // of them are still to be taken; the ones above the prefix are all taken.
-    u32 prefix = 0u, mask = 0u, krem = k;
-    for (int pass = 0; pass < 4; ++pass) {
-        const int shift = 24 - 8 * pass;
+    // Radix select: after a pass, the keys whose bits under `mask` equal `prefix` hold the threshold, and krem
+    // of them are still to be taken; the ones above the prefix are all taken. Pass digits: bits hi .. hi - 7 from
+    // hi = top down (the last one narrower where top + 1 is not a multiple of 8).
+    u32 mask = top < 0 ? 0xffffffffu : (top == 31 ? 0u : 0xffffffffu << (top + 1));
+    u32 prefix = kmin & mask, krem = k;
+    int pass = 0;
+    for (int hi = top; hi >= 0; hi -= 8, ++pass) {
+        const int shift = max(hi - 7, 0);
+        const u32 dmask = (2u << (hi - shift)) - 1u;
         u32* h = hist[pass & 1];
         for (u32 t = 0; t < n_tiles; ++t) {
-            if (n_tiles > 1 && (t > 0 || pass > 0))
-                qsd_topk_keys(row, n, t, vec, cache, cached && pass > 0, cached && pass == 0, key);
+            if (n_tiles > 1) qsd_topk_keys(row, n, t, vec, cache, cached, false, key);
             const size_t i0 = (size_t)t * QSA_TOPK_TILE + (size_t)tid * QSA_TOPK_ITEMS;
 #pragma unroll
             for (int j = 0; j < QSA_TOPK_ITEMS; ++j)
-                qsd_hist_add(h, (key[j] >> shift) & 0xffu, i0 + j < n && (key[j] & mask) == prefix);
+                qsd_hist_add(h, (key[j] >> shift) & dmask, i0 + j < n && (key[j] & mask) == prefix);
         }
         __syncthreads();   // histogram complete
         if (warp == 0)
             qsd_topk_choose(h, krem, choice);
-        else if (warp == 1)   // the other buffer's last reader (pass - 1's choice) is behind the barrier above
+        else if (warp == 1)   // the other buffer's last reader (the previous pass's choice) is behind the barrier above
             for (u32 i = tid & 31; i < 256; i += 32) hist[(pass + 1) & 1][i] = 0u;
         __syncthreads();   // choice visible
         const u32 digit = choice[0], above = choice[1], bucket = choice[2];
         krem -= above;
         prefix |= digit << shift;
-        mask |= 0xffu << shift;
+        mask |= dmask << shift;
         if (bucket == krem) break;   // the threshold bucket is taken whole (uniform: everyone read the same)
     }
 
