@@ -1,4 +1,4 @@
-"""CUDA kernel source run on the CPU, so kernel logic is tested without a GPU (the runtime: ``simt.h`` beside this file).
+"""CUDA kernel source run on the CPU, so kernel logic is tested without a GPU (the runtime: ``simt.h`` beside this).
 
 :func:`build` compiles a ``.cu`` file (and the headers it includes) with g++ against ``simt.h``: every ``__global__``
 becomes a C entry point of a shared library cached under :func:`cache_dir`, keyed on the hash of everything that

@@ -232,6 +232,19 @@ inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { ret
 inline float __low2float(__nv_bfloat162 v) { return __bfloat162float(v.x); }
 inline float __high2float(__nv_bfloat162 v) { return __bfloat162float(v.y); }
 inline float2 __bfloat1622float2(__nv_bfloat162 v) { return make_float2(__low2float(v), __high2float(v)); }
+// max / min as cuda_bf16.h documents them: a NaN input loses (two NaNs: the canonical NaN), +0 > -0.
+inline __nv_bfloat16 simt_bf16_pick(__nv_bfloat16 a, __nv_bfloat16 b, bool want_max) {
+    const float x = __bfloat162float(a), y = __bfloat162float(b);
+    if (x != x && y != y) return __nv_bfloat16{0x7fff};
+    if (x != x) return b;
+    if (y != y) return a;
+    if (x == y) return ((a.__x >> 15) == (want_max ? 0 : 1)) ? a : b;   // equal values (only +-0 differ in bits)
+    return (x > y) == want_max ? a : b;
+}
+inline __nv_bfloat16 __hmax(__nv_bfloat16 a, __nv_bfloat16 b) { return simt_bf16_pick(a, b, true); }
+inline __nv_bfloat16 __hmin(__nv_bfloat16 a, __nv_bfloat16 b) { return simt_bf16_pick(a, b, false); }
+inline __nv_bfloat162 __hmax2(__nv_bfloat162 a, __nv_bfloat162 b) { return {__hmax(a.x, b.x), __hmax(a.y, b.y)}; }
+inline __nv_bfloat162 __hmin2(__nv_bfloat162 a, __nv_bfloat162 b) { return {__hmin(a.x, b.x), __hmin(a.y, b.y)}; }
 
 // ---- the runtime: fibers, the scheduler, barriers and warp calls -----------------------------------------------
 namespace simt {
