@@ -348,7 +348,8 @@ class Kernel:
                     regions[n] = _Region(n, v, cfg.poison)
                     v = regions[n].addr
                 pack.set(n, 0 if v is None else v)
-            scalars = SimpleNamespace(**dict(zip(self.names, pack.values())))
+            scalars = SimpleNamespace(**dict(zip(self.names, pack.values())), grid=tuple(cfg.grid),
+                                      block=tuple(cfg.block))   # as the emulator hands them to a declaration
             self._check_decl(scalars, cfg, regions)
             if self._launch(ctypes.byref(cfg), pack.address):
                 raise SimtError(f"{self.name}: {self._explain(self.program.lib.simt_error().decode(), regions)}")

@@ -189,6 +189,10 @@ inline double max(double a, double b) { return fmax(a, b); }
 inline unsigned int umin(unsigned int a, unsigned int b) { return min(a, b); }
 inline unsigned int umax(unsigned int a, unsigned int b) { return max(a, b); }
 
+// Address-space conversions (only inline PTX, which the harness does not run, uses their results).
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+inline size_t __cvta_generic_to_global(const void* p) { return reinterpret_cast<size_t>(p); }
+
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 template <class T>
