@@ -33,13 +33,15 @@ def topk(program) -> simt.Kernel:
 
 
 def run_topk(kernel: simt.Kernel, scores: np.ndarray, pos: np.ndarray, slots: np.ndarray, k: int, ratio: int,
-             max_tokens: int, sel_cap: int, shared: int, poison: int = simt.POISON) -> tuple[np.ndarray, ...]:
+             max_tokens: int, sel_cap: int, shared: int, poison: int = simt.POISON,
+             schedule: str | int = "ascending") -> tuple[np.ndarray, ...]:
     """One launch (grid: a CTA per row of ``scores``) over poisoned tokens / counts; returns (tokens, counts, pos)."""
     rows, stride = scores.shape
     tokens, counts, pos = np.full((rows, sel_cap), POISON, np.int32), np.full(rows, POISON, np.int32), pos.copy()
     g = kd.topk_geometry(rows, stride)
     kernel(g.grid, g.block, shared, scores=scores, pos=pos, slots=slots, tokens=tokens, counts=counts,
-           score_stride=stride, k_blocks=k, ratio=ratio, sel_cap=sel_cap, max_tokens=max_tokens, poison=poison)
+           score_stride=stride, k_blocks=k, ratio=ratio, sel_cap=sel_cap, max_tokens=max_tokens, poison=poison,
+           schedule=schedule)
     return tokens, counts, pos
 
 
@@ -68,7 +70,8 @@ SIZES = st.one_of(st.integers(1, 3000), st.sampled_from([8191, 8192, 8193, 16385
        data=st.data())
 def test_topk_matches_reference_with_and_without_the_key_cache(topk, n, kind, ratio, rows, data):
     """A batch of rows on permuted slots (one may be negative, or at max_tokens: count 0, no advance), each at its
-    own position (selective or inert); the cached and uncached launches (different shared-memory poison) equal."""
+    own position (selective or inert); launches with and without the key cache, under different shared-memory
+    poison and thread schedules (ascending, warp by warp descending, random), all equal."""
     seed = data.draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     k = data.draw(st.one_of(st.integers(0, n), st.sampled_from(sorted({1, min(512, n), max(1, n - 1), n}))))
@@ -85,10 +88,12 @@ def test_topk_matches_reference_with_and_without_the_key_cache(topk, n, kind, ra
     elif last == "at max_tokens":
         pos[slots[-1]] = max_tokens
     sel_cap = (k + 1) * ratio + data.draw(st.integers(0, 3))
-    outs = [run_topk(topk, scores, pos, slots, k, ratio, max_tokens, sel_cap, shared, poison)
-            for shared, poison in ((kd.topk_smem_bytes(stride), 0xA5), (0, 0x00))]
-    for a, b in zip(*outs):
-        assert np.array_equal(a, b)
+    runs = [(kd.topk_smem_bytes(stride), 0xA5, "ascending"), (0, 0x00, "warps-descending"), (0, 0xFF, seed),
+            (kd.topk_smem_bytes(stride), 0x5A, seed ^ 1)]
+    outs = [run_topk(topk, scores, pos, slots, k, ratio, max_tokens, sel_cap, shared, poison, schedule)
+            for shared, poison, schedule in runs]
+    for out in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(outs[0], out))
     check_rows(scores, pos, slots, k, ratio, max_tokens, *outs[0])
 
 

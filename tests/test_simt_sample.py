@@ -53,15 +53,15 @@ def row_words(rng: np.random.Generator, p: dict) -> np.ndarray:
 
 def run_sample(kernel: simt.Kernel, logits: np.ndarray, params: np.ndarray, history: np.ndarray, state: np.ndarray,
                stage: int, *, rows: np.ndarray | None = None, h: np.ndarray | None = None,
-               weight: np.ndarray | None = None, stride: int = 0, advance: int = -1,
-               poison: int = simt.POISON) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               weight: np.ndarray | None = None, stride: int = 0, advance: int = -1, poison: int = simt.POISON,
+               schedule: str | int = "ascending") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One launch over copies of params, history and state (returned), with sample_geometry's launch."""
     m, vocab = logits.shape
     params, history, state = params.copy(), history.copy(), state.copy()
     g = ks.sample_geometry(m, vocab, bool(stage))
     kernel(g.grid, g.block, g.shared, logits=logits, h=h, weight=weight, params=params, history=history, state=state,
            rows=rows, vocab=vocab, dim=0 if h is None else h.shape[1], history_cap=history.shape[1], m=m,
-           state_stride=stride or m, advance=advance, stage=stage, poison=poison)
+           state_stride=stride or m, advance=advance, stage=stage, poison=poison, schedule=schedule)
     return params, history, state
 
 
@@ -123,12 +123,13 @@ def make_logits(rng: np.random.Generator, m: int, vocab: int, kind: str) -> np.n
 @given(m=st.integers(1, 3), vocab=VOCABS, cap=st.sampled_from([0, 1, 5, 64]), rows=st.lists(ROW, min_size=3,
        max_size=3), kind=st.sampled_from(["normal", "normal", "ties", "wide", "specials"]),
        live=st.sampled_from([None, 0, 1, 2, 5]), advance=st.sampled_from([-1, -1, 0, 3]), extra=st.integers(0, 2),
-       poisons=st.sampled_from([(0xA5, 0x00), (0xFF, 0x5A)]), seed=st.integers(0, 2**32 - 1))
+       seed=st.integers(0, 2**32 - 1))
 def test_sample_tokens_matches_reference_in_both_stages(sample_tokens, m, vocab, cap, rows, kind, live, advance, extra,
-                                                        poisons, seed):
+                                                        seed):
     """Random rows of parameters, histories (ids outside the vocabulary included) and counters, a live-row count or
     none, plain token words or model state rows: the reference's tokens and every word step 5 names, rows past the
-    live count and every other word untouched, stage 0 and stage 1 identical."""
+    live count and every other word untouched; stage 0 and stage 1 identical under different shared-memory poison
+    and thread schedules (ascending, warp by warp descending, random)."""
     rng = np.random.default_rng(seed)
     logits = make_logits(rng, m, vocab, kind)
     params = np.stack([row_words(rng, p) for p in rows[:m]])
@@ -137,10 +138,11 @@ def test_sample_tokens_matches_reference_in_both_stages(sample_tokens, m, vocab,
     state = rng.integers(-2**31, 2**31, 2 * stride + m if advance >= 0 else m, dtype=np.int64).astype(np.int32)
     state[stride:2 * stride] = rng.integers(0, 10**6, stride) if advance >= 0 else state[stride:2 * stride]
     rows_arr = None if live is None else np.array([live], np.int32)
+    runs = [(0, 0xA5, "ascending"), (1, 0x00, "warps-descending"), (0, 0xFF, seed), (1, 0x5A, seed ^ 1)]
     outs = [run_sample(sample_tokens, logits, params, history, state, stage, rows=rows_arr, stride=stride,
-                       advance=advance, poison=poisons[stage]) for stage in (0, 1)]
-    for a, b in zip(outs[0], outs[1]):
-        assert a.tobytes() == b.tobytes()
+                       advance=advance, poison=poison, schedule=schedule) for stage, poison, schedule in runs]
+    for out in outs[1:]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(outs[0], out))
     n = m if live is None else min(live, m)
     want = expected(logits, params, history, state, outs[0][2], n, stride, advance)
     for name, got, w in zip(("params", "history", "state"), outs[0], want):
@@ -328,6 +330,13 @@ extern "C" __global__ void indices(int4* out) {
         gridDim.x | gridDim.y << 8 | gridDim.z << 16, blockDim.x | blockDim.y << 10 | blockDim.z << 20);
 }
 
+// A missing barrier: thread 0 writes what every thread reads (right only if thread 0 happens to run first).
+extern "C" __global__ void racy(int* out) {
+    __shared__ int x;
+    if (threadIdx.x == 0) x = 42;
+    out[threadIdx.x] = x;
+}
+
 // ---- kernel bugs the harness reports -----------------------------------------------------------------------
 extern "C" __global__ void partial_warp(int* out) {
     if (threadIdx.x == 5) return;
@@ -428,6 +437,19 @@ def test_shared_memory_is_poisoned_before_every_cta(harness, poison):
     harness.kernel("uninitialised")(4, 64, 40, out, poison=poison)
     p = poison | poison << 8
     assert out.reshape(4, 3).tolist() == [[p | p << 16, p, 40]] * 4
+
+
+def test_schedules_expose_a_missing_barrier(harness):
+    """Threads switch only at barriers, so a race shows as a result that depends on the schedule."""
+    runs = {}
+    for schedule in (*simt.SCHEDULES, 7):
+        out = np.zeros(256, np.int32)
+        harness.kernel("racy")(1, 256, 0, out, poison=0, schedule=schedule)
+        runs[schedule] = (out == 42).sum()
+    assert runs == {"ascending": 256, "descending": 1, "warps": 256, "warps-descending": 32, 7: runs[7]}
+    assert 1 <= runs[7] < 256
+    with pytest.raises(simt.SimtError, match="schedule"):
+        harness.kernel("racy")(1, 32, 0, np.zeros(32, np.int32), schedule="random")
 
 
 def test_indices_of_a_3d_launch(harness):

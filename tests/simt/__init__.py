@@ -237,7 +237,7 @@ def _param_name(decl: str) -> str:
 # -- launches -----------------------------------------------------------------------------------------------------
 class _Config(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("dynamic_shared", ctypes.c_uint64),
-                ("poison", ctypes.c_int32)]
+                ("poison", ctypes.c_int32), ("schedule", ctypes.c_uint32)]
 
 
 def _dims(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -245,6 +245,17 @@ def _dims(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
     if not 1 <= len(d) <= 3 or any(int(x) < 1 for x in d):
         raise SimtError(f"{what} must be 1 to 3 positive sizes, got {v!r}")
     return tuple(int(x) for x in d) + (1,) * (3 - len(d))
+
+
+SCHEDULES = ("ascending", "descending", "warps", "warps-descending")   # simt.h's sweep: 0 .. 3, then seeds
+
+
+def _schedule(schedule: str | int) -> int:
+    if schedule in SCHEDULES:
+        return SCHEDULES.index(schedule)
+    if isinstance(schedule, (int, np.integer)) and not isinstance(schedule, bool) and 0 <= schedule < 2**32 - 4:
+        return int(schedule) + len(SCHEDULES)
+    raise SimtError(f"schedule must be one of {SCHEDULES} or a seed in [0, 2^32 - 4), got {schedule!r}")
 
 
 class _Region:
@@ -324,10 +335,13 @@ class Kernel:
                             f"{list(zip(self.names, self.kinds))}")
 
     def __call__(self, grid: int | Sequence[int], block: int | Sequence[int], shared: int = 0, *args: Any,
-                 poison: int = POISON, **named: Any) -> None:
+                 poison: int = POISON, schedule: str | int = "ascending", **named: Any) -> None:
         """Run the launch to its end. Pointer parameters take numpy arrays (copied in, and back out where the
         array is writable), None (null) or an int address; the others numbers of their kinds. ``poison``: the
-        byte static and dynamic shared memory hold when each CTA starts."""
+        byte static and dynamic shared memory hold when each CTA starts. ``schedule``: the order the threads of a
+        CTA run in between barriers and warp calls: thread by thread ("ascending", "descending"), warp by warp,
+        each as far as it can go ("warps", "warps-descending"), or an int seed (a random mix, anew at every
+        pass); a kernel whose results depend on it has a race."""
         values = dict(zip(self.names, args))
         if len(args) > len(self.names) or set(values) & set(named):
             raise SimtError(f"{self.name} takes the parameters {', '.join(self.names)}")
@@ -336,7 +350,7 @@ class Kernel:
         if missing or len(values) != len(self.names):
             raise SimtError(f"{self.name}: missing {missing}, unknown {sorted(set(values) - set(self.names))}")
         cfg = _Config((ctypes.c_uint32 * 3)(*_dims(grid, "grid")), (ctypes.c_uint32 * 3)(*_dims(block, "block")),
-                      int(shared), int(poison) & 0xFF)
+                      int(shared), int(poison) & 0xFF, _schedule(schedule))
         regions: dict[str, _Region] = {}
         try:
             pack = ParamPack(self.kinds, self.names, self.name)

@@ -304,6 +304,7 @@ struct Config {   // a launch, from the Python side (ctypes mirrors it)
     uint32_t grid[3], block[3];
     uint64_t dynamic_shared;
     int32_t poison;
+    uint32_t schedule;   // the order threads run in between waits (sweep's comment)
 };
 
 struct Runtime {
@@ -325,6 +326,9 @@ struct Runtime {
     size_t dyn_bytes = 0, dyn_map = 0;
     char* dyn_map_base = nullptr;
     int poison = 0xA5;
+    uint32_t schedule = 0;
+    uint64_t rand_state = 0;
+    int order[MAX_THREADS];
     bool failed = false, running = false;
     char error[4096];
     uintptr_t fault_addr = 0;
@@ -636,6 +640,62 @@ inline char* stack_top(int i) {
     return rt.stacks + (i + 1) * (STACK_BYTES + page);
 }
 
+inline uint64_t next_random() {   // xorshift64: the same seed, the same schedule
+    rt.rand_state ^= rt.rand_state << 13;
+    rt.rand_state ^= rt.rand_state >> 7;
+    rt.rand_state ^= rt.rand_state << 17;
+    return rt.rand_state;
+}
+
+inline void permute(int* a, int n) {
+    for (int i = n - 1; i > 0; --i) std::swap(a[i], a[next_random() % (uint64_t)(i + 1)]);
+}
+
+inline bool run_fiber(int i) {
+    Fiber& f = rt.fibers[i];
+    if (f.state != READY) return false;
+    f.state = RUNNING;
+    rt.cur = &f;
+    to_fiber(f);
+    rt.cur = nullptr;
+    return true;
+}
+
+// One pass over the runnable threads, each running to its next wait: thread by thread (ascending, descending or a
+// random order), or warp by warp, each warp run until none of its lanes can go on (so it may get far ahead of the
+// others: an inter-warp race shows). Schedules: 0 / 1 threads ascending / descending, 2 / 3 warps ascending /
+// descending, else random (per pass: thread or warp order, and the orders themselves).
+inline bool sweep() {
+    const int n = rt.nthreads, nwarps = (n + 31) / 32;
+    const uint32_t s = rt.schedule;
+    const bool random = s > 3, by_warp = random ? (next_random() >> 20) & 1 : s >= 2;
+    bool ran = false;
+    if (!by_warp) {
+        for (int i = 0; i < n; ++i) rt.order[i] = s == 1 ? n - 1 - i : i;
+        if (random) permute(rt.order, n);
+        for (int k = 0; k < n; ++k) ran |= run_fiber(rt.order[k]);
+        return ran;
+    }
+    int warps[MAX_THREADS / 32], lanes[32];
+    for (int w = 0; w < nwarps; ++w) warps[w] = s == 3 ? nwarps - 1 - w : w;
+    for (int l = 0; l < 32; ++l) lanes[l] = l;
+    if (random) {
+        permute(warps, nwarps);
+        permute(lanes, 32);
+    }
+    for (int k = 0; k < nwarps; ++k) {
+        for (bool more = true; more;) {
+            more = false;
+            for (int l : lanes)
+                if (32 * warps[k] + l < n) more |= run_fiber(32 * warps[k] + l);
+            ran |= more;
+        }
+    }
+    return ran;
+}
+
+// One CTA: poison the shared memory, start every thread, then sweep the runnable threads until all returned (a
+// barrier's or warp call's last arrival releases the others and runs on).
 inline void run_block() {
     char* const s0 = __start_simt_shared;
     if (s0) memset(s0, rt.poison, (size_t)(__stop_simt_shared - s0));
@@ -659,17 +719,7 @@ inline void run_block() {
     }
     rt.live = rt.nthreads;
     while (rt.live > 0) {
-        bool ran = false;
-        for (int i = 0; i < rt.nthreads; ++i) {
-            Fiber& f = rt.fibers[i];
-            if (f.state != READY) continue;
-            ran = true;
-            f.state = RUNNING;
-            rt.cur = &f;
-            to_fiber(f);
-            rt.cur = nullptr;
-        }
-        if (!ran) {
+        if (!sweep()) {
             describe_deadlock();
             return;
         }
@@ -744,6 +794,8 @@ inline int launch(const Config* c, void* const* args, void (*body)(void* const*)
     rt.block_dim = dim3(c->block[0], c->block[1], c->block[2]);
     rt.grid_dim = dim3(c->grid[0], c->grid[1], c->grid[2]);
     rt.poison = c->poison & 0xff;
+    rt.schedule = c->schedule;
+    rt.rand_state = 0x9E3779B97F4A7C15ull * ((uint64_t)c->schedule + 1);   // never 0
     rt.body = body;
     rt.args = args;
     rt.cur = nullptr;
