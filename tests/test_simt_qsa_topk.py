@@ -17,13 +17,12 @@ from hss.decls import qsa_device as kd
 from hss.qsa.select import select_tokens
 from hss.reference import qsa_device as dref
 
-pytestmark = pytest.mark.skipif(simt.skip_reason() is not None, reason=str(simt.skip_reason()))
-
 POISON = -1   # tokens and counts start as 0xFFFFFFFF
 
 
 @pytest.fixture(scope="module")
 def program() -> simt.Program:
+    simt.require()
     return simt.build(simt.PTX_DIR / "qsa_device.cu")
 
 

@@ -4,9 +4,10 @@
 The sampled token may differ from the float64 reference's only where ``tests/test_sample.py``'s ``near_boundary``
 allows it (docs/design.md §22: a decision within the f32 rounding of a boundary; the harness's ``expf`` is glibc's,
 within that rule's 2 ulp of CUDA's); greedy and empty rows, counters, the history ring, flags and state words must
-be exact, and the two stages must agree bit for bit (with different shared-memory poison). The harness runs
-threads as fibers that switch only at barriers and warp calls, so it finds barrier and shuffle misuse, reads of
-uninitialised shared memory (the poison) and out-of-bounds accesses (guard pages), not races.
+be exact, and the two stages must agree bit for bit (with different shared-memory poison and thread schedules).
+The harness runs threads as fibers that switch only at barriers and warp calls: it finds barrier and shuffle
+misuse, reads of uninitialised shared memory (the poison) and out-of-bounds accesses (guard pages); a race only
+where the schedules give different results.
 """
 from __future__ import annotations
 
@@ -24,18 +25,18 @@ from hss.reference import sample as ref
 
 from helpers import BF16
 
-pytestmark = pytest.mark.skipif(simt.skip_reason() is not None, reason=str(simt.skip_reason()))
-
 FULL = 0xFFFFFFFF
 
 
 @pytest.fixture(scope="module")
 def sample_tokens() -> simt.Kernel:
+    simt.require()
     return simt.build(simt.PTX_DIR / "sample.cu").kernel("sample_tokens", ks.SAMPLE_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def model_argmax() -> simt.Kernel:
+    simt.require()
     return simt.build(simt.PTX_DIR / "model.cu").kernel("model_argmax", km.MODEL_ARGMAX)
 
 
@@ -372,6 +373,7 @@ extern "C" __global__ void inline_ptx(float* out) {
 
 @pytest.fixture(scope="module")
 def harness() -> simt.Program:
+    simt.require()
     return simt.build_source(HARNESS, "harness.cu")
 
 

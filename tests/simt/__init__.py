@@ -12,7 +12,8 @@ extents, and a write to a pointer the declaration only reads (or past a declared
 The source goes through one mechanical rewrite first (:func:`rewrite`): ``extern __shared__ T name[];`` becomes a
 pointer into the launch's dynamic shared memory, and inline PTX (``asm(...)``) a harness call: hints (prefetch)
 do nothing, ``%dynamic_smem_size`` reads the launch's size, any other statement fails when a thread reaches it.
-What the runtime models and what not (races, CUDA's libm ulps): ``simt.h``'s header comment.
+What the runtime models and what not (races show only through :meth:`Kernel.__call__`'s ``schedule``; libm is
+glibc's, not CUDA's): ``simt.h``'s header comment.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from hss._params import ParamPack
 
-__all__ = ["SimtError", "compiler", "skip_reason", "cache_dir", "rewrite", "build", "build_source", "Program",
+__all__ = ["SimtError", "compiler", "skip_reason", "require", "cache_dir", "rewrite", "build", "build_source", "Program",
            "Kernel"]
 
 HERE = Path(__file__).resolve().parent
@@ -61,6 +62,14 @@ def skip_reason() -> str | None:
     if compiler() is None:
         return "the CPU SIMT harness needs g++ (or $CXX) on the PATH"
     return None
+
+
+def require() -> None:
+    """``pytest.skip`` with :func:`skip_reason` where the harness cannot run (for fixtures that build kernels)."""
+    why = skip_reason()
+    if why is not None:
+        import pytest
+        pytest.skip(why)
 
 
 def cache_dir() -> Path:

@@ -1,19 +1,29 @@
 // simt.h: CUDA kernel source compiled by g++ and run on the CPU, one CTA at a time, each thread a cooperative fiber
 // of one OS thread (tests/simt/__init__.py compiles a kernel file with it and launches it from numpy).
 //
-// What it models: __syncthreads (and _or / _and / _count): every live thread of the CTA waits, a thread that returned
-// from the kernel drops out of later barriers, every thread must wait at the same call site; the warp intrinsics
-// with a full mask (__shfl*_sync of any 1- to 8-byte type, with width; __ballot_sync, __any_sync, __all_sync,
-// __match_any_sync, __reduce_*_sync, __syncwarp): a barrier over the warp's 32 lanes, all live and at the same call
-// site, else an error naming the lanes; __shared__ (static storage, filled with a poison byte before every CTA) and
-// extern __shared__ (a per-launch buffer of the launch's dynamic size, poisoned too, ending at a guard page);
-// atomics as plain read-modify-writes (fibers switch only at barriers and warp calls, so no race is seen: the
-// harness cannot find races; compute-sanitizer's racecheck does that on the device); thread/block indices; the
-// vector types, bf16 and the integer and conversion intrinsics bit for bit. The f32 math is the host's IEEE
-// arithmetic (compiled with -ffp-contract=off, no fast math): + - * / sqrtf fmaf match the GPU's exactly;
-// expf / exp2f / logf / rsqrtf and the other libm functions are glibc's (within 1 ulp), not CUDA's (expf within 2
-// ulp, rsqrtf within 2 ulp), so results near their rounding may differ from a GPU's. Inline PTX is rewritten by the
+// What it models:
+// - __syncthreads (and _or / _and / _count): every live thread of the CTA waits, at the same call site (else an
+//   error: a barrier in divergent code); a thread that returned drops out of later barriers.
+// - warp calls with a full mask (__shfl*_sync of any type of at most 8 bytes, with width; __ballot_sync,
+//   __any_sync, __all_sync, __match_any_sync, __reduce_*_sync, __syncwarp): a barrier over the warp's 32 lanes,
+//   every one live and at the same call site, else an error naming the lanes (a partial warp, a lane at
+//   __syncthreads). Values go through a per-warp slot array; the last lane to arrive computes every lane's result
+//   into the lanes' own words, so the slots are free again before any lane can reach the next call.
+// - __shared__: static storage (a section the runtime finds), filled with a poison byte before every CTA; extern
+//   __shared__: a per-launch buffer of the launch's dynamic size, poisoned too, ending at a guard page.
+// - atomics: plain read-modify-writes. Threads switch only at barriers and warp calls, so a race is never seen
+//   as torn data; it shows only as a result that changes with the schedule (the order threads run in between
+//   waits: thread by thread ascending or descending, warp by warp, or seeded random; see sweep below), which tests
+//   compare. compute-sanitizer's racecheck on the device is the real check.
+// - threadIdx / blockIdx / blockDim / gridDim, the vector types, bf16 (cuda_bf16.h's names, round to nearest
+//   even) and the integer and conversion intrinsics, bit for bit; invalid accesses, integer division by zero and
+//   stack overflow (64 KiB a thread) reported as launch errors instead of signals.
+// f32 / f64 arithmetic is the host's IEEE arithmetic (compiled with -ffp-contract=off, no fast math): + - * /
+// sqrtf fmaf match the GPU's exactly; expf / exp2f / logf / sinf / rsqrtf and the other libm functions are
+// glibc's (within 1 ulp), not CUDA's (expf within 2 ulp, rsqrtf within 2 ulp, __expf and the other fast
+// intrinsics far coarser), so results at their rounding may differ from a GPU's. Inline PTX is rewritten by the
 // Python side: known hints become no-ops, %dynamic_smem_size a call here, anything else an error when reached.
+// Not modelled: masks other than the full warp, clusters, cooperative groups, textures, printf ordering.
 #pragma once
 
 #include <math.h>
@@ -27,7 +37,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(SIMT_UCONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -279,7 +289,7 @@ struct Fiber {
     State state;
     Site site;            // where it waits
     uint64_t out;         // its warp call's result
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(SIMT_UCONTEXT)
     ucontext_t uc;
 #endif
 };
@@ -313,7 +323,7 @@ struct Runtime {
     Block block;
     Fiber* cur = nullptr;
     void* main_sp = nullptr;
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(SIMT_UCONTEXT)
     ucontext_t main_uc;
 #endif
     int nthreads = 0, live = 0;
@@ -347,7 +357,7 @@ extern "C" char __stop_simt_shared[] __attribute__((weak, visibility("hidden")))
 namespace simt {
 
 // ---- context switch ------------------------------------------------------------------------------------------
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(SIMT_UCONTEXT)
 extern "C" void simt_switch(void** save, void* load);
 extern "C" void simt_fiber_start();
 asm(R"(
