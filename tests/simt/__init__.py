@@ -34,8 +34,8 @@ import numpy as np
 
 from hss._params import ParamPack
 
-__all__ = ["SimtError", "compiler", "skip_reason", "require", "cache_dir", "rewrite", "build", "build_source", "Program",
-           "Kernel"]
+__all__ = ["SimtError", "compiler", "skip_reason", "require", "cache_dir", "rewrite", "build", "build_source",
+           "Program", "Kernel", "SCHEDULES"]
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "simt.h"
@@ -262,9 +262,9 @@ SCHEDULES = ("ascending", "descending", "warps", "warps-descending")   # simt.h'
 def _schedule(schedule: str | int) -> int:
     if schedule in SCHEDULES:
         return SCHEDULES.index(schedule)
-    if isinstance(schedule, (int, np.integer)) and not isinstance(schedule, bool) and 0 <= schedule < 2**32 - 4:
-        return int(schedule) + len(SCHEDULES)
-    raise SimtError(f"schedule must be one of {SCHEDULES} or a seed in [0, 2^32 - 4), got {schedule!r}")
+    if isinstance(schedule, (int, np.integer)) and not isinstance(schedule, bool) and schedule >= 0:
+        return len(SCHEDULES) + int(schedule) % (2**32 - len(SCHEDULES))
+    raise SimtError(f"schedule must be one of {SCHEDULES} or a seed (an int >= 0), got {schedule!r}")
 
 
 class _Region:
