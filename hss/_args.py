@@ -57,7 +57,7 @@ __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", 
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
            "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
            "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "extent", "DEVICES", "device_of",
-           "check_device"]
+           "check_device", "memo_key", "Remembered", "recorded_joins"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -166,7 +166,8 @@ class LiveRanges:
         self.snapshot: tuple[list[int], list[int]] = ([], [])      # starts, ends
         self.devices: tuple[list[int], list[int], list[int]] = ([], [], [])   # starts, ends, device ordinals
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self.generation = 0   # changes with every add / remove: a check made at one generation holds until it changes
+        # changes with every add / remove and every bump(): a check made at one generation holds until it changes
+        self.generation = 0
 
     def add(self, start: int, size: int, device: int = -1) -> int:
         """Register ``[start, start + size)`` (device memory of ordinal ``device``; -1: pinned host memory, any
@@ -181,6 +182,12 @@ class LiveRanges:
         with self._lock:
             self._entries = [e for e in self._entries if e[2] != key]
             self._publish()
+
+    def bump(self) -> None:
+        """Change the generation without changing the ranges: something else a remembered check depends on changed
+        (hss's context layer calls it whenever a context is made or destroyed)."""
+        with self._lock:
+            self.generation += 1
 
     def _publish(self) -> None:
         starts, ends = [e[0] for e in self._entries], [e[1] for e in self._entries]
@@ -353,12 +360,19 @@ _QUICK: dict[type, Quick] = {}
 _stream_join: Callable[[int, int], None] | None = None
 
 
-def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None) -> None:
+def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None, remembered: bool = False) -> None:
     """Teach the argument layer a device-array type: ``reader(obj, name, stream) -> DeviceArg`` (raising for a
-    closed or unusable object), and optionally ``quick(obj) -> (address, bytes, dtype) | None`` for hot paths."""
+    closed or unusable object), and optionally ``quick(obj) -> (address, bytes, dtype) | None`` for hot paths.
+
+    ``remembered``: its objects have a ``_memo_key`` (an attribute or property): a hashable key that is equal for two
+    objects only when ``reader`` and ``quick`` say the same of both (a key object of the object's own, compared by
+    identity, for an owner whose address and size are fixed), and None once the object is closed; see
+    :func:`memo_key`."""
     _READERS[cls] = reader
     if quick is not None:
         _QUICK[cls] = quick
+    if remembered:
+        _MEMO[cls] = _own_key
 
 
 def set_stream_join(join: Callable[[int, int], None]) -> None:
@@ -369,12 +383,13 @@ def set_stream_join(join: Callable[[int, int], None]) -> None:
 
 
 class _JoinState(threading.local):
-    """Per thread: the marks of the open deferred_joins blocks (their pending list's length at entry) and the pending
-    (consumer, producer) joins."""
+    """Per thread: the marks of the open deferred_joins blocks (their pending list's length at entry), the pending
+    (consumer, producer) joins, and the lists of the open recorded_joins blocks (innermost last)."""
 
     def __init__(self) -> None:
         self.marks: list[int] = []
         self.pending: list[tuple[int, int]] = []
+        self.records: list[list[tuple[int, int]]] = []
 
 
 _joins = _JoinState()
@@ -410,6 +425,8 @@ class deferred_joins:
 def _join(consumer: int, producer: int) -> None:
     """Order ``consumer`` after ``producer`` now, or when the enclosing :class:`deferred_joins` block exits."""
     js = _joins
+    if js.records:   # (an enclosing record gets it when the inner block exits)
+        js.records[-1].append((consumer, producer))
     if not js.marks:
         _stream_join(consumer, producer)   # type: ignore[misc]
     elif (consumer, producer) not in js.pending:
@@ -550,11 +567,133 @@ def _reader_for(cls: type, obj: Any, name: str) -> Reader:
     if reader is None:
         return _interop.refuse
     _READERS[cls] = reader
+    if reader is _interop.read_torch:
+        _MEMO[cls] = _torch_key
+    elif reader is _interop.read_cai:
+        _MEMO[cls] = _cai_key
     return reader
 
 
 def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
     return DeviceArg(operator.index(obj), None)
+
+
+# -- remembered checks ------------------------------------------------------------------------
+# What one argument's checks read, as a cheap hashable key (memo_key), so that a hot call can keep a table from the
+# keys of a whole argument set to what its checks produced (Remembered): docs/design.md, "Remembered checks".
+_MEMO: dict[type, Callable[[Any], Any]] = {}
+_TORCH_KEY, _CAI_KEY = object(), object()   # tags: a torch key never equals an interface's
+_own_key = operator.attrgetter("_memo_key")
+
+
+def memo_key(obj: Any) -> Any:
+    """A cheap hashable key of device-array argument ``obj`` for a table of checks that passed (:class:`Remembered`),
+    or None where there is none (check it every call). Equal keys mean that every check here (:func:`pointer`, a
+    :func:`pointer_arg` check, :func:`check_device`) answers the same for both objects and asks for the same stream
+    joins, for as long as ``RANGES.generation`` is unchanged:
+
+    - an ``int`` address: the int (its bounds check reads the live buffers, which the generation covers);
+    - hss's own types (``register_pointer_type(..., remembered=True)``): their ``_memo_key`` (a DeviceBuffer's is a
+      key object of its own, gone once it is closed);
+    - torch tensors: what their check reads (address, bytes, dtype, contiguity, device): about as many reads as the
+      check, but a table then spares the call's other checks;
+    - ``__cuda_array_interface__`` objects: what the interface says now (it is read every call; the producer's
+      stream is part of it, and a table joins it again at every recall); none once the process uses several devices
+      (the device check then looks beyond the interface);
+    - anything else: None (DLPack producers, handed the stream at every export; CuPy arrays, whose producer is
+      CuPy's current stream; numpy integers; pinned buffers)."""
+    if type(obj) is int:
+        return obj
+    key = _MEMO.get(type(obj))
+    return None if key is None else key(obj)
+
+
+def _torch_key(t: Any) -> tuple | None:
+    try:
+        return (_TORCH_KEY, t.data_ptr(), t.nbytes, t.dtype, t.is_contiguous(), t.device)
+    except Exception:   # a tensor without storage (meta, fake): its check says why
+        return None
+
+
+def _cai_key(obj: Any) -> tuple | None:
+    if DEVICES.many:
+        return None
+    try:
+        cai = obj.__cuda_array_interface__
+        return (_CAI_KEY, cai["data"], cai["shape"], cai["typestr"], cai.get("strides"), cai.get("version"),
+                cai.get("mask"), cai.get("stream"))
+    except Exception:   # no interface, or a malformed one: its check says why
+        return None
+
+
+class recorded_joins:
+    """``with recorded_joins() as joins:``: ``joins`` lists every (consumer, producer) stream join that the checks
+    inside the block ask for (each queued, or deferred by :class:`deferred_joins`, as usual), so that a table can
+    ask for them again."""
+
+    __slots__ = ("joins",)
+
+    def __enter__(self) -> list[tuple[int, int]]:
+        self.joins: list[tuple[int, int]] = []
+        _joins.records.append(self.joins)
+        return self.joins
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        records = _joins.records
+        records.pop()
+        if records:   # an enclosing block asked for them too
+            records[-1].extend(self.joins)
+
+
+class Remembered:
+    """What one hot call remembers of the argument sets whose checks passed, so that a repeat skips them: ``key`` (a
+    tuple of the arguments' :func:`memo_key` and the call's other arguments, each an exact ``int``) -> what the
+    checks produced. An entry holds while ``RANGES.generation`` is unchanged (no hss buffer allocated or freed, no
+    context made or destroyed since its checks began); the stream joins its checks asked for are asked for again at
+    every recall. At most ``size`` entries: a full table starts over."""
+
+    __slots__ = ("_table", "size")
+
+    def __init__(self, size: int = 256) -> None:
+        self._table: dict[tuple, tuple] = {}
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def clear(self) -> None:
+        self._table.clear()
+
+    def recall(self, key: tuple) -> Any:
+        """What the checks of ``key``'s arguments produced (their joins asked for again), or None: not checked, or not
+        since the generation changed."""
+        try:
+            hit = self._table.get(key)
+        except TypeError:   # a value that cannot be hashed (an interface's list): never kept
+            return None
+        if hit is None or hit[0] != RANGES.generation:
+            return None
+        for consumer, producer in hit[1]:
+            _join(consumer, producer)
+        return hit[2]
+
+    def check(self, key: tuple | None, checks: Callable[..., Any], *args: Any) -> Any:
+        """``checks(*args)``: the call's full checks (raising for a bad argument) and what they produce, kept under
+        ``key`` when they pass (not when ``key`` is None or holds a None: an argument without a memo key)."""
+        if key is None or None in key:
+            return checks(*args)
+        generation = RANGES.generation   # read first: a buffer allocated or freed meanwhile drops the entry
+        with recorded_joins() as joins:
+            value = checks(*args)
+        try:
+            hash(key)
+        except TypeError:
+            return value
+        table = self._table
+        if len(table) >= self.size:
+            table.clear()
+        table[key] = (generation, tuple(joins), value)
+        return value
 
 
 # -- streams ----------------------------------------------------------------------------------

@@ -55,6 +55,23 @@ __all__ = ["TiledAttentionDims", "TiledAttention", "TileStep"]
 NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
 _I32_MAX = 2**31 - 1
 _STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addresses stay in range)
+_NO_OUTPUT = object()     # output=None's place in a remembered tile's key (no memo key equals it)
+REMEMBERED_TILES = 256    # argument sets a TiledAttention remembers (docs/design.md, "Remembered checks")
+
+
+def _tile_key(mode: int, s: int, q: Any, k: Any, v: Any, table: Any, counts: Any, n: Any, blk: Any, tok: Any,
+              kvh: Any, output: Any) -> tuple | None:
+    """A tile call's key among its remembered checks: its scalars (exact ints only: a bool or float equal to one is
+    refused by the checks) and the device arrays' memo keys (:func:`hss._args.memo_key`, an int address its own,
+    decided here without the call); None when a scalar is no int. last_block_valid_slots and token_offset are not
+    part of it: they change from token to token and are checked at every call."""
+    if type(n) is not int or type(blk) is not int or type(tok) is not int or type(kvh) is not int:
+        return None
+    mk = _args.memo_key
+    return (mode, s, n, blk, tok, kvh, q if type(q) is int else mk(q), k if type(k) is int else mk(k),
+            v if type(v) is int else mk(v), table if type(table) is int else mk(table),
+            counts if type(counts) is int else mk(counts),
+            _NO_OUTPUT if output is None else output if type(output) is int else mk(output))
 
 
 @dataclass(frozen=True)
@@ -218,6 +235,8 @@ class TiledAttention(Closeable):
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
+        self._remembered = _args.Remembered(REMEMBERED_TILES)   # tile calls' checked arguments, by their keys
+        self._packed: tuple | None = None   # the remembered tile whose values the pack's tile slots hold (None: other)
         self._filled_by = 0                 # the serial of the TileStep whose q, pools, strides the pack holds
         self._tile_stream = -1              # the stream of this step's last tile (-1: none since begin_step)
         self._fin_pack = pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
@@ -263,6 +282,7 @@ class TiledAttention(Closeable):
         """Free the state buffers and unload the modules (every part, even if one release raises); later calls
         do nothing."""
         self._closed = True
+        self._remembered.clear()
         self._owned.close()
 
     def _live(self) -> None:
@@ -373,16 +393,10 @@ class TiledAttention(Closeable):
         if self._closed:
             self._live()
         s = _args.stream(stream)
-        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
-        if not (type(blk_stride) is int and type(tok_stride) is int and type(kvh_stride) is int
-                and 0 <= blk_stride <= _STRIDE_MAX and 0 <= tok_stride <= _STRIDE_MAX
-                and 0 <= kvh_stride <= _STRIDE_MAX):
-            blk_stride, tok_stride, kvh_stride = self._strides(blk_stride, tok_stride, kvh_stride)
-        lbvs = last_block_valid_slots
-        if type(lbvs) is not int or not -2**31 <= lbvs <= _I32_MAX:
-            lbvs = self._lbvs(lbvs)
-        self._tile(s, n, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride, lbvs,
-                   output, 0)
+        self._tile(_tile_key(0, s, q, k_pool, v_pool, tile_blocks, tile_block_counts, num_seqs, blk_stride, tok_stride,
+                             kvh_stride, output),
+                   s, num_seqs, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride,
+                   last_block_valid_slots, output, 0)
 
     step_tile_on_stream = step_tile
 
@@ -396,11 +410,10 @@ class TiledAttention(Closeable):
         if self._closed:
             self._live()
         s = _args.stream(stream)
-        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
-        blk_stride, tok_stride, kvh_stride = self._strides(blk_stride, tok_stride, kvh_stride)
-        off = _args.as_int("token_offset", token_offset, 0, _I32_MAX)
-        self._tile(s, n, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride, off,
-                   output, 2)
+        self._tile(_tile_key(2, s, q, k_pool, v_pool, tile_blocks, token_counts, num_seqs, blk_stride, tok_stride,
+                             kvh_stride, output),
+                   s, num_seqs, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride,
+                   token_offset, output, 2)
 
     def queue_checked_tile(self, s: int, n: int, q: int, k_pool: int, v_pool: int, blk: int, tok: int, kvh: int,
                            tile_blocks: int, counts: int, lbvs: int, output: int = 0,
@@ -413,26 +426,58 @@ class TiledAttention(Closeable):
         self._fill(q, k_pool, v_pool, blk, tok, kvh, tile_blocks, counts, lbvs)
         self._launch(s, n, output, 2 if token_counts else 0)
 
-    def _tile(self, s: int, n: int, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any,
-              blk_stride: int, tok_stride: int, kvh_stride: int, lbvs: int, output: Any, mode: int) -> None:
-        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``lbvs`` is the token offset) checks and launch."""
+    def _tile(self, key: tuple | None, s: int, n: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any,
+              blk: Any, tok: Any, kvh: Any, last: Any, output: Any, mode: int) -> None:
+        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``last`` is the token offset) checks, remembered under
+        ``key`` but for ``last`` (docs/design.md, "Remembered checks"), and launch."""
+        checked = self._remembered.recall(key) if key is not None else None
+        if checked is None:
+            checked = self._remembered.check(key, self._tile_checks, s, n, q, k_pool, v_pool, tile_blocks, counts, blk,
+                                             tok, kvh, last, output, mode)
+        if mode == 2:
+            if type(last) is not int or not 0 <= last <= _I32_MAX:
+                last = _args.as_int("token_offset", last, 0, _I32_MAX)
+        elif type(last) is not int or not -2**31 <= last <= _I32_MAX:
+            last = self._lbvs(last)
+        if checked is self._packed:   # a repeat of the last tile call: the pack holds its values
+            self._lbvs_slot.value = last
+        else:
+            n, qp, kp, vp, blk, tok, kvh, tp, cp, out = checked
+            self._fill(qp, kp, vp, blk, tok, kvh, tp, cp, last)
+            self._packed = checked
+        self._launch(s, checked[0], checked[9], mode)
+
+    def _tile_checks(self, s: int, n: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any, blk: Any,
+                     tok: Any, kvh: Any, last: Any, output: Any, mode: int) -> tuple:
+        """Every check of a tile call, in order (the sequence count, strides, last_block_valid_slots or token offset,
+        then the device arrays): (n, q, k, v, blk, tok, kvh, table, counts, output or 0), checked (``last`` is
+        checked again by the caller, which remembers no ``last``)."""
+        if not (type(n) is int and 0 <= n <= self._max_seqs):
+            n = self._num_seqs(n)
+        if not (type(blk) is int and type(tok) is int and type(kvh) is int and 0 <= blk <= _STRIDE_MAX
+                and 0 <= tok <= _STRIDE_MAX and 0 <= kvh <= _STRIDE_MAX):
+            blk, tok, kvh = self._strides(blk, tok, kvh)
+        if mode == 2:
+            _args.as_int("token_offset", last, 0, _I32_MAX)
+        elif type(last) is not int or not -2**31 <= last <= _I32_MAX:
+            self._lbvs(last)
         q_bytes = n * self._row_bytes
         out = 0 if output is None else self._out_arg(output, s, q_bytes)
         if out:
             self._own.check(out, q_bytes, "output", "this TiledAttention")
         qp = self._q_arg(q, s, q_bytes)
-        pool_bytes = 2 * (self._pool_heads * kvh_stride + self._head_dim)
+        pool_bytes = 2 * (self._pool_heads * kvh + self._head_dim)
         kp = self._k_arg(k_pool, s, pool_bytes)
         vp = self._v_arg(v_pool, s, pool_bytes)
         tp = self._table_arg(tile_blocks, s, n * self._table_bytes)
         cp = self._counts_arg(counts, s, 4 * n)
-        self._fill(qp, kp, vp, blk_stride, tok_stride, kvh_stride, tp, cp, lbvs)
-        self._launch(s, n, out, mode)
+        return n, qp, kp, vp, blk, tok, kvh, tp, cp, out
 
     def _fill(self, q: int, k: int, v: int, blk: int, tok: int, kvh: int, table: int, counts: int, lbvs: int,
               owner: int = 0) -> None:
         """The step launch's per-tile slots (checked values). ``owner`` (a TileStep's serial): q, the pools and
         strides are that step's, so they are written only when another filled the pack since (0: always)."""
+        self._packed = None
         if not owner or self._filled_by != owner:
             self._q_slot.value = q
             self._k_slot.value = k
@@ -452,6 +497,7 @@ class TiledAttention(Closeable):
         (an address or 0) change. ``s`` is a raw stream handle and every argument an int the caller checked."""
         if self._closed:
             self._live()
+        self._packed = None
         self._table_slot.value = tile_blocks
         self._counts_slot.value = tile_block_counts
         self._lbvs_slot.value = last_block_valid_slots
