@@ -57,7 +57,7 @@ __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", 
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
            "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
            "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "extent", "DEVICES", "device_of",
-           "check_device", "memo_key", "Remembered", "recorded_joins"]
+           "check_device", "memo_key", "MEMO_KEYS", "no_memo_key", "Remembered", "recorded_joins"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -372,7 +372,7 @@ def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None,
     if quick is not None:
         _QUICK[cls] = quick
     if remembered:
-        _MEMO[cls] = _own_key
+        MEMO_KEYS[cls] = _own_key
 
 
 def set_stream_join(join: Callable[[int, int], None]) -> None:
@@ -568,9 +568,9 @@ def _reader_for(cls: type, obj: Any, name: str) -> Reader:
         return _interop.refuse
     _READERS[cls] = reader
     if reader is _interop.read_torch:
-        _MEMO[cls] = _torch_key
+        MEMO_KEYS[cls] = _torch_key
     elif reader is _interop.read_cai:
-        _MEMO[cls] = _cai_key
+        MEMO_KEYS[cls] = _cai_key
     return reader
 
 
@@ -581,7 +581,14 @@ def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
 # -- remembered checks ------------------------------------------------------------------------
 # What one argument's checks read, as a cheap hashable key (memo_key), so that a hot call can keep a table from the
 # keys of a whole argument set to what its checks produced (Remembered): docs/design.md, "Remembered checks".
-_MEMO: dict[type, Callable[[Any], Any]] = {}
+MEMO_KEYS: dict[type, Callable[[Any], Any]] = {int: operator.index}   # exact type -> its objects' key
+
+
+def no_memo_key(obj: Any) -> None:
+    """The memo key of a type with none (see :func:`memo_key`)."""
+    return None
+
+
 _TORCH_KEY, _CAI_KEY = object(), object()   # tags: a torch key never equals an interface's
 _own_key = operator.attrgetter("_memo_key")
 
@@ -601,11 +608,11 @@ def memo_key(obj: Any) -> Any:
       stream is part of it, and a table joins it again at every recall); none once the process uses several devices
       (the device check then looks beyond the interface);
     - anything else: None (DLPack producers, handed the stream at every export; CuPy arrays, whose producer is
-      CuPy's current stream; numpy integers; pinned buffers)."""
-    if type(obj) is int:
-        return obj
-    key = _MEMO.get(type(obj))
-    return None if key is None else key(obj)
+      CuPy's current stream; numpy integers; pinned buffers).
+
+    Hot paths spell it ``MEMO_KEYS.get(type(obj), no_memo_key)(obj)`` (no Python frame for hss's own types), or
+    ``obj`` itself where ``type(obj) is int``."""
+    return MEMO_KEYS.get(type(obj), no_memo_key)(obj)
 
 
 def _torch_key(t: Any) -> tuple | None:
@@ -673,8 +680,9 @@ class Remembered:
             return None
         if hit is None or hit[0] != RANGES.generation:
             return None
-        for consumer, producer in hit[1]:
-            _join(consumer, producer)
+        if hit[1]:
+            for consumer, producer in hit[1]:
+                _join(consumer, producer)
         return hit[2]
 
     def check(self, key: tuple | None, checks: Callable[..., Any], *args: Any) -> Any:

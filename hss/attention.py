@@ -56,22 +56,8 @@ NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
 _I32_MAX = 2**31 - 1
 _STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addresses stay in range)
 _NO_OUTPUT = object()     # output=None's place in a remembered tile's key (no memo key equals it)
+_memo, _no_memo = _args.MEMO_KEYS.get, _args.no_memo_key
 REMEMBERED_TILES = 256    # argument sets a TiledAttention remembers (docs/design.md, "Remembered checks")
-
-
-def _tile_key(mode: int, s: int, q: Any, k: Any, v: Any, table: Any, counts: Any, n: Any, blk: Any, tok: Any,
-              kvh: Any, output: Any) -> tuple | None:
-    """A tile call's key among its remembered checks: its scalars (exact ints only: a bool or float equal to one is
-    refused by the checks) and the device arrays' memo keys (:func:`hss._args.memo_key`, an int address its own,
-    decided here without the call); None when a scalar is no int. last_block_valid_slots and token_offset are not
-    part of it: they change from token to token and are checked at every call."""
-    if type(n) is not int or type(blk) is not int or type(tok) is not int or type(kvh) is not int:
-        return None
-    mk = _args.memo_key
-    return (mode, s, n, blk, tok, kvh, q if type(q) is int else mk(q), k if type(k) is int else mk(k),
-            v if type(v) is int else mk(v), table if type(table) is int else mk(table),
-            counts if type(counts) is int else mk(counts),
-            _NO_OUTPUT if output is None else output if type(output) is int else mk(output))
 
 
 @dataclass(frozen=True)
@@ -236,6 +222,7 @@ class TiledAttention(Closeable):
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
         self._remembered = _args.Remembered(REMEMBERED_TILES)   # tile calls' checked arguments, by their keys
+        self._recall = self._remembered.recall
         self._packed: tuple | None = None   # the remembered tile whose values the pack's tile slots hold (None: other)
         self._filled_by = 0                 # the serial of the TileStep whose q, pools, strides the pack holds
         self._tile_stream = -1              # the stream of this step's last tile (-1: none since begin_step)
@@ -393,9 +380,7 @@ class TiledAttention(Closeable):
         if self._closed:
             self._live()
         s = _args.stream(stream)
-        self._tile(_tile_key(0, s, q, k_pool, v_pool, tile_blocks, tile_block_counts, num_seqs, blk_stride, tok_stride,
-                             kvh_stride, output),
-                   s, num_seqs, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride,
+        self._tile(s, num_seqs, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride,
                    last_block_valid_slots, output, 0)
 
     step_tile_on_stream = step_tile
@@ -410,9 +395,7 @@ class TiledAttention(Closeable):
         if self._closed:
             self._live()
         s = _args.stream(stream)
-        self._tile(_tile_key(2, s, q, k_pool, v_pool, tile_blocks, token_counts, num_seqs, blk_stride, tok_stride,
-                             kvh_stride, output),
-                   s, num_seqs, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride,
+        self._tile(s, num_seqs, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride,
                    token_offset, output, 2)
 
     def queue_checked_tile(self, s: int, n: int, q: int, k_pool: int, v_pool: int, blk: int, tok: int, kvh: int,
@@ -426,11 +409,25 @@ class TiledAttention(Closeable):
         self._fill(q, k_pool, v_pool, blk, tok, kvh, tile_blocks, counts, lbvs)
         self._launch(s, n, output, 2 if token_counts else 0)
 
-    def _tile(self, key: tuple | None, s: int, n: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any,
-              blk: Any, tok: Any, kvh: Any, last: Any, output: Any, mode: int) -> None:
-        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``last`` is the token offset) checks, remembered under
-        ``key`` but for ``last`` (docs/design.md, "Remembered checks"), and launch."""
-        checked = self._remembered.recall(key) if key is not None else None
+    def _tile(self, s: int, n: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any, blk: Any, tok: Any,
+              kvh: Any, last: Any, output: Any, mode: int) -> None:
+        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``last`` is the token offset) checks and launch.
+
+        The checks but ``last``'s (it changes from token to token: checked every call) are remembered (docs/design.md,
+        "Remembered checks") under a key of the scalars, exact ints only (a bool or float equal to one is refused by
+        the checks), and the device arrays' memo keys (an int address its own, decided here without the call)."""
+        if type(n) is int and type(blk) is int and type(tok) is int and type(kvh) is int:
+            key: tuple | None = (   # (hss._args.memo_key of each device array, spelled out for speed)
+                mode, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),
+                k_pool if type(k_pool) is int else _memo(type(k_pool), _no_memo)(k_pool),
+                v_pool if type(v_pool) is int else _memo(type(v_pool), _no_memo)(v_pool),
+                tile_blocks if type(tile_blocks) is int else _memo(type(tile_blocks), _no_memo)(tile_blocks),
+                counts if type(counts) is int else _memo(type(counts), _no_memo)(counts),
+                _NO_OUTPUT if output is None else output if type(output) is int else
+                _memo(type(output), _no_memo)(output))
+            checked = self._recall(key)
+        else:
+            key = checked = None
         if checked is None:
             checked = self._remembered.check(key, self._tile_checks, s, n, q, k_pool, v_pool, tile_blocks, counts, blk,
                                              tok, kvh, last, output, mode)
@@ -513,26 +510,29 @@ class TiledAttention(Closeable):
         if n == 0:
             return
         after = self._tile_stream == s
-        if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
-            cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
-            self._counts_zeroed = True
-            after = False   # a memset in between: a plain launch
-        if self._fresh and self._fresh != n:
-            self._initialise(s)
-            after = False
-        fresh = (1 if self._fresh else 0) | mode   # mode 2: token counts (tile_tokens)
-        if rope:
-            self._rope_slots[9].value, self._rope_slots[10].value = out, fresh
-        else:
-            self._out_slot.value, self._fresh_slot.value = out, fresh
-        self._fresh = 0
+        fresh = self._fresh
+        if fresh or not self._counts_zeroed:
+            if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
+                cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
+                self._counts_zeroed = True
+                after = False   # a memset in between: a plain launch
+            if fresh and fresh != n:
+                self._initialise(s)
+                after = fresh = 0
+            self._fresh = 0
+        flags = (1 if fresh else 0) | mode   # mode 2: token counts (tile_tokens)
         z = self._grid_z.get(n)
         if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
             z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
-        if after and self._run_step_after is not None:
-            (self._run_rope_after if rope else self._run_step_after)(s, n, self._grid_y, z)
+        if rope:
+            self._rope_slots[9].value, self._rope_slots[10].value = out, flags
+            (self._run_rope_after if after and self._run_rope_after is not None else self._run_rope)(
+                s, n, self._grid_y, z)
         else:
-            (self._run_rope if rope else self._run_step)(s, n, self._grid_y, z)
+            self._out_slot.value = out
+            self._fresh_slot.value = flags
+            (self._run_step_after if after and self._run_step_after is not None else self._run_step)(
+                s, n, self._grid_y, z)
         self._tile_stream = s
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
