@@ -652,55 +652,51 @@ class recorded_joins:
             records[-1].extend(self.joins)
 
 
-class Remembered:
-    """What one hot call remembers of the argument sets whose checks passed, so that a repeat skips them: ``key`` (a
-    tuple of the arguments' :func:`memo_key` and the call's other arguments, each an exact ``int``) -> what the
-    checks produced. An entry holds while ``RANGES.generation`` is unchanged (no hss buffer allocated or freed, no
-    context made or destroyed since its checks began); the stream joins its checks asked for are asked for again at
-    every recall. At most ``size`` entries: a full table starts over."""
+class Remembered(dict):
+    """What one hot call remembers of the argument sets whose checks passed, so that a repeat skips them: ``key`` ->
+    what the checks produced. A key is a tuple that starts with ``RANGES.generation`` read before the checks (so that an
+    entry is not found once an hss buffer was allocated or freed, or a context made or destroyed, since), followed by
+    the arguments' :func:`memo_key` and the call's other arguments, each an exact ``int``. ``table.get(key)`` (a dict's:
+    no Python frame on a hot path) finds the entries whose checks asked for no stream join; :meth:`check` finds the
+    others too, asking for their joins again, and checks (and keeps) what it finds nothing for. At most ``size``
+    entries: a full table starts over."""
 
-    __slots__ = ("_table", "size")
+    __slots__ = ("size", "_joined")
 
     def __init__(self, size: int = 256) -> None:
-        self._table: dict[tuple, tuple] = {}
+        super().__init__()
         self.size = size
+        self._joined: dict[tuple, tuple[Any, tuple[tuple[int, int], ...]]] = {}   # key -> (value, joins)
 
     def __len__(self) -> int:
-        return len(self._table)
+        return dict.__len__(self) + len(self._joined)
 
     def clear(self) -> None:
-        self._table.clear()
-
-    def recall(self, key: tuple) -> Any:
-        """What the checks of ``key``'s arguments produced (their joins asked for again), or None: not checked, or not
-        since the generation changed."""
-        try:
-            hit = self._table.get(key)
-        except TypeError:   # a value that cannot be hashed (an interface's list): never kept
-            return None
-        if hit is None or hit[0] != RANGES.generation:
-            return None
-        if hit[1]:
-            for consumer, producer in hit[1]:
-                _join(consumer, producer)
-        return hit[2]
+        dict.clear(self)
+        self._joined.clear()
 
     def check(self, key: tuple | None, checks: Callable[..., Any], *args: Any) -> Any:
-        """``checks(*args)``: the call's full checks (raising for a bad argument) and what they produce, kept under
-        ``key`` when they pass (not when ``key`` is None or holds a None: an argument without a memo key)."""
+        """What ``checks(*args)`` (the call's full checks, raising for a bad argument) produces for the arguments
+        ``key`` names: remembered (their joins asked for again), else checked now and kept when they pass (not when
+        ``key`` is None or holds a None: an argument without a memo key)."""
         if key is None or None in key:
             return checks(*args)
-        generation = RANGES.generation   # read first: a buffer allocated or freed meanwhile drops the entry
+        try:
+            hit = self._joined.get(key)
+        except TypeError:   # a value that cannot be hashed (an interface's list): never kept
+            return checks(*args)
+        if hit is not None:
+            for consumer, producer in hit[1]:
+                _join(consumer, producer)
+            return hit[0]
         with recorded_joins() as joins:
             value = checks(*args)
-        try:
-            hash(key)
-        except TypeError:
-            return value
-        table = self._table
-        if len(table) >= self.size:
-            table.clear()
-        table[key] = (generation, tuple(joins), value)
+        if len(self) >= self.size:
+            self.clear()
+        if joins:
+            self._joined[key] = (value, tuple(joins))
+        else:
+            self[key] = value
         return value
 
 

@@ -56,7 +56,7 @@ NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
 _I32_MAX = 2**31 - 1
 _STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addresses stay in range)
 _NO_OUTPUT = object()     # output=None's place in a remembered tile's key (no memo key equals it)
-_memo, _no_memo = _args.MEMO_KEYS.get, _args.no_memo_key
+_memo, _no_memo, _RANGES = _args.MEMO_KEYS.get, _args.no_memo_key, _args.RANGES
 REMEMBERED_TILES = 256    # argument sets a TiledAttention remembers (docs/design.md, "Remembered checks")
 
 
@@ -222,7 +222,7 @@ class TiledAttention(Closeable):
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
         self._remembered = _args.Remembered(REMEMBERED_TILES)   # tile calls' checked arguments, by their keys
-        self._recall = self._remembered.recall
+        self._recall = self._remembered.get
         self._packed: tuple | None = None   # the remembered tile whose values the pack's tile slots hold (None: other)
         self._filled_by = 0                 # the serial of the TileStep whose q, pools, strides the pack holds
         self._tile_stream = -1              # the stream of this step's last tile (-1: none since begin_step)
@@ -324,7 +324,8 @@ class TiledAttention(Closeable):
         (Also ``begin_step_on_stream``.)"""
         if self._closed:
             self._live()
-        _args.stream(stream)   # checked (nothing is queued on it)
+        if type(stream) is not int or stream < 0:   # (an int handle >= 0 passes hss._args.stream as it is)
+            _args.stream(stream)   # checked (nothing is queued on it)
         n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
         self._fresh = n
         self._begun = True
@@ -379,7 +380,7 @@ class TiledAttention(Closeable):
         """
         if self._closed:
             self._live()
-        s = _args.stream(stream)
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
         self._tile(s, num_seqs, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride,
                    last_block_valid_slots, output, 0)
 
@@ -394,7 +395,7 @@ class TiledAttention(Closeable):
         of complete pages): capturable while the counts change."""
         if self._closed:
             self._live()
-        s = _args.stream(stream)
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
         self._tile(s, num_seqs, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride,
                    token_offset, output, 2)
 
@@ -418,14 +419,17 @@ class TiledAttention(Closeable):
         the checks), and the device arrays' memo keys (an int address its own, decided here without the call)."""
         if type(n) is int and type(blk) is int and type(tok) is int and type(kvh) is int:
             key: tuple | None = (   # (hss._args.memo_key of each device array, spelled out for speed)
-                mode, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),
+                _RANGES.generation, mode, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),
                 k_pool if type(k_pool) is int else _memo(type(k_pool), _no_memo)(k_pool),
                 v_pool if type(v_pool) is int else _memo(type(v_pool), _no_memo)(v_pool),
                 tile_blocks if type(tile_blocks) is int else _memo(type(tile_blocks), _no_memo)(tile_blocks),
                 counts if type(counts) is int else _memo(type(counts), _no_memo)(counts),
                 _NO_OUTPUT if output is None else output if type(output) is int else
                 _memo(type(output), _no_memo)(output))
-            checked = self._recall(key)
+            try:
+                checked = self._recall(key)
+            except TypeError:   # a memo key holding something unhashable (an interface's list): never remembered
+                key = checked = None
         else:
             key = checked = None
         if checked is None:
@@ -504,36 +508,48 @@ class TiledAttention(Closeable):
         """Queue one tile: with overlap_tiles, programmatically when the stream's last work is this step's
         previous tile (a launch of this TiledAttention since the step's begin_step, on ``s``, nothing queued
         between by this object)."""
-        if not self._begun:
-            raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
-                           "begin_tiles) first: it sets the state the tiles fold into")
-        if n == 0:
-            return
-        after = self._tile_stream == s
         fresh = self._fresh
-        if fresh or not self._counts_zeroed:
-            if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
-                cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
-                self._counts_zeroed = True
-                after = False   # a memset in between: a plain launch
-            if fresh and fresh != n:
-                self._initialise(s)
-                after = fresh = 0
-            self._fresh = 0
-        flags = (1 if fresh else 0) | mode   # mode 2: token counts (tile_tokens)
+        if fresh and fresh == n and self._counts_zeroed:   # a step's first tile, on the sequences begin_step named
+            self._fresh = 0                                 # (a plain launch: begin_step forgot the last tile's stream)
+            flags = 1 | mode
+            run = self._run_rope if rope else self._run_step
+        else:
+            run, flags = self._plan(s, n, mode, rope)
+            if run is None:
+                return
         z = self._grid_z.get(n)
         if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
             z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
         if rope:
             self._rope_slots[9].value, self._rope_slots[10].value = out, flags
-            (self._run_rope_after if after and self._run_rope_after is not None else self._run_rope)(
-                s, n, self._grid_y, z)
         else:
             self._out_slot.value = out
             self._fresh_slot.value = flags
-            (self._run_step_after if after and self._run_step_after is not None else self._run_step)(
-                s, n, self._grid_y, z)
+        run(s, n, self._grid_y, z)
         self._tile_stream = s
+
+    def _plan(self, s: int, n: int, mode: int, rope: bool) -> tuple[Any, int]:
+        """A tile launch's prepared launch and fresh/mode flags, once what it needs first is queued (the counters'
+        one reset, the initial state begin_step promised); (None, 0): nothing to launch (no sequences)."""
+        if not self._begun:
+            raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
+                           "begin_tiles) first: it sets the state the tiles fold into")
+        if n == 0:
+            return None, 0
+        after = self._tile_stream == s
+        if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
+            cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
+            self._counts_zeroed = True
+            after = False   # a memset in between: a plain launch
+        fresh = self._fresh
+        if fresh and fresh != n:
+            self._initialise(s)
+            after = fresh = 0
+        self._fresh = 0
+        flags = (1 if fresh else 0) | mode   # mode 2: token counts (tile_tokens)
+        if after and self._run_step_after is not None:
+            return (self._run_rope_after if rope else self._run_step_after), flags
+        return (self._run_rope if rope else self._run_step), flags
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream`` (also
