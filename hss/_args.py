@@ -682,9 +682,12 @@ class Remembered(dict):
         if key is None or None in key:
             return checks(*args)
         try:
+            value = dict.get(self, key)
             hit = self._joined.get(key)
         except TypeError:   # a value that cannot be hashed (an interface's list): never kept
             return checks(*args)
+        if value is not None:
+            return value
         if hit is not None:
             for consumer, producer in hit[1]:
                 _join(consumer, producer)
