@@ -584,9 +584,18 @@ def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
 MEMO_KEYS: dict[type, Callable[[Any], Any]] = {int: operator.index}   # exact type -> its objects' key
 
 
-def no_memo_key(obj: Any) -> None:
-    """The memo key of a type with none (see :func:`memo_key`)."""
-    return None
+def no_memo_key(obj: Any) -> Any:
+    """The memo key of an object whose type has none (see :func:`memo_key`): None, but for a type not seen before,
+    which is read first (its key, if it has one, serves from this call on)."""
+    cls = type(obj)
+    if cls in _READERS:
+        return None
+    try:
+        _reader_for(cls, obj, "argument")
+    except Exception:   # what cannot be read is refused by the check itself, with its error
+        return None
+    key = MEMO_KEYS.get(cls)
+    return None if key is None else key(obj)
 
 
 _TORCH_KEY, _CAI_KEY = object(), object()   # tags: a torch key never equals an interface's
@@ -605,8 +614,8 @@ def memo_key(obj: Any) -> Any:
     - torch tensors: what their check reads (address, bytes, dtype, contiguity, device): about as many reads as the
       check, but a table then spares the call's other checks;
     - ``__cuda_array_interface__`` objects: what the interface says now (it is read every call; the producer's
-      stream is part of it, and a table joins it again at every recall); none once the process uses several devices
-      (the device check then looks beyond the interface);
+      stream is part of it, and a table joins it again at every recall), and once the process uses several devices
+      the device the device check finds;
     - anything else: None (DLPack producers, handed the stream at every export; CuPy arrays, whose producer is
       CuPy's current stream; numpy integers; pinned buffers).
 
@@ -623,12 +632,13 @@ def _torch_key(t: Any) -> tuple | None:
 
 
 def _cai_key(obj: Any) -> tuple | None:
-    if DEVICES.many:
-        return None
     try:
         cai = obj.__cuda_array_interface__
-        return (_CAI_KEY, cai["data"], cai["shape"], cai["typestr"], cai.get("strides"), cai.get("version"),
-                cai.get("mask"), cai.get("stream"))
+        key = (_CAI_KEY, cai["data"], cai["shape"], cai["typestr"], cai.get("strides"), cai.get("version"),
+               cai.get("mask"), cai.get("stream"))
+        if DEVICES.many:   # the device check reads more than the interface: what it finds is part of the key
+            key += (device_of(obj, int(cai["data"][0] or 0)),)
+        return key
     except Exception:   # no interface, or a malformed one: its check says why
         return None
 

@@ -416,10 +416,11 @@ class TiledAttention(Closeable):
 
         The checks but ``last``'s (it changes from token to token: checked every call) are remembered (docs/design.md,
         "Remembered checks") under a key of the scalars, exact ints only (a bool or float equal to one is refused by
-        the checks), and the device arrays' memo keys (an int address its own, decided here without the call)."""
+        the checks), and the device arrays' memo keys (an int address its own, decided here without the call); the
+        two modes check the same, so they share it."""
         if type(n) is int and type(blk) is int and type(tok) is int and type(kvh) is int:
             key: tuple | None = (   # (hss._args.memo_key of each device array, spelled out for speed)
-                _RANGES.generation, mode, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),
+                _RANGES.generation, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),
                 k_pool if type(k_pool) is int else _memo(type(k_pool), _no_memo)(k_pool),
                 v_pool if type(v_pool) is int else _memo(type(v_pool), _no_memo)(v_pool),
                 tile_blocks if type(tile_blocks) is int else _memo(type(tile_blocks), _no_memo)(tile_blocks),

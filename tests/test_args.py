@@ -489,9 +489,9 @@ def test_disjoint_refuses_a_written_argument_over_another():
 # -- remembered checks ---------------------------------------------------------------------------------
 def test_memo_keys_name_what_the_checks_read(ctx, monkeypatch):
     """An int is its own key; a DeviceBuffer has a key object of its own (None once closed), a view its buffer's key and
-    its extent; a foreign array with the CUDA array interface what the interface says now; a torch tensor what its
-    check reads; anything else none."""
-    monkeypatch.setattr(_args.DEVICES, "many", False)   # (with several devices an interface has no key)
+    its extent; a foreign array with the CUDA array interface what the interface says now (and, with several devices,
+    the device it is on); a torch tensor what its check reads; anything else none."""
+    monkeypatch.setattr(_args.DEVICES, "many", False)
     with cm.DeviceBuffer(64) as a, cm.DeviceBuffer(64) as b:
         assert _args.memo_key(a.ptr) == a.ptr
         for other in (True, np.int64(a.ptr), float(a.ptr), None, "x", [a.ptr], DLPackOnly(a)):
@@ -514,7 +514,7 @@ def test_memo_keys_name_what_the_checks_read(ctx, monkeypatch):
         x.shape = (32,)   # changed in place
         assert _args.memo_key(x) != key
         monkeypatch.setattr(_args.DEVICES, "many", True)   # the device check then reads more than the interface
-        assert _args.memo_key(x) is None
+        assert _args.memo_key(x) not in (None, key) and _args.memo_key(x)[-1] == a.device
     assert _args.memo_key(a) is None and _args.memo_key(v2) is None
     with cm.PinnedBuffer(64) as pin:
         assert _args.memo_key(pin) is None
