@@ -31,10 +31,17 @@ they say; an ``int`` is an address (0 refused), bounds-checked inside a live pin
 buffers, running state) refuses a caller's pointer into it, and a call refuses a written argument that overlaps
 another argument of the same call, so no object can be made to overwrite itself.
 
-Why one module of some 630 lines: it is the single place these rules live, and its parts lean on each other
+**Remembered checks** (:func:`memo_key`, :class:`Remembered`; docs/design.md, "Remembered checks"): a cheap key per
+argument, equal only where every check here answers the same, so that a hot call can keep what the checks of an
+argument set produced and skip them when the same set comes again; it holds while ``RANGES.generation`` is
+unchanged (no hss buffer allocated or freed, no context made or destroyed), and the stream joins its checks asked
+for are asked for again at every repeat.
+
+Why one module of some 790 lines: it is the single place these rules live, and its parts lean on each other
 inline for speed (the prepared pointer check reads the live ranges' snapshot, the registered readers, the device
-check and the join state directly); cut further, the rules would be spread over modules importing each other's
-internals. What reads foreign objects, the part that stands alone, is :mod:`hss._interop`.
+check and the join state directly; a memo key is what those checks read); cut further, the rules would be spread
+over modules importing each other's internals. What reads foreign objects, the part that stands alone, is
+:mod:`hss._interop`.
 """
 from __future__ import annotations
 
@@ -57,7 +64,7 @@ __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", 
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
            "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
            "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "extent", "DEVICES", "device_of",
-           "check_device", "memo_key", "MEMO_KEYS", "no_memo_key", "Remembered", "recorded_joins"]
+           "check_device", "memo_key", "MEMO_KEYS", "NO_KEY", "no_memo_key", "Remembered"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -366,7 +373,7 @@ def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None,
 
     ``remembered``: its objects have a ``_memo_key`` (an attribute or property): a hashable key that is equal for two
     objects only when ``reader`` and ``quick`` say the same of both (a key object of the object's own, compared by
-    identity, for an owner whose address and size are fixed), and None once the object is closed; see
+    identity, for an owner whose address and size are fixed), and :data:`NO_KEY` once the object is closed; see
     :func:`memo_key`."""
     _READERS[cls] = reader
     if quick is not None:
@@ -384,7 +391,8 @@ def set_stream_join(join: Callable[[int, int], None]) -> None:
 
 class _JoinState(threading.local):
     """Per thread: the marks of the open deferred_joins blocks (their pending list's length at entry), the pending
-    (consumer, producer) joins, and the lists of the open recorded_joins blocks (innermost last)."""
+    (consumer, producer) joins, and the lists that record the joins of the checks a Remembered table is running
+    (innermost last)."""
 
     def __init__(self) -> None:
         self.marks: list[int] = []
@@ -584,18 +592,34 @@ def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
 MEMO_KEYS: dict[type, Callable[[Any], Any]] = {int: operator.index}   # exact type -> its objects' key
 
 
+class _NoKey:
+    """The memo key of an argument that has none: it cannot be hashed, so no key holding it is ever kept or found."""
+
+    __slots__ = ()
+    __hash__ = None   # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "NO_KEY"
+
+
+NO_KEY: Any = _NoKey()
+
+
 def no_memo_key(obj: Any) -> Any:
-    """The memo key of an object whose type has none (see :func:`memo_key`): None, but for a type not seen before,
+    """The memo key of an object whose type has none (see :func:`memo_key`): NO_KEY, but for a type not seen before,
     which is read first (its key, if it has one, serves from this call on)."""
     cls = type(obj)
     if cls in _READERS:
-        return None
+        return NO_KEY
     try:
         _reader_for(cls, obj, "argument")
     except Exception:   # what cannot be read is refused by the check itself, with its error
-        return None
-    key = MEMO_KEYS.get(cls)
-    return None if key is None else key(obj)
+        return NO_KEY
+    return MEMO_KEYS.get(cls, _no_key)(obj)
+
+
+def _no_key(obj: Any) -> Any:
+    return NO_KEY
 
 
 _TORCH_KEY, _CAI_KEY = object(), object()   # tags: a torch key never equals an interface's
@@ -604,19 +628,19 @@ _own_key = operator.attrgetter("_memo_key")
 
 def memo_key(obj: Any) -> Any:
     """A cheap hashable key of device-array argument ``obj`` for a table of checks that passed (:class:`Remembered`),
-    or None where there is none (check it every call). Equal keys mean that every check here (:func:`pointer`, a
-    :func:`pointer_arg` check, :func:`check_device`) answers the same for both objects and asks for the same stream
+    or :data:`NO_KEY` where there is none (check it every call). Equal keys mean that every check here (:func:`pointer`,
+    a :func:`pointer_arg` check, :func:`check_device`) answers the same for both objects and asks for the same stream
     joins, for as long as ``RANGES.generation`` is unchanged:
 
     - an ``int`` address: the int (its bounds check reads the live buffers, which the generation covers);
     - hss's own types (``register_pointer_type(..., remembered=True)``): their ``_memo_key`` (a DeviceBuffer's is a
-      key object of its own, gone once it is closed);
+      key object of its own, NO_KEY once it is closed);
     - torch tensors: what their check reads (address, bytes, dtype, contiguity, device): about as many reads as the
       check, but a table then spares the call's other checks;
     - ``__cuda_array_interface__`` objects: what the interface says now (it is read every call; the producer's
       stream is part of it, and a table joins it again at every recall), and once the process uses several devices
       the device the device check finds;
-    - anything else: None (DLPack producers, handed the stream at every export; CuPy arrays, whose producer is
+    - anything else: NO_KEY (DLPack producers, handed the stream at every export; CuPy arrays, whose producer is
       CuPy's current stream; numpy integers; pinned buffers).
 
     Hot paths spell it ``MEMO_KEYS.get(type(obj), no_memo_key)(obj)`` (no Python frame for hss's own types), or
@@ -624,14 +648,14 @@ def memo_key(obj: Any) -> Any:
     return MEMO_KEYS.get(type(obj), no_memo_key)(obj)
 
 
-def _torch_key(t: Any) -> tuple | None:
+def _torch_key(t: Any) -> Any:
     try:
         return (_TORCH_KEY, t.data_ptr(), t.nbytes, t.dtype, t.is_contiguous(), t.device)
     except Exception:   # a tensor without storage (meta, fake): its check says why
-        return None
+        return NO_KEY
 
 
-def _cai_key(obj: Any) -> tuple | None:
+def _cai_key(obj: Any) -> Any:
     try:
         cai = obj.__cuda_array_interface__
         key = (_CAI_KEY, cai["data"], cai["shape"], cai["typestr"], cai.get("strides"), cai.get("version"),
@@ -640,36 +664,18 @@ def _cai_key(obj: Any) -> tuple | None:
             key += (device_of(obj, int(cai["data"][0] or 0)),)
         return key
     except Exception:   # no interface, or a malformed one: its check says why
-        return None
-
-
-class recorded_joins:
-    """``with recorded_joins() as joins:``: ``joins`` lists every (consumer, producer) stream join that the checks
-    inside the block ask for (each queued, or deferred by :class:`deferred_joins`, as usual), so that a table can
-    ask for them again."""
-
-    __slots__ = ("joins",)
-
-    def __enter__(self) -> list[tuple[int, int]]:
-        self.joins: list[tuple[int, int]] = []
-        _joins.records.append(self.joins)
-        return self.joins
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        records = _joins.records
-        records.pop()
-        if records:   # an enclosing block asked for them too
-            records[-1].extend(self.joins)
+        return NO_KEY
 
 
 class Remembered(dict):
     """What one hot call remembers of the argument sets whose checks passed, so that a repeat skips them: ``key`` ->
     what the checks produced. A key is a tuple that starts with ``RANGES.generation`` read before the checks (so that an
     entry is not found once an hss buffer was allocated or freed, or a context made or destroyed, since), followed by
-    the arguments' :func:`memo_key` and the call's other arguments, each an exact ``int``. ``table.get(key)`` (a dict's:
-    no Python frame on a hot path) finds the entries whose checks asked for no stream join; :meth:`check` finds the
-    others too, asking for their joins again, and checks (and keeps) what it finds nothing for. At most ``size``
-    entries: a full table starts over."""
+    the arguments' :func:`memo_key` and the call's other arguments, each an exact ``int`` (a key holding NO_KEY cannot
+    be hashed: ``get`` raises TypeError, :meth:`check` keeps nothing). ``table.get(key)`` (a dict's: no Python frame
+    on a hot path) finds the entries whose checks asked for no stream join; :meth:`check` finds the others too, asking
+    for their joins again, and checks (and keeps) what it finds nothing for. At most ``size`` entries: a full table
+    starts over."""
 
     __slots__ = ("size", "_joined")
 
@@ -688,13 +694,14 @@ class Remembered(dict):
     def check(self, key: tuple | None, checks: Callable[..., Any], *args: Any) -> Any:
         """What ``checks(*args)`` (the call's full checks, raising for a bad argument) produces for the arguments
         ``key`` names: remembered (their joins asked for again), else checked now and kept when they pass (not when
-        ``key`` is None or holds a None: an argument without a memo key)."""
-        if key is None or None in key:
+        ``key`` is None or cannot be hashed: an argument without a memo key, an interface's list)."""
+        if key is None:
             return checks(*args)
+        joined = self._joined
         try:
             value = dict.get(self, key)
-            hit = self._joined.get(key)
-        except TypeError:   # a value that cannot be hashed (an interface's list): never kept
+            hit = joined.get(key) if joined else None
+        except TypeError:   # NO_KEY, or an unhashable value an interface holds: never kept
             return checks(*args)
         if value is not None:
             return value
@@ -702,12 +709,18 @@ class Remembered(dict):
             for consumer, producer in hit[1]:
                 _join(consumer, producer)
             return hit[0]
-        with recorded_joins() as joins:
+        records, joins = _joins.records, []   # the joins these checks ask for (queued or deferred as usual)
+        records.append(joins)
+        try:
             value = checks(*args)
-        if len(self) >= self.size:
+        finally:
+            records.pop()
+            if records:   # an enclosing table's checks asked for them too
+                records[-1].extend(joins)
+        if dict.__len__(self) + len(joined) >= self.size:
             self.clear()
         if joins:
-            self._joined[key] = (value, tuple(joins))
+            joined[key] = (value, tuple(joins))
         else:
             self[key] = value
         return value

@@ -429,7 +429,7 @@ class TiledAttention(Closeable):
                 _memo(type(output), _no_memo)(output))
             try:
                 checked = self._recall(key)
-            except TypeError:   # a memo key holding something unhashable (an interface's list): never remembered
+            except TypeError:   # an argument without a memo key (NO_KEY), or an interface's list: not remembered
                 key = checked = None
         else:
             key = checked = None

@@ -495,9 +495,11 @@ def test_memo_keys_name_what_the_checks_read(ctx, monkeypatch):
     with cm.DeviceBuffer(64) as a, cm.DeviceBuffer(64) as b:
         assert _args.memo_key(a.ptr) == a.ptr
         for other in (True, np.int64(a.ptr), float(a.ptr), None, "x", [a.ptr], DLPackOnly(a)):
-            assert _args.memo_key(other) is None
+            assert _args.memo_key(other) is _args.NO_KEY
+        with pytest.raises(TypeError):
+            hash((a.ptr, _args.NO_KEY))   # a key holding it is never kept
         key = _args.memo_key(a)
-        assert key is not None and _args.memo_key(a) is key and _args.memo_key(b) not in (key, None)
+        assert key is not _args.NO_KEY and _args.memo_key(a) is key and _args.memo_key(b) not in (key, _args.NO_KEY)
         v1, v2 = a.view("f32"), a.view("f32")
         assert _args.memo_key(v1) == _args.memo_key(v2)
         for other in (a.view("f32", (8,)), a.view("i32"), a.view("f32", offset=4), b.view("f32")):
@@ -507,17 +509,17 @@ def test_memo_keys_name_what_the_checks_read(ctx, monkeypatch):
         x = CudaArray(a, (64,), "|u1")
         _args.device_arg(x, "x")   # a type's reader (and key) is found at its first check
         key = _args.memo_key(x)
-        assert key is not None and key == _args.memo_key(CudaArray(a, (64,), "|u1"))
+        assert key is not _args.NO_KEY and key == _args.memo_key(CudaArray(a, (64,), "|u1"))
         for change in (dict(shape=(32,)), dict(typestr="<f4"), dict(readonly=True), dict(stream=2), dict(ptr=b.ptr)):
             fields = dict(dict(ptr=a.ptr, shape=(64,), typestr="|u1"), **change)
             assert _args.memo_key(CudaArray(**fields)) != key, change
         x.shape = (32,)   # changed in place
         assert _args.memo_key(x) != key
         monkeypatch.setattr(_args.DEVICES, "many", True)   # the device check then reads more than the interface
-        assert _args.memo_key(x) not in (None, key) and _args.memo_key(x)[-1] == a.device
-    assert _args.memo_key(a) is None and _args.memo_key(v2) is None
+        assert _args.memo_key(x) not in (_args.NO_KEY, key) and _args.memo_key(x)[-1] == a.device
+    assert _args.memo_key(a) is _args.NO_KEY and _args.memo_key(v2) is _args.NO_KEY
     with cm.PinnedBuffer(64) as pin:
-        assert _args.memo_key(pin) is None
+        assert _args.memo_key(pin) is _args.NO_KEY
 
 
 def test_torch_keys_follow_a_tensor_changed_in_place():
@@ -621,8 +623,8 @@ def test_a_remembered_table_keeps_at_most_its_size_and_only_what_passed():
         assert table.check((0, i), int, i) == i
         assert len(table) <= 4
     assert table.get((0, 9)) == 9
-    assert table.check(None, int, 5) == 5 and table.check((0, None), int, 6) == 6   # an argument without a key
-    assert table.check((0, [1]), int, 7) == 7                                         # an unhashable key
+    assert table.check(None, int, 5) == 5 and table.check((0, _args.NO_KEY), int, 6) == 6   # an argument without
+    assert table.check((0, [1]), int, 7) == 7                                                # a key; an unhashable one
     with pytest.raises(TypeError):
         table.check((1, 1), int, None)                                                # a check that fails
     assert all(k[1] in range(10) for k in table) and len(table) <= 4

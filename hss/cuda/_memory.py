@@ -32,7 +32,7 @@ class DeviceBuffer(Owner):
     Exports ``__cuda_array_interface__`` (v3, bytes) and ``__dlpack__`` (uint8), so torch, CuPy and JAX take it
     zero-copy; :meth:`view` gives a typed view. Using a closed buffer (``ptr`` included) raises "closed"."""
 
-    _memo_key: object | None = None   # names this open buffer in remembered checks (hss._args.memo_key); None closed
+    _memo_key: object = _args.NO_KEY   # names this open buffer in remembered checks (hss._args.memo_key)
 
     def __init__(self, nbytes: int, ctx: Any = None) -> None:
         nbytes = _args.as_int("nbytes", nbytes, 1, why="a DeviceBuffer holds at least one byte")
@@ -55,7 +55,7 @@ class DeviceBuffer(Owner):
         return self._bytes
 
     def _on_close(self) -> None:
-        self._memo_key = None   # a check remembered under the old key is never found again
+        self._memo_key = _args.NO_KEY   # a check remembered under the old key is never found again
 
     @property
     def device(self) -> int:
@@ -119,10 +119,10 @@ class DeviceView:
         return self.buffer.ptr + self.offset
 
     @property
-    def _memo_key(self) -> tuple | None:
-        """What this view's checks read (hss._args.memo_key): its buffer's key and its own extent; None closed."""
-        key = getattr(self.buffer, "_memo_key", None)
-        return None if key is None else (key, self.offset, self.nbytes, self.dtype)
+    def _memo_key(self) -> Any:
+        """What this view's checks read (hss._args.memo_key): its buffer's key and its own extent; NO_KEY closed."""
+        key = getattr(self.buffer, "_memo_key", _args.NO_KEY)
+        return key if key is _args.NO_KEY else (key, self.offset, self.nbytes, self.dtype)
 
     @property
     def __cuda_array_interface__(self) -> dict:
