@@ -31,7 +31,7 @@ they say; an ``int`` is an address (0 refused), bounds-checked inside a live pin
 buffers, running state) refuses a caller's pointer into it, and a call refuses a written argument that overlaps
 another argument of the same call, so no object can be made to overwrite itself.
 
-**Remembered checks** (:func:`memo_key`, :class:`Remembered`; docs/design.md, "Remembered checks"): a cheap key per
+**Remembered checks** (:func:`memo_key`, :class:`Remembered`; docs/design.md §23): a cheap key per
 argument, equal only where every check here answers the same, so that a hot call can keep what the checks of an
 argument set produced and skip them when the same set comes again; it holds while ``RANGES.generation`` is
 unchanged (no hss buffer allocated or freed, no context made or destroyed), and the stream joins its checks asked
@@ -588,7 +588,7 @@ def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
 
 # -- remembered checks ------------------------------------------------------------------------
 # What one argument's checks read, as a cheap hashable key (memo_key), so that a hot call can keep a table from the
-# keys of a whole argument set to what its checks produced (Remembered): docs/design.md, "Remembered checks".
+# keys of a whole argument set to what its checks produced (Remembered): docs/design.md §23.
 MEMO_KEYS: dict[type, Callable[[Any], Any]] = {int: operator.index}   # exact type -> its objects' key
 
 

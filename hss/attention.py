@@ -57,7 +57,7 @@ _I32_MAX = 2**31 - 1
 _STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addresses stay in range)
 _NO_OUTPUT = object()     # output=None's place in a remembered tile's key (no memo key equals it)
 _memo, _no_memo, _RANGES = _args.MEMO_KEYS.get, _args.no_memo_key, _args.RANGES
-REMEMBERED_TILES = 256    # argument sets a TiledAttention remembers (docs/design.md, "Remembered checks")
+REMEMBERED_TILES = 256    # argument sets a TiledAttention remembers (docs/design.md §23)
 
 
 @dataclass(frozen=True)
@@ -414,10 +414,10 @@ class TiledAttention(Closeable):
               kvh: Any, last: Any, output: Any, mode: int) -> None:
         """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``last`` is the token offset) checks and launch.
 
-        The checks but ``last``'s (it changes from token to token: checked every call) are remembered (docs/design.md,
-        "Remembered checks") under a key of the scalars, exact ints only (a bool or float equal to one is refused by
-        the checks), and the device arrays' memo keys (an int address its own, decided here without the call); the
-        two modes check the same, so they share it."""
+        The checks but ``last``'s (it changes from token to token: checked every call) are remembered (docs/design.md
+        §23) under a key of the scalars, exact ints only (a bool or float equal to one is refused by the checks), and
+        the device arrays' memo keys (an int address its own, decided here without the call); the two modes check the
+        same, so they share it."""
         if type(n) is int and type(blk) is int and type(tok) is int and type(kvh) is int:
             key: tuple | None = (   # (hss._args.memo_key of each device array, spelled out for speed)
                 _RANGES.generation, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),

@@ -35,8 +35,7 @@ class PrimaryContext:
     _live: dict[int, PrimaryContext] = {}
     _lock = threading.RLock()
     # changes whenever a primary context is retained or released (and with it hss._args.RANGES.generation): a check
-    # remembered while one context lived (a stream's, a device's) is not trusted in another (docs/design.md,
-    # "Remembered checks")
+    # remembered while one context lived (a stream's, a device's) is not trusted in another (docs/design.md §23)
     generation = 0
 
     def __init__(self, ordinal: int) -> None:
