@@ -19,7 +19,8 @@ Arguments are checked by :mod:`hss._args` before anything is queued (a bad one r
 stream); device arrays any form :func:`hss._args.pointer` reads (``int`` addresses,
 :class:`~hss.cuda_min.DeviceBuffer` / ``DeviceView``, torch tensors, ``__cuda_array_interface__`` and DLPack
 objects), their size, alignment and dtype checked where the object says them (bf16 q, pools and output, i32
-tables and counts), the output writable.
+tables and counts), the output writable. ``step_tile`` and ``step_tile_tokens`` remember the argument sets whose
+checks passed and skip them when one comes again (docs/design.md §23).
 """
 from __future__ import annotations
 
