@@ -378,8 +378,7 @@ def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None,
     _READERS[cls] = reader
     if quick is not None:
         _QUICK[cls] = quick
-    if remembered:
-        MEMO_KEYS[cls] = _own_key
+    MEMO_KEYS[cls] = _own_key if remembered else _no_key
 
 
 def set_stream_join(join: Callable[[int, int], None]) -> None:
@@ -575,10 +574,8 @@ def _reader_for(cls: type, obj: Any, name: str) -> Reader:
     if reader is None:
         return _interop.refuse
     _READERS[cls] = reader
-    if reader is _interop.read_torch:
-        MEMO_KEYS[cls] = _torch_key
-    elif reader is _interop.read_cai:
-        MEMO_KEYS[cls] = _cai_key
+    MEMO_KEYS[cls] = _torch_key if reader is _interop.read_torch else _cai_key if reader is _interop.read_cai else \
+        _no_key
     return reader
 
 
@@ -606,8 +603,8 @@ NO_KEY: Any = _NoKey()
 
 
 def no_memo_key(obj: Any) -> Any:
-    """The memo key of an object whose type has none (see :func:`memo_key`): NO_KEY, but for a type not seen before,
-    which is read first (its key, if it has one, serves from this call on)."""
+    """The memo key of an object of a type :data:`MEMO_KEYS` does not list: one not seen before, read first (its key,
+    if it has one, serves from this call on), or one that is no device array (NO_KEY)."""
     cls = type(obj)
     if cls in _READERS:
         return NO_KEY
@@ -618,7 +615,7 @@ def no_memo_key(obj: Any) -> Any:
     return MEMO_KEYS.get(cls, _no_key)(obj)
 
 
-def _no_key(obj: Any) -> Any:
+def _no_key(obj: Any) -> Any:   # the key of a type that has none
     return NO_KEY
 
 
