@@ -31,10 +31,17 @@ they say; an ``int`` is an address (0 refused), bounds-checked inside a live pin
 buffers, running state) refuses a caller's pointer into it, and a call refuses a written argument that overlaps
 another argument of the same call, so no object can be made to overwrite itself.
 
-Why one module of some 630 lines: it is the single place these rules live, and its parts lean on each other
+**Remembered checks** (:func:`memo_key`, :class:`Remembered`; docs/design.md §23): a cheap key per
+argument, equal only where every check here answers the same, so that a hot call can keep what the checks of an
+argument set produced and skip them when the same set comes again; it holds while ``RANGES.generation`` is
+unchanged (no hss buffer allocated or freed, no context made or destroyed), and the stream joins its checks asked
+for are asked for again at every repeat.
+
+Why one module of some 790 lines: it is the single place these rules live, and its parts lean on each other
 inline for speed (the prepared pointer check reads the live ranges' snapshot, the registered readers, the device
-check and the join state directly); cut further, the rules would be spread over modules importing each other's
-internals. What reads foreign objects, the part that stands alone, is :mod:`hss._interop`.
+check and the join state directly; a memo key is what those checks read); cut further, the rules would be spread
+over modules importing each other's internals. What reads foreign objects, the part that stands alone, is
+:mod:`hss._interop`.
 """
 from __future__ import annotations
 
@@ -57,7 +64,7 @@ __all__ = ["as_int", "as_index", "as_count", "as_float", "int_fields", "dims3", 
            "device_ptr", "DeviceArg", "device_arg", "stream", "host_buffer", "register_pointer_type",
            "register_stream_type", "register_host_type", "set_stream_join", "deferred_joins", "dtype_name",
            "DTYPE_SIZES", "RANGES", "LiveRanges", "OwnedRanges", "disjoint", "extent", "DEVICES", "device_of",
-           "check_device"]
+           "check_device", "memo_key", "MEMO_KEYS", "NO_KEY", "no_memo_key", "Remembered"]
 
 # -- integers ---------------------------------------------------------------------------------
 
@@ -166,7 +173,8 @@ class LiveRanges:
         self.snapshot: tuple[list[int], list[int]] = ([], [])      # starts, ends
         self.devices: tuple[list[int], list[int], list[int]] = ([], [], [])   # starts, ends, device ordinals
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self.generation = 0   # changes with every add / remove: a check made at one generation holds until it changes
+        # changes with every add / remove and every bump(): a check made at one generation holds until it changes
+        self.generation = 0
 
     def add(self, start: int, size: int, device: int = -1) -> int:
         """Register ``[start, start + size)`` (device memory of ordinal ``device``; -1: pinned host memory, any
@@ -181,6 +189,12 @@ class LiveRanges:
         with self._lock:
             self._entries = [e for e in self._entries if e[2] != key]
             self._publish()
+
+    def bump(self) -> None:
+        """Change the generation without changing the ranges: something else a remembered check depends on changed
+        (hss's context layer calls it whenever a context is made or destroyed)."""
+        with self._lock:
+            self.generation += 1
 
     def _publish(self) -> None:
         starts, ends = [e[0] for e in self._entries], [e[1] for e in self._entries]
@@ -353,12 +367,18 @@ _QUICK: dict[type, Quick] = {}
 _stream_join: Callable[[int, int], None] | None = None
 
 
-def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None) -> None:
+def register_pointer_type(cls: type, reader: Reader, quick: Quick | None = None, remembered: bool = False) -> None:
     """Teach the argument layer a device-array type: ``reader(obj, name, stream) -> DeviceArg`` (raising for a
-    closed or unusable object), and optionally ``quick(obj) -> (address, bytes, dtype) | None`` for hot paths."""
+    closed or unusable object), and optionally ``quick(obj) -> (address, bytes, dtype) | None`` for hot paths.
+
+    ``remembered``: its objects have a ``_memo_key`` (an attribute or property): a hashable key that is equal for two
+    objects only when ``reader`` and ``quick`` say the same of both (a key object of the object's own, compared by
+    identity, for an owner whose address and size are fixed), and :data:`NO_KEY` once the object is closed; see
+    :func:`memo_key`."""
     _READERS[cls] = reader
     if quick is not None:
         _QUICK[cls] = quick
+    MEMO_KEYS[cls] = _own_key if remembered else _no_key
 
 
 def set_stream_join(join: Callable[[int, int], None]) -> None:
@@ -369,12 +389,14 @@ def set_stream_join(join: Callable[[int, int], None]) -> None:
 
 
 class _JoinState(threading.local):
-    """Per thread: the marks of the open deferred_joins blocks (their pending list's length at entry) and the pending
-    (consumer, producer) joins."""
+    """Per thread: the marks of the open deferred_joins blocks (their pending list's length at entry), the pending
+    (consumer, producer) joins, and the lists that record the joins of the checks a Remembered table is running
+    (innermost last)."""
 
     def __init__(self) -> None:
         self.marks: list[int] = []
         self.pending: list[tuple[int, int]] = []
+        self.records: list[list[tuple[int, int]]] = []
 
 
 _joins = _JoinState()
@@ -410,6 +432,8 @@ class deferred_joins:
 def _join(consumer: int, producer: int) -> None:
     """Order ``consumer`` after ``producer`` now, or when the enclosing :class:`deferred_joins` block exits."""
     js = _joins
+    if js.records:   # (an enclosing record gets it when the inner block exits)
+        js.records[-1].append((consumer, producer))
     if not js.marks:
         _stream_join(consumer, producer)   # type: ignore[misc]
     elif (consumer, producer) not in js.pending:
@@ -550,11 +574,153 @@ def _reader_for(cls: type, obj: Any, name: str) -> Reader:
     if reader is None:
         return _interop.refuse
     _READERS[cls] = reader
+    MEMO_KEYS[cls] = _torch_key if reader is _interop.read_torch else _cai_key if reader is _interop.read_cai else \
+        _no_key
     return reader
 
 
 def _read_int(obj: Any, name: str, stream: int | None) -> DeviceArg:
     return DeviceArg(operator.index(obj), None)
+
+
+# -- remembered checks ------------------------------------------------------------------------
+# What one argument's checks read, as a cheap hashable key (memo_key), so that a hot call can keep a table from the
+# keys of a whole argument set to what its checks produced (Remembered): docs/design.md §23.
+MEMO_KEYS: dict[type, Callable[[Any], Any]] = {int: operator.index}   # exact type -> its objects' key
+
+
+class _NoKey:
+    """The memo key of an argument that has none: it cannot be hashed, so no key holding it is ever kept or found."""
+
+    __slots__ = ()
+    __hash__ = None   # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "NO_KEY"
+
+
+NO_KEY: Any = _NoKey()
+
+
+def no_memo_key(obj: Any) -> Any:
+    """The memo key of an object of a type :data:`MEMO_KEYS` does not list: one not seen before, read first (its key,
+    if it has one, serves from this call on), or one that is no device array (NO_KEY)."""
+    cls = type(obj)
+    if cls in _READERS:
+        return NO_KEY
+    try:
+        _reader_for(cls, obj, "argument")
+    except Exception:   # what cannot be read is refused by the check itself, with its error
+        return NO_KEY
+    return MEMO_KEYS.get(cls, _no_key)(obj)
+
+
+def _no_key(obj: Any) -> Any:   # the key of a type that has none
+    return NO_KEY
+
+
+_TORCH_KEY, _CAI_KEY = object(), object()   # tags: a torch key never equals an interface's
+_own_key = operator.attrgetter("_memo_key")
+
+
+def memo_key(obj: Any) -> Any:
+    """A cheap hashable key of device-array argument ``obj`` for a table of checks that passed (:class:`Remembered`),
+    or :data:`NO_KEY` where there is none (check it every call). Equal keys mean that every check here (:func:`pointer`,
+    a :func:`pointer_arg` check, :func:`check_device`) answers the same for both objects and asks for the same stream
+    joins, for as long as ``RANGES.generation`` is unchanged:
+
+    - an ``int`` address: the int (its bounds check reads the live buffers, which the generation covers);
+    - hss's own types (``register_pointer_type(..., remembered=True)``): their ``_memo_key`` (a DeviceBuffer's is a
+      key object of its own, NO_KEY once it is closed);
+    - torch tensors: what their check reads (address, bytes, dtype, contiguity, device): about as many reads as the
+      check, but a table then spares the call's other checks;
+    - ``__cuda_array_interface__`` objects: what the interface says now (it is read every call; the producer's
+      stream is part of it, and a table joins it again at every recall), and once the process uses several devices
+      the device the device check finds;
+    - anything else: NO_KEY (DLPack producers, handed the stream at every export; CuPy arrays, whose producer is
+      CuPy's current stream; numpy integers; pinned buffers).
+
+    Hot paths spell it ``MEMO_KEYS.get(type(obj), no_memo_key)(obj)`` (no Python frame for hss's own types), or
+    ``obj`` itself where ``type(obj) is int``."""
+    return MEMO_KEYS.get(type(obj), no_memo_key)(obj)
+
+
+def _torch_key(t: Any) -> Any:
+    try:
+        return (_TORCH_KEY, t.data_ptr(), t.nbytes, t.dtype, t.is_contiguous(), t.device)
+    except Exception:   # a tensor without storage (meta, fake): its check says why
+        return NO_KEY
+
+
+def _cai_key(obj: Any) -> Any:
+    try:
+        cai = obj.__cuda_array_interface__
+        key = (_CAI_KEY, cai["data"], cai["shape"], cai["typestr"], cai.get("strides"), cai.get("version"),
+               cai.get("mask"), cai.get("stream"))
+        if DEVICES.many:   # the device check reads more than the interface: what it finds is part of the key
+            key += (device_of(obj, int(cai["data"][0] or 0)),)
+        return key
+    except Exception:   # no interface, or a malformed one: its check says why
+        return NO_KEY
+
+
+class Remembered(dict):
+    """What one hot call remembers of the argument sets whose checks passed, so that a repeat skips them: ``key`` ->
+    what the checks produced. A key is a tuple that starts with ``RANGES.generation`` read before the checks (so that an
+    entry is not found once an hss buffer was allocated or freed, or a context made or destroyed, since), followed by
+    the arguments' :func:`memo_key` and the call's other arguments, each an exact ``int`` (a key holding NO_KEY cannot
+    be hashed: ``get`` raises TypeError, :meth:`check` keeps nothing). ``table.get(key)`` (a dict's: no Python frame
+    on a hot path) finds the entries whose checks asked for no stream join; :meth:`check` finds the others too, asking
+    for their joins again, and checks (and keeps) what it finds nothing for. At most ``size`` entries: a full table
+    starts over."""
+
+    __slots__ = ("size", "_joined")
+
+    def __init__(self, size: int = 256) -> None:
+        super().__init__()
+        self.size = size
+        self._joined: dict[tuple, tuple[Any, tuple[tuple[int, int], ...]]] = {}   # key -> (value, joins)
+
+    def __len__(self) -> int:
+        return dict.__len__(self) + len(self._joined)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self._joined.clear()
+
+    def check(self, key: tuple | None, checks: Callable[..., Any], *args: Any) -> Any:
+        """What ``checks(*args)`` (the call's full checks, raising for a bad argument) produces for the arguments
+        ``key`` names: remembered (their joins asked for again), else checked now and kept when they pass (not when
+        ``key`` is None or cannot be hashed: an argument without a memo key, an interface's list)."""
+        if key is None:
+            return checks(*args)
+        joined = self._joined
+        try:
+            value = dict.get(self, key)
+            hit = joined.get(key) if joined else None
+        except TypeError:   # NO_KEY, or an unhashable value an interface holds: never kept
+            return checks(*args)
+        if value is not None:
+            return value
+        if hit is not None:
+            for consumer, producer in hit[1]:
+                _join(consumer, producer)
+            return hit[0]
+        records, joins = _joins.records, []   # the joins these checks ask for (queued or deferred as usual)
+        records.append(joins)
+        try:
+            value = checks(*args)
+        finally:
+            records.pop()
+            if records:   # an enclosing table's checks asked for them too
+                records[-1].extend(joins)
+        if dict.__len__(self) + len(joined) >= self.size:
+            self.clear()
+        if joins:
+            joined[key] = (value, tuple(joins))
+        else:
+            self[key] = value
+        return value
 
 
 # -- streams ----------------------------------------------------------------------------------

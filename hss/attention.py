@@ -19,7 +19,8 @@ Arguments are checked by :mod:`hss._args` before anything is queued (a bad one r
 stream); device arrays any form :func:`hss._args.pointer` reads (``int`` addresses,
 :class:`~hss.cuda_min.DeviceBuffer` / ``DeviceView``, torch tensors, ``__cuda_array_interface__`` and DLPack
 objects), their size, alignment and dtype checked where the object says them (bf16 q, pools and output, i32
-tables and counts), the output writable.
+tables and counts), the output writable. ``step_tile`` and ``step_tile_tokens`` remember the argument sets whose
+checks passed and skip them when one comes again (docs/design.md §23).
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ __all__ = ["TiledAttentionDims", "TiledAttention", "TileStep"]
 NEG_INF_BITS = 0xFF800000   # f32 -inf, the initial running max
 _I32_MAX = 2**31 - 1
 _STRIDE_MAX = 2**62 - 1   # element strides (i64 parameters; times 2 bytes, addresses stay in range)
+_NO_OUTPUT = object()     # output=None's place in a remembered tile's key (no memo key equals it)
+_memo, _no_memo, _RANGES = _args.MEMO_KEYS.get, _args.no_memo_key, _args.RANGES
+REMEMBERED_TILES = 256    # argument sets a TiledAttention remembers (docs/design.md §23)
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,9 @@ class TiledAttention(Closeable):
         self._grid_y = d.num_kv_heads * head_groups(d.gqa_ratio)
         self._hdp = padded_head_dim(d.head_dim)
         self._grid_z: dict[int, int] = {}   # num_seqs -> grid.z, filled at each count's first launch
+        self._remembered = _args.Remembered(REMEMBERED_TILES)   # tile calls' checked arguments, by their keys
+        self._recall = self._remembered.get
+        self._packed: tuple | None = None   # the remembered tile whose values the pack's tile slots hold (None: other)
         self._filled_by = 0                 # the serial of the TileStep whose q, pools, strides the pack holds
         self._tile_stream = -1              # the stream of this step's last tile (-1: none since begin_step)
         self._fin_pack = pack = ATTENTION_FINALIZE.pack(o=self.o.ptr, l=self.l.ptr, num_q_heads=d.num_q_heads,
@@ -263,6 +270,7 @@ class TiledAttention(Closeable):
         """Free the state buffers and unload the modules (every part, even if one release raises); later calls
         do nothing."""
         self._closed = True
+        self._remembered.clear()
         self._owned.close()
 
     def _live(self) -> None:
@@ -317,7 +325,8 @@ class TiledAttention(Closeable):
         (Also ``begin_step_on_stream``.)"""
         if self._closed:
             self._live()
-        _args.stream(stream)   # checked (nothing is queued on it)
+        if type(stream) is not int or stream < 0:   # (an int handle >= 0 passes hss._args.stream as it is)
+            _args.stream(stream)   # checked (nothing is queued on it)
         n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
         self._fresh = n
         self._begun = True
@@ -372,17 +381,9 @@ class TiledAttention(Closeable):
         """
         if self._closed:
             self._live()
-        s = _args.stream(stream)
-        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
-        if not (type(blk_stride) is int and type(tok_stride) is int and type(kvh_stride) is int
-                and 0 <= blk_stride <= _STRIDE_MAX and 0 <= tok_stride <= _STRIDE_MAX
-                and 0 <= kvh_stride <= _STRIDE_MAX):
-            blk_stride, tok_stride, kvh_stride = self._strides(blk_stride, tok_stride, kvh_stride)
-        lbvs = last_block_valid_slots
-        if type(lbvs) is not int or not -2**31 <= lbvs <= _I32_MAX:
-            lbvs = self._lbvs(lbvs)
-        self._tile(s, n, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride, lbvs,
-                   output, 0)
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+        self._tile(s, num_seqs, q, k_pool, v_pool, tile_blocks, tile_block_counts, blk_stride, tok_stride, kvh_stride,
+                   last_block_valid_slots, output, 0)
 
     step_tile_on_stream = step_tile
 
@@ -395,12 +396,9 @@ class TiledAttention(Closeable):
         of complete pages): capturable while the counts change."""
         if self._closed:
             self._live()
-        s = _args.stream(stream)
-        n = num_seqs if type(num_seqs) is int and 0 <= num_seqs <= self._max_seqs else self._num_seqs(num_seqs)
-        blk_stride, tok_stride, kvh_stride = self._strides(blk_stride, tok_stride, kvh_stride)
-        off = _args.as_int("token_offset", token_offset, 0, _I32_MAX)
-        self._tile(s, n, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride, off,
-                   output, 2)
+        s = stream if type(stream) is int and stream >= 0 else _args.stream(stream)
+        self._tile(s, num_seqs, q, k_pool, v_pool, tile_blocks, token_counts, blk_stride, tok_stride, kvh_stride,
+                   token_offset, output, 2)
 
     def queue_checked_tile(self, s: int, n: int, q: int, k_pool: int, v_pool: int, blk: int, tok: int, kvh: int,
                            tile_blocks: int, counts: int, lbvs: int, output: int = 0,
@@ -413,26 +411,76 @@ class TiledAttention(Closeable):
         self._fill(q, k_pool, v_pool, blk, tok, kvh, tile_blocks, counts, lbvs)
         self._launch(s, n, output, 2 if token_counts else 0)
 
-    def _tile(self, s: int, n: int, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any,
-              blk_stride: int, tok_stride: int, kvh_stride: int, lbvs: int, output: Any, mode: int) -> None:
-        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``lbvs`` is the token offset) checks and launch."""
+    def _tile(self, s: int, n: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any, blk: Any, tok: Any,
+              kvh: Any, last: Any, output: Any, mode: int) -> None:
+        """step_tile's (mode 0) and step_tile_tokens' (mode 2: ``last`` is the token offset) checks and launch.
+
+        The checks but ``last``'s (it changes from token to token: checked every call) are remembered (docs/design.md
+        §23) under a key of the scalars, exact ints only (a bool or float equal to one is refused by the checks), and
+        the device arrays' memo keys (an int address its own, decided here without the call); the two modes check the
+        same, so they share it."""
+        if type(n) is int and type(blk) is int and type(tok) is int and type(kvh) is int:
+            key: tuple | None = (   # (hss._args.memo_key of each device array, spelled out for speed)
+                _RANGES.generation, s, n, blk, tok, kvh, q if type(q) is int else _memo(type(q), _no_memo)(q),
+                k_pool if type(k_pool) is int else _memo(type(k_pool), _no_memo)(k_pool),
+                v_pool if type(v_pool) is int else _memo(type(v_pool), _no_memo)(v_pool),
+                tile_blocks if type(tile_blocks) is int else _memo(type(tile_blocks), _no_memo)(tile_blocks),
+                counts if type(counts) is int else _memo(type(counts), _no_memo)(counts),
+                _NO_OUTPUT if output is None else output if type(output) is int else
+                _memo(type(output), _no_memo)(output))
+            try:
+                checked = self._recall(key)
+            except TypeError:   # an argument without a memo key (NO_KEY), or an interface's list: not remembered
+                key = checked = None
+        else:
+            key = checked = None
+        if checked is None:
+            checked = self._remembered.check(key, self._tile_checks, s, n, q, k_pool, v_pool, tile_blocks, counts, blk,
+                                             tok, kvh, last, output, mode)
+        if mode == 2:
+            if type(last) is not int or not 0 <= last <= _I32_MAX:
+                last = _args.as_int("token_offset", last, 0, _I32_MAX)
+        elif type(last) is not int or not -2**31 <= last <= _I32_MAX:
+            last = self._lbvs(last)
+        if checked is self._packed:   # a repeat of the last tile call: the pack holds its values
+            self._lbvs_slot.value = last
+        else:
+            n, qp, kp, vp, blk, tok, kvh, tp, cp, out = checked
+            self._fill(qp, kp, vp, blk, tok, kvh, tp, cp, last)
+            self._packed = checked
+        self._launch(s, checked[0], checked[9], mode)
+
+    def _tile_checks(self, s: int, n: Any, q: Any, k_pool: Any, v_pool: Any, tile_blocks: Any, counts: Any, blk: Any,
+                     tok: Any, kvh: Any, last: Any, output: Any, mode: int) -> tuple:
+        """Every check of a tile call, in order (the sequence count, strides, last_block_valid_slots or token offset,
+        then the device arrays): (n, q, k, v, blk, tok, kvh, table, counts, output or 0), checked (``last`` is
+        checked again by the caller, which remembers no ``last``)."""
+        if not (type(n) is int and 0 <= n <= self._max_seqs):
+            n = self._num_seqs(n)
+        if not (type(blk) is int and type(tok) is int and type(kvh) is int and 0 <= blk <= _STRIDE_MAX
+                and 0 <= tok <= _STRIDE_MAX and 0 <= kvh <= _STRIDE_MAX):
+            blk, tok, kvh = self._strides(blk, tok, kvh)
+        if mode == 2:
+            _args.as_int("token_offset", last, 0, _I32_MAX)
+        elif type(last) is not int or not -2**31 <= last <= _I32_MAX:
+            self._lbvs(last)
         q_bytes = n * self._row_bytes
         out = 0 if output is None else self._out_arg(output, s, q_bytes)
         if out:
             self._own.check(out, q_bytes, "output", "this TiledAttention")
         qp = self._q_arg(q, s, q_bytes)
-        pool_bytes = 2 * (self._pool_heads * kvh_stride + self._head_dim)
+        pool_bytes = 2 * (self._pool_heads * kvh + self._head_dim)
         kp = self._k_arg(k_pool, s, pool_bytes)
         vp = self._v_arg(v_pool, s, pool_bytes)
         tp = self._table_arg(tile_blocks, s, n * self._table_bytes)
         cp = self._counts_arg(counts, s, 4 * n)
-        self._fill(qp, kp, vp, blk_stride, tok_stride, kvh_stride, tp, cp, lbvs)
-        self._launch(s, n, out, mode)
+        return n, qp, kp, vp, blk, tok, kvh, tp, cp, out
 
     def _fill(self, q: int, k: int, v: int, blk: int, tok: int, kvh: int, table: int, counts: int, lbvs: int,
               owner: int = 0) -> None:
         """The step launch's per-tile slots (checked values). ``owner`` (a TileStep's serial): q, the pools and
         strides are that step's, so they are written only when another filled the pack since (0: always)."""
+        self._packed = None
         if not owner or self._filled_by != owner:
             self._q_slot.value = q
             self._k_slot.value = k
@@ -452,6 +500,7 @@ class TiledAttention(Closeable):
         (an address or 0) change. ``s`` is a raw stream handle and every argument an int the caller checked."""
         if self._closed:
             self._live()
+        self._packed = None
         self._table_slot.value = tile_blocks
         self._counts_slot.value = tile_block_counts
         self._lbvs_slot.value = last_block_valid_slots
@@ -461,33 +510,48 @@ class TiledAttention(Closeable):
         """Queue one tile: with overlap_tiles, programmatically when the stream's last work is this step's
         previous tile (a launch of this TiledAttention since the step's begin_step, on ``s``, nothing queued
         between by this object)."""
+        fresh = self._fresh
+        if fresh and fresh == n and self._counts_zeroed:   # a step's first tile, on the sequences begin_step named
+            self._fresh = 0                                 # (a plain launch: begin_step forgot the last tile's stream)
+            flags = 1 | mode
+            run = self._run_rope if rope else self._run_step
+        else:
+            run, flags = self._plan(s, n, mode, rope)
+            if run is None:
+                return
+        z = self._grid_z.get(n)
+        if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
+            z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
+        if rope:
+            self._rope_slots[9].value, self._rope_slots[10].value = out, flags
+        else:
+            self._out_slot.value = out
+            self._fresh_slot.value = flags
+        run(s, n, self._grid_y, z)
+        self._tile_stream = s
+
+    def _plan(self, s: int, n: int, mode: int, rope: bool) -> tuple[Any, int]:
+        """A tile launch's prepared launch and fresh/mode flags, once what it needs first is queued (the counters'
+        one reset, the initial state begin_step promised); (None, 0): nothing to launch (no sequences)."""
         if not self._begun:
             raise HssError("TiledAttention: a tile before any begin_step; call begin_step(stream, num_seqs) (or "
                            "begin_tiles) first: it sets the state the tiles fold into")
         if n == 0:
-            return
+            return None, 0
         after = self._tile_stream == s
         if not self._counts_zeroed:   # the fold leaves its counters at zero; they start there once, ordered
             cm.memset_d32_async(self._merge_count, 0, self.dims.merge_counters, s)   # before this launch
             self._counts_zeroed = True
             after = False   # a memset in between: a plain launch
-        if self._fresh and self._fresh != n:
+        fresh = self._fresh
+        if fresh and fresh != n:
             self._initialise(s)
-            after = False
-        fresh = (1 if self._fresh else 0) | mode   # mode 2: token counts (tile_tokens)
-        if rope:
-            self._rope_slots[9].value, self._rope_slots[10].value = out, fresh
-        else:
-            self._out_slot.value, self._fresh_slot.value = out, fresh
+            after = fresh = 0
         self._fresh = 0
-        z = self._grid_z.get(n)
-        if z is None:   # as many as a tile of the launch has units (any value in 1..max_units: the same bits)
-            z = self._grid_z[n] = step_grid_z(self.dims.max_units, n * self._grid_y, self._hdp)
+        flags = (1 if fresh else 0) | mode   # mode 2: token counts (tile_tokens)
         if after and self._run_step_after is not None:
-            (self._run_rope_after if rope else self._run_step_after)(s, n, self._grid_y, z)
-        else:
-            (self._run_rope if rope else self._run_step)(s, n, self._grid_y, z)
-        self._tile_stream = s
+            return (self._run_rope_after if rope else self._run_step_after), flags
+        return (self._run_rope if rope else self._run_step), flags
 
     def finalize(self, stream: Any, output: Any, num_seqs: int) -> None:
         """Write ``output`` bf16 [num_seqs, num_q_heads, head_dim] = o / l (0 where l == 0) on ``stream`` (also

@@ -1,5 +1,5 @@
-"""Test helpers: device round trips, NaN poisoning, a recording GpuBackend, and the docs/design.md §0 error bounds with
-their mutation checks."""
+"""Test helpers: device round trips, NaN poisoning, a recording GpuBackend, a foreign CUDA array, and the docs/design.md
+§0 error bounds with their mutation checks."""
 from __future__ import annotations
 
 from typing import Any
@@ -35,6 +35,22 @@ def poisoned(nbytes: int, stream: int) -> cm.DeviceBuffer:
     buf = cm.DeviceBuffer(max(nbytes, 1))
     cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
     return buf
+
+
+class CudaArray:
+    """A foreign device array that speaks ``__cuda_array_interface__`` v3 as torch does: the interface is built at every
+    read from fields a test may change in place between calls (as ``resize_`` changes a tensor's shape): ``ptr`` (an
+    address, or a DeviceBuffer's), ``shape``, ``typestr`` (bf16 as ``<V2``: the interface has no bf16), ``readonly``,
+    ``stream`` (the producer's; None: none)."""
+
+    def __init__(self, ptr: Any, shape: tuple, typestr: str, readonly: bool = False, stream: int | None = None) -> None:
+        self.ptr = ptr if isinstance(ptr, int) else ptr.ptr
+        self.shape, self.typestr, self.readonly, self.stream = shape, typestr, readonly, stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.typestr, "data": (self.ptr, self.readonly), "version": 3,
+                "strides": None, "stream": self.stream}
 
 
 DEVICE_WORK = {"kernel", "try_kernel", "alloc", "free", "launch", "copy_d2d_async", "copy_d2d_2d_async",

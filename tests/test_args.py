@@ -6,14 +6,14 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hss import _args
 from hss import cuda_min as cm
 from hss.errors import HssError
 
-from helpers import download, upload
+from helpers import CudaArray, download, upload
 
 
 class CAI:
@@ -484,3 +484,172 @@ def test_disjoint_refuses_a_written_argument_over_another():
         _args.disjoint("f", ("q", 0, 16, False), ("out", 8, 16, True))
     with pytest.raises(HssError, match="f: a overlaps b"):
         _args.disjoint("f", ("a", 0, 16, True), ("b", 0, 16, True))
+
+
+# -- remembered checks ---------------------------------------------------------------------------------
+def test_memo_keys_name_what_the_checks_read(ctx, monkeypatch):
+    """An int is its own key; a DeviceBuffer has a key object of its own (None once closed), a view its buffer's key and
+    its extent; a foreign array with the CUDA array interface what the interface says now (and, with several devices,
+    the device it is on); a torch tensor what its check reads; anything else none."""
+    monkeypatch.setattr(_args.DEVICES, "many", False)
+    with cm.DeviceBuffer(64) as a, cm.DeviceBuffer(64) as b:
+        assert _args.memo_key(a.ptr) == a.ptr
+        for other in (True, np.int64(a.ptr), float(a.ptr), None, "x", [a.ptr], DLPackOnly(a)):
+            assert _args.memo_key(other) is _args.NO_KEY
+        with pytest.raises(TypeError):
+            hash((a.ptr, _args.NO_KEY))   # a key holding it is never kept
+        key = _args.memo_key(a)
+        assert key is not _args.NO_KEY and _args.memo_key(a) is key and _args.memo_key(b) not in (key, _args.NO_KEY)
+        v1, v2 = a.view("f32"), a.view("f32")
+        assert _args.memo_key(v1) == _args.memo_key(v2)
+        for other in (a.view("f32", (8,)), a.view("i32"), a.view("f32", offset=4), b.view("f32")):
+            assert _args.memo_key(other) != _args.memo_key(v1)
+        v1.offset = 4   # a view changed in place has another key
+        assert _args.memo_key(v1) != _args.memo_key(v2)
+        x = CudaArray(a, (64,), "|u1")
+        _args.device_arg(x, "x")   # a type's reader (and key) is found at its first check
+        key = _args.memo_key(x)
+        assert key is not _args.NO_KEY and key == _args.memo_key(CudaArray(a, (64,), "|u1"))
+        for change in (dict(shape=(32,)), dict(typestr="<f4"), dict(readonly=True), dict(stream=2), dict(ptr=b.ptr)):
+            fields = dict(dict(ptr=a.ptr, shape=(64,), typestr="|u1"), **change)
+            assert _args.memo_key(CudaArray(**fields)) != key, change
+        x.shape = (32,)   # changed in place
+        assert _args.memo_key(x) != key
+        monkeypatch.setattr(_args.DEVICES, "many", True)   # the device check then reads more than the interface
+        assert _args.memo_key(x) not in (_args.NO_KEY, key) and _args.memo_key(x)[-1] == a.device
+    assert _args.memo_key(a) is _args.NO_KEY and _args.memo_key(v2) is _args.NO_KEY
+    with cm.PinnedBuffer(64) as pin:
+        assert _args.memo_key(pin) is _args.NO_KEY
+
+
+def test_torch_keys_follow_a_tensor_changed_in_place():
+    torch = pytest.importorskip("torch")
+
+    def first_read(t):   # a CPU tensor is no device array, but its type's reader and key are found
+        with pytest.raises(HssError, match="torch tensor on cpu"):
+            _args.device_arg(t, "t")
+        return t
+
+    t = first_read(torch.zeros(16))
+    assert _args.memo_key(t) == _args.memo_key(t) and hash(_args.memo_key(t)) == hash(_args.memo_key(t))
+    same_storage = [
+        (lambda: torch.zeros(16), lambda t: t.resize_(8)),                  # fewer bytes, same address
+        (lambda: torch.zeros(4, 4), lambda t: t.t_()),                     # not contiguous, same bytes and address
+        (lambda: torch.zeros(16), lambda t: setattr(t, "data", t.view(torch.int32))),   # another dtype, same bytes
+        (lambda: torch.zeros(16), lambda t: t.set_(torch.zeros(16))),       # another storage
+        (lambda: torch.zeros(16), lambda t: setattr(t, "data", torch.zeros(16, dtype=torch.float64)))]
+    for make, change in same_storage:
+        t = first_read(make())
+        before = _args.memo_key(t)
+        change(t)
+        assert _args.memo_key(t) != before
+
+
+def _outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except (HssError, TypeError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+changes = st.lists(st.sampled_from(["shrink", "grow", "retype", "readonly", "move", "narrow", "close", "alloc",
+                                    "reuse"]), min_size=1, max_size=3)
+rounds = st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 3, 4, 4, 5, 5]), st.sampled_from([0, 1, 2, 2, 3]),
+                            st.sampled_from([1, 2, 4]), st.sampled_from(["-", "bf16", "f32", "u8"]), st.booleans(),
+                            changes), min_size=1, max_size=12)
+
+
+def _size(obj) -> int:
+    if isinstance(obj, CudaArray):
+        return math.prod(obj.shape) * int(obj.typestr[2:])
+    return obj.nbytes if isinstance(obj, cm.DeviceView) else 1024
+
+
+@settings(settings.default, max_examples=max(settings.default.max_examples, 60))   # cheap: more rounds
+@given(rounds)
+def test_a_remembered_check_answers_as_the_full_check(ctx, rounds):
+    """Whatever happens between two checks of one argument (a foreign array resized, retyped, made read-only or moved,
+    a buffer closed, buffers allocated, a freed address handed to a smaller buffer), a check remembered under
+    (RANGES.generation, memo key, the check's parameters) gives what the full check gives."""
+    table = _args.Remembered(8)
+    bufs = [cm.DeviceBuffer(1024), cm.DeviceBuffer(1024)]
+    addresses = [b.ptr for b in bufs]
+    objects = [addresses[0], bufs[0], bufs[0].view("bf16"), bufs[1].view("f32", (128,), 256),
+               CudaArray(bufs[1], (512,), "<V2"), CudaArray(addresses[0] + 512, (128,), "<f4")]
+    for obj in objects:
+        _outcome(_args.device_arg, obj, "x")   # every type's reader found
+    made, taken = [], []
+
+    def check(obj, need, align, dtype, write):
+        args = (obj, "x", need, align, None if dtype == "-" else dtype, write)
+        key = (_args.RANGES.generation, _args.memo_key(obj), need, align, dtype, write)
+        assert _outcome(table.check, key, _args.pointer, *args) == _outcome(_args.pointer, *args)
+
+    try:
+        for i, part, align, dtype, write, change in rounds:
+            obj = objects[i]
+            need = (0, _size(obj) // 2, _size(obj), 2048)[part]   # none, half, all of what it holds, more
+            array = obj if isinstance(obj, CudaArray) else objects[4 + i % 2]
+            view = obj if isinstance(obj, cm.DeviceView) else objects[3]
+            check(obj, need, align, dtype, write)
+            for op in change:
+                if op in ("shrink", "grow"):
+                    array.shape = (array.shape[0] // 2 if op == "shrink" else array.shape[0] * 2,)
+                elif op == "retype":
+                    array.typestr = {"<V2": "<f4", "<f4": "|u1", "|u1": "<V2"}[array.typestr]
+                elif op == "readonly":
+                    array.readonly = not array.readonly
+                elif op == "move":
+                    array.ptr += 2
+                elif op == "narrow":   # a view's fields changed in place
+                    view.shape, view.nbytes = (view.shape[0] // 2,), view.nbytes // 2
+                elif op == "close":
+                    bufs[i % 2].close()
+                elif op == "alloc":
+                    made.append(cm.DeviceBuffer(64))
+                elif bufs[0].closed and not taken:   # reuse: the driver hands the freed address to a smaller buffer
+                    taken.append(_args.RANGES.add(addresses[0], 128, 0))
+            check(obj, need, align, dtype, write)
+    finally:
+        for key in taken:
+            _args.RANGES.remove(key)
+        for b in bufs + made:
+            b.close()
+
+
+def test_a_remembered_table_keeps_at_most_its_size_and_only_what_passed():
+    table = _args.Remembered(4)
+    for i in range(10):
+        assert table.check((0, i), int, i) == i
+        assert len(table) <= 4
+    assert table.get((0, 9)) == 9
+    assert table.check(None, int, 5) == 5 and table.check((0, _args.NO_KEY), int, 6) == 6   # an argument without
+    assert table.check((0, [1]), int, 7) == 7                                                # a key; an unhashable one
+    with pytest.raises(TypeError):
+        table.check((1, 1), int, None)                                                # a check that fails
+    assert all(k[1] in range(10) for k in table) and len(table) <= 4
+    table.clear()
+    assert len(table) == 0
+
+
+def test_remembered_checks_ask_for_their_joins_again(ctx, joins):
+    """An interface's producer stream is joined at every recall of its check, as its check joined it (deferred inside
+    deferred_joins, dropped when the call fails later), and such an entry is not found by a plain lookup."""
+    producer, consumer = cm.CudaStream(ctx), cm.CudaStream(ctx)
+    with cm.DeviceBuffer(64) as buf:
+        cai = CudaArray(buf, (64,), "|u1", stream=producer.handle)
+        _args.device_arg(cai, "x")
+        table = _args.Remembered()
+        key = (_args.RANGES.generation, _args.memo_key(cai))
+        for _ in range(3):
+            assert table.get(key) is None
+            assert table.check(key, _args.pointer, cai, "x", 64, 1, None, False, consumer.handle) == buf.ptr
+        assert joins == [(consumer.handle, producer.handle)] * 3 and len(table) == 1
+        del joins[:]
+        with pytest.raises(HssError, match="a later argument"):
+            with _args.deferred_joins():
+                table.check(key, _args.pointer, cai, "x", 64, 1, None, False, consumer.handle)
+                raise HssError("a later argument")
+        assert joins == []
+    producer.close()
+    consumer.close()

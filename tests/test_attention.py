@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hss import _args as cm_args
 from hss import cuda_min as cm
 from hss._util import ceil_div
 from hss.attention import TiledAttention, TiledAttentionDims
@@ -25,7 +26,7 @@ from hss.errors import HssError
 from hss.reference import attention as ref
 
 import conftest
-from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
+from helpers import BF16, CudaArray, assert_bites, assert_close, download, poisoned, upload
 
 ON_GPU = conftest.ON_GPU
 ORIGINAL = TiledAttentionDims(max_seqs=1, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
@@ -732,6 +733,298 @@ def test_tiles_need_begin_step_and_counters_reset_on_the_tile_stream(ctx, stream
         other.close()
 
 
+# -- remembered checks (docs/design.md, "Remembered checks") -----------------------------------------
+TILE_SLOTS = ("q", "k_pool", "v_pool", "tile_blocks", "tile_block_counts", "out", "blk_stride", "tok_stride",
+              "kvh_stride", "last_block_valid_slots", "fresh")
+QBYTES = 2 * 2 * 32 * 128                  # two sequences of bf16 [32, 128] (ORIGINAL's heads)
+POOL_MIN = 2 * (7 * 128 + 128)             # one token row of each of the 8 kv heads at kvh_stride 128
+
+
+class Tiles:
+    """The tile launches that reach the driver, each as {slot: value} of the watched TiledAttentions' tile slots
+    (``watch(ta)``), and every other queued operation by its driver call's name; nothing is launched."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+        self._packs: dict = {}
+
+    def watch(self, ta: TiledAttention) -> TiledAttention:
+        self._packs[ta._step_pack.address] = ta._step_pack
+        return ta
+
+    def recorder(self, name: str):
+        def record(*args):
+            pack = self._packs.get(int(args[9])) if name == "cuLaunchKernel" else None
+            self.seen.append(name if pack is None else dict(
+                {k: v for k, v in zip(pack.names, pack.values()) if k in TILE_SLOTS}, grid=args[1:4]))
+            return (0,)
+        return record
+
+    def launched(self, t: TiledAttention, call) -> list:
+        """The tile launches of ``call(t)``, or its error's words."""
+        del self.seen[:]
+        try:
+            call(t)
+        except HssError as exc:
+            return [str(exc)]
+        return [s for s in self.seen if isinstance(s, dict)]
+
+
+@pytest.fixture
+def tiles(monkeypatch: pytest.MonkeyPatch) -> Tiles:
+    t = Tiles()
+    for name in DEVICE_WORK:
+        monkeypatch.setattr(_driver.api, name, t.recorder(name))
+    return t
+
+
+def full_checks(monkeypatch: pytest.MonkeyPatch, ta: TiledAttention) -> list:
+    """Counts the tile calls of ``ta`` that ran their full checks (one entry each)."""
+    ran: list = []
+    real = ta._tile_checks
+    monkeypatch.setattr(ta, "_tile_checks", lambda *a: (ran.append(1), real(*a))[1])
+    return ran
+
+
+@pytest.mark.parametrize("form", ["int", "DeviceBuffer", "DeviceView", "interface"])
+def test_a_remembered_tile_launches_what_its_checks_launch(ctx, stream, tiles, monkeypatch, form: str) -> None:
+    """Repeated tile calls (step_tile and step_tile_tokens, with and without an output, two argument sets in turn, the
+    last value and the sequence count changing, other launches between) run their full checks once per argument set
+    and launch what the same calls launch on a TiledAttention that remembers nothing."""
+    d = replace(ORIGINAL, max_seqs=2, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta, TiledAttention(ctx, d) as plain:
+        tiles.watch(ta)
+        tiles.watch(plain)
+        checked = full_checks(monkeypatch, ta)
+        bufs = [cm.DeviceBuffer(n) for n in (QBYTES, 1 << 16, 32, 8, QBYTES) * 2]
+
+        def arrays(q, pool, tb, cn, out):
+            if form == "int":
+                return q.ptr, pool.ptr, pool.ptr, tb.ptr, cn.ptr, out.ptr
+            if form == "DeviceBuffer":
+                return q, pool, pool, tb, cn, out
+            if form == "DeviceView":
+                return q.view("bf16"), pool.view("bf16"), pool.view("u8"), tb.view("i32"), cn.view("i32"), out
+            return (CudaArray(q, (2, 32, 128), "<V2"), CudaArray(pool, (1 << 15,), "<V2"), pool,
+                    CudaArray(tb, (2, 4), "<i4"), CudaArray(cn, (2,), "<i4"), CudaArray(out, (2, 32, 128), "<V2"))
+
+        sets = {"A": arrays(*bufs[:5]), "B": arrays(*bufs[5:])}
+        strides = ta.paged_strides()
+        raw = (bufs[5].ptr, bufs[6].ptr, bufs[6].ptr, *strides, bufs[7].ptr, bufs[8].ptr, 5)
+
+        others = (lambda t: (t.begin_step(stream, 2), t.queue_checked_tile(stream, 2, *raw)),
+                  lambda t: t._next_tile(stream, bufs[7].ptr, bufs[8].ptr, 4),
+                  lambda t: t.begin_tiles(stream, *sets["B"][:3], 2, *strides).tile(sets["B"][3], sets["B"][4], 6))
+
+        def same(call) -> None:
+            plain._remembered.clear()
+            got = tiles.launched(ta, call)
+            assert got and got == tiles.launched(plain, call)
+
+        for token in (False, True):
+            for with_output in (True, False):
+                ta._remembered.clear()
+                del checked[:]
+                for name, n, last in (("A", 2, 16), ("B", 2, 3), ("A", 2, 7), ("A", 2, 9), ("A", 2, 9), ("B", 1, 3),
+                                      ("B", 1, 9), ("B", 1, 9), ("B", 1, 12)):
+                    *ins, out = sets[name]
+
+                    def tile(t, n=n, last=last, ins=ins, out=out) -> None:
+                        t.begin_step(stream, n)
+                        (t.step_tile_tokens if token else t.step_tile)(stream, *ins, n, *strides, last,
+                                                                        output=out if with_output else None)
+                    same(tile)
+                    if last == 9:   # another launch refills the pack between two remembered tiles
+                        for other in others:
+                            same(other)
+                            same(tile)
+                assert len(checked) == 3 and len(ta._remembered) == 3   # A, B and B for one sequence
+        for b in bufs:
+            b.close()
+
+
+def test_a_remembered_tile_still_refuses_what_its_checks_refuse(ctx, stream, launches: list) -> None:
+    """Once a good call is remembered, each change that makes one of its arguments bad (its buffer freed and the
+    address handed to a smaller one, closed, a foreign array resized, retyped, made read-only, moved off its
+    alignment, onto another device's memory or into the attention's own state) is refused with the full checks'
+    words, before anything is queued."""
+    d = replace(ORIGINAL, max_seqs=2, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta:
+        strides = ta.paged_strides()
+
+        def refused(change, words: str, **args) -> None:
+            sizes = dict(q=QBYTES, k_pool=1 << 16, v_pool=1 << 16, tile_blocks=32, tile_block_counts=8, output=QBYTES)
+            bufs = {name: cm.DeviceBuffer(n, ctx) for name, n in sizes.items()}
+            given = {name: args[name](bufs[name]) if name in args else bufs[name] for name in bufs}
+
+            def call() -> None:
+                ta.begin_step(stream, 2)
+                ta.step_tile(stream, *(given[n] for n in list(bufs)[:5]), 2, *strides, 16, output=given["output"])
+
+            call()
+            call()   # remembered
+            launches.clear()
+            undo = change(given, bufs)
+            errors = []
+            for _ in range(2):   # with the good call remembered, then with nothing remembered
+                with pytest.raises(HssError, match=words) as e:
+                    call()
+                errors.append(str(e.value))
+                ta._remembered.clear()
+            assert errors[0] == errors[1] and launches == [], words
+            if undo is not None:
+                undo()
+            for b in bufs.values():
+                b.close()
+
+        def reused(given, bufs):   # freed, and the driver hands the address to a smaller buffer
+            bufs["k_pool"].close()
+            key = cm_args.RANGES.add(given["k_pool"], 1024, 0)
+            return lambda: cm_args.RANGES.remove(key)
+
+        def set_field(name, **fields):
+            def change(given, bufs):
+                for k, v in fields.items():
+                    setattr(given[name], k, v(getattr(given[name], k)) if callable(v) else v)
+            return change
+
+        whole = lambda shape: lambda b: CudaArray(b, shape, "<V2")   # noqa: E731
+        for n, kvh, last, words in ((2, 128, 16, f"q holds 8192 bytes but {QBYTES} are needed"),
+                                    (1, 256, 16, f"k_pool holds {POOL_MIN} bytes but 3840 are needed"),
+                                    (1, 128, 2**31, "last_block_valid_slots = 2147483648 must be in")):
+            q, pool, tb, cn = (cm.DeviceBuffer(b) for b in (QBYTES // 2, POOL_MIN, 32, 8))   # one sequence's
+            ta.begin_step(stream, 1)
+            ta.step_tile(stream, q, pool, pool, tb, cn, 1, strides[0], strides[1], 128, 16)   # remembered
+            launches.clear()
+            with pytest.raises(HssError, match=words):
+                ta.begin_step(stream, n)
+                ta.step_tile(stream, q, pool, pool, tb, cn, n, strides[0], strides[1], kvh, last)
+            assert launches == []
+            for b in (q, pool, tb, cn):
+                b.close()
+        refused(reused, f"k_pool: {POOL_MIN} bytes at offset 0 run past the end of its 1024-byte buffer",
+                k_pool=lambda b: b.ptr)
+        refused(lambda given, bufs: bufs["q"].close(), "q is a closed DeviceBuffer")
+        refused(lambda given, bufs: bufs["tile_blocks"].close(), "tile_blocks is a view of a closed DeviceBuffer",
+                tile_blocks=lambda b: b.view("i32"))
+        refused(set_field("q", shape=(2, 32, 127)), f"q holds 16256 bytes but {QBYTES} are needed",
+                q=whole((2, 32, 128)))
+        refused(set_field("v_pool", typestr="<f4", shape=(1 << 14,)), "v_pool holds f32 but bf16 is needed",
+                v_pool=whole((1 << 15,)))
+        refused(set_field("output", readonly=True), "output is read-only", output=whole((2, 32, 128)))
+        refused(set_field("q", ptr=lambda p: p + 1), "q .* must be 2-byte aligned", q=whole((2, 32, 128)))
+        refused(set_field("output", ptr=ta.m.ptr), "output .* overlaps its ", output=whole((2, 32, 128)))
+        if cm.device_count() > 1:
+            with cm.CudaCtx(1) as other, cm.DeviceBuffer(8, other) as far:
+                refused(set_field("tile_block_counts", ptr=far.ptr), "tile_block_counts is memory of device 1",
+                        tile_block_counts=lambda b: CudaArray(b, (2,), "<i4"))
+
+
+def test_a_remembered_tile_joins_its_producer_every_call(ctx, stream, launches: list) -> None:
+    d = replace(ORIGINAL, max_seqs=2, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta, cm.CudaStream(ctx) as producer:
+        q, pool, tb, cn = (cm.DeviceBuffer(n) for n in (QBYTES, 1 << 16, 32, 8))
+        table = CudaArray(tb, (2, 4), "<i4", stream=producer.handle)
+        for _ in range(3):
+            ta.begin_step(stream, 2)
+            ta.step_tile(stream, q, pool, pool, table, cn, 2, *ta.paged_strides(), 16)
+        queued = [op for op in launches if op != "cuMemsetD32Async"]   # (the counters' one reset)
+        assert queued == ["cuEventRecord", "cuStreamWaitEvent", ta._step_fn.handle] * 3
+        assert len(ta._remembered) == 1
+        for b in (q, pool, tb, cn):
+            b.close()
+
+
+def test_a_context_made_or_destroyed_drops_the_remembered_tiles(ctx, stream, launches: list, monkeypatch) -> None:
+    from hss.cuda._context import PrimaryContext
+    if cm.device_count() < 2 or 1 in PrimaryContext._live:
+        pytest.skip("needs a second device whose context no one holds")
+    with TiledAttention(ctx, replace(ORIGINAL, max_seqs=2, tile_capacity=4)) as ta:
+        checked = full_checks(monkeypatch, ta)
+        q, pool, tb, cn = (cm.DeviceBuffer(n) for n in (QBYTES, 1 << 16, 32, 8))
+
+        def call() -> None:
+            ta.begin_step(stream, 2)
+            ta.step_tile(stream, q, pool, pool, tb, cn, 2, *ta.paged_strides(), 16)
+
+        call()
+        call()
+        assert len(checked) == 1
+        generation = PrimaryContext.generation
+        cm.CudaCtx(1).close()   # device 1's context made and destroyed
+        assert PrimaryContext.generation == generation + 2
+        call()
+        call()
+        assert len(checked) == 2
+        for b in (q, pool, tb, cn):
+            b.close()
+
+
+def test_the_remembered_tiles_stay_bounded(ctx, stream, launches: list) -> None:
+    from hss.attention import REMEMBERED_TILES
+    with TiledAttention(ctx, replace(ORIGINAL, max_seqs=1, tile_capacity=4)) as ta:
+        big, pool, tb, cn = (cm.DeviceBuffer(n) for n in (1 << 16, 1 << 16, 16, 4))
+        for i in range(REMEMBERED_TILES + 44):
+            ta.begin_step(stream, 1)
+            ta.step_tile(stream, big.ptr + 2 * i, pool, pool, tb, cn, 1, *ta.paged_strides(), 16)
+            assert 1 <= len(ta._remembered) <= REMEMBERED_TILES
+        for b in (big, pool, tb, cn):
+            b.close()
+
+
+tile_calls = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2), st.integers(0, 2),
+                                st.integers(0, 3), st.sampled_from([0, 1, 2]), st.booleans(),
+                                st.lists(st.sampled_from(["shrink", "grow", "retype", "readonly", "close", "alloc"]),
+                                         max_size=2)), min_size=1, max_size=10)
+
+
+@given(tile_calls)
+def test_remembered_tiles_answer_as_the_full_checks(ctx, stream, tiles, calls) -> None:
+    """Tile calls drawn from a few argument forms, with arguments changed, closed or allocated between them: every
+    call of a TiledAttention that remembers gives what the same call gives one that remembers nothing (the same
+    error, or the same launched parameters)."""
+    d = replace(ORIGINAL, max_seqs=2, tile_capacity=4)
+    with TiledAttention(ctx, d) as ta, TiledAttention(ctx, d) as plain:
+        tiles.watch(ta)
+        tiles.watch(plain)
+        bufs = [cm.DeviceBuffer(n) for n in (QBYTES, 1 << 16, 32, 8, QBYTES)]
+        arrays = [CudaArray(bufs[0], (2, 32, 128), "<V2"), CudaArray(bufs[1], (1 << 15,), "<V2"),
+                  CudaArray(bufs[2], (2, 4), "<i4"), CudaArray(bufs[3], (2,), "<i4"),
+                  CudaArray(bufs[4], (2, 32, 128), "<V2")]
+        forms = [(b.ptr, b, a) for b, a in zip(bufs, arrays)]
+        made = []
+
+        def outcome(t: TiledAttention, args: tuple, n: int, token: bool, out) -> object:
+            del tiles.seen[:]
+            try:
+                t.begin_step(stream, n)
+                (t.step_tile_tokens if token else t.step_tile)(stream, *args, n, *t.paged_strides(), 5, output=out)
+            except HssError as exc:
+                return str(exc)
+            return [s for s in tiles.seen if isinstance(s, dict)]
+
+        for qi, ki, ti, ci, oi, n, token, changes in calls:
+            args = (forms[0][qi], forms[1][ki], forms[1][(ki + 1) % 3], forms[2][ti], forms[3][ci])
+            out = None if oi == 3 else forms[4][oi]
+            got = outcome(ta, args, n, token, out)
+            plain._remembered.clear()
+            assert got == outcome(plain, args, n, token, out)
+            for change in changes:
+                a = arrays[(qi + oi) % 5]
+                if change in ("shrink", "grow"):
+                    a.shape = (a.shape[0] // 2 if change == "shrink" else a.shape[0] * 2,) + a.shape[1:]
+                elif change == "retype":
+                    a.typestr = {"<V2": "<i4", "<i4": "<V2"}[a.typestr]
+                elif change == "readonly":
+                    a.readonly = not a.readonly
+                elif change == "close":
+                    bufs[(qi + ti) % 5].close()
+                else:
+                    made.append(cm.DeviceBuffer(64))
+        for b in bufs + made:
+            b.close()
+
+
 # -- the kernels against the reference ---------------------------------------------------------
 def setup(ctx, stream, rng, dims: TiledAttentionDims, num_pages: int, kind: str, group_stride=None):
     ta = TiledAttention(ctx, dims)
@@ -859,14 +1152,16 @@ def test_begin_step_state_without_a_matching_tile(ctx, stream, rng) -> None:
     assert (download(ta.m, 8, np.uint32, stream) == 0xFF800000).all()
     sched = schedule([np.array([3, 1, 2])], 3, 3, 16, 16)
     tb, cn = upload(sched[0][0], stream), upload(sched[0][1], stream)
-    for buf in (ta.m, ta.l, ta.o):
-        cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
-    ta.begin_step(stream, 2)
-    ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, 1, *pool.strides, 16)   # one of the two
-    ta.finalize(stream, out, 2)
-    got = download(out, (2, 4, 64), BF16, stream)
-    assert_close(got[:1].astype(np.float64), reference(q[:1], pool, consumed(sched, 1, 16)), "bf16", (2,), "seq 0")
-    assert (got[1].view(np.uint16) == 0).all()
+    for _ in range(2):   # the first tile ever (the fold counters' reset), then a later step's (a remembered tile)
+        for buf in (ta.m, ta.l, ta.o):
+            cm.memset_d8_async(buf, 0xFF, buf.bytes, stream)
+        ta.begin_step(stream, 2)
+        ta.step_tile(stream, q_dev, pool.k_ptr, pool.v_ptr, tb, cn, 1, *pool.strides, 16)   # one of the two
+        ta.finalize(stream, out, 2)
+        got = download(out, (2, 4, 64), BF16, stream)
+        assert_close(got[:1].astype(np.float64), reference(q[:1], pool, consumed(sched, 1, 16)), "bf16", (2,),
+                     "seq 0")
+        assert (got[1].view(np.uint16) == 0).all()
     for b in (tb, cn, out, ta, pool):
         b.close()
 

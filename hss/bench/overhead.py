@@ -15,7 +15,9 @@ torch's ``x.add_(1)`` on a small CUDA tensor.
 
 Host µs per call: the median of interleaved batches (:func:`hss.bench._timer.host_us`), nothing synchronised
 between the calls of a batch, the stream synchronised between batches outside their time. Before timing, every
-call runs once in every form and its output is compared with the int form's (same bits expected).
+call runs once in every form and its output is compared with the int form's (same bits expected). Each timed call
+repeats one argument set, as a decode loop does, so ``step_tile`` runs its remembered checks (docs/design.md §23):
+its full checks ran in that first call.
 Targets: every single-launch call with int pointers <= 1.5x the floor; with torch tensors <= 1.25x the same call
 with ints; begin_step + step_tile(output=) with torch tensors <= 12 µs. ``--smoke``: tiny sizes on any driver
 (the CPU emulator in CI): the code paths only, its numbers mean nothing.

@@ -34,6 +34,9 @@ class PrimaryContext:
 
     _live: dict[int, PrimaryContext] = {}
     _lock = threading.RLock()
+    # changes whenever a primary context is retained or released (and with it hss._args.RANGES.generation): a check
+    # remembered while one context lived (a stream's, a device's) is not trusted in another (docs/design.md §23)
+    generation = 0
 
     def __init__(self, ordinal: int) -> None:
         status = driver_status()
@@ -60,7 +63,13 @@ class PrimaryContext:
                 pctx = cls._live[ordinal] = cls(ordinal)
                 if len(cls._live) > 1:
                     _args.DEVICES.many = True   # from now on, pointers are checked for their device
+                cls._changed()
             return pctx
+
+    @classmethod
+    def _changed(cls) -> None:
+        cls.generation += 1
+        _args.RANGES.bump()
 
     def hold(self) -> None:
         with self._lock:
@@ -75,6 +84,7 @@ class PrimaryContext:
             self.alive = False
             if PrimaryContext._live.get(self.ordinal) is self:
                 del PrimaryContext._live[self.ordinal]
+            PrimaryContext._changed()
         ev_err = None
         try:
             if self._join_event:

@@ -32,19 +32,30 @@ class DeviceBuffer(Owner):
     Exports ``__cuda_array_interface__`` (v3, bytes) and ``__dlpack__`` (uint8), so torch, CuPy and JAX take it
     zero-copy; :meth:`view` gives a typed view. Using a closed buffer (``ptr`` included) raises "closed"."""
 
+    _memo_key: object = _args.NO_KEY   # names this open buffer in remembered checks (hss._args.memo_key)
+
     def __init__(self, nbytes: int, ctx: Any = None) -> None:
         nbytes = _args.as_int("nbytes", nbytes, 1, why="a DeviceBuffer holds at least one byte")
         pctx = owner_context(ctx)
         self._ptr = int(check(api.cuMemAlloc(nbytes), "cuMemAlloc", f"{nbytes} bytes"))
-        self.bytes = nbytes
+        self._bytes = nbytes
         self._own("cuMemFree", self._ptr, pctx,
                   functools.partial(RANGES.remove, RANGES.add(self._ptr, nbytes, pctx.ordinal)))
+        self._memo_key = object()
 
     @property
     def ptr(self) -> int:
         if not self._open:
-            raise HssError(f"this DeviceBuffer ({self.bytes} bytes) is closed")
+            raise HssError(f"this DeviceBuffer ({self._bytes} bytes) is closed")
         return self._ptr
+
+    @property
+    def bytes(self) -> int:
+        """The size in bytes (fixed: a remembered check of this buffer relies on it)."""
+        return self._bytes
+
+    def _on_close(self) -> None:
+        self._memo_key = _args.NO_KEY   # a check remembered under the old key is never found again
 
     @property
     def device(self) -> int:
@@ -108,6 +119,12 @@ class DeviceView:
         return self.buffer.ptr + self.offset
 
     @property
+    def _memo_key(self) -> Any:
+        """What this view's checks read (hss._args.memo_key): its buffer's key and its own extent; NO_KEY closed."""
+        key = getattr(self.buffer, "_memo_key", _args.NO_KEY)
+        return key if key is _args.NO_KEY else (key, self.offset, self.nbytes, self.dtype)
+
+    @property
     def __cuda_array_interface__(self) -> dict:
         typestr = next((k for k, v in _args._TYPESTR.items() if v == self.dtype and k != "|b1"), None)
         if typestr is None:
@@ -136,8 +153,8 @@ def _dlpack_checks(dl_device: Any, copy: bool | None, device: int) -> None:
 
 def _read_buffer(buf: DeviceBuffer, name: str, stream: int | None) -> DeviceArg:
     if not buf._open:
-        raise HssError(f"{name} is a closed DeviceBuffer ({buf.bytes} bytes)")
-    return DeviceArg(buf._ptr, buf.bytes)
+        raise HssError(f"{name} is a closed DeviceBuffer ({buf._bytes} bytes)")
+    return DeviceArg(buf._ptr, buf._bytes)
 
 
 def _read_view(view: DeviceView, name: str, stream: int | None) -> DeviceArg:
@@ -148,7 +165,7 @@ def _read_view(view: DeviceView, name: str, stream: int | None) -> DeviceArg:
 
 
 def _quick_buffer(buf: DeviceBuffer) -> tuple[int, int, None] | None:
-    return (buf._ptr, buf.bytes, None) if buf._open else None
+    return (buf._ptr, buf._bytes, None) if buf._open else None
 
 
 def _quick_view(view: DeviceView) -> tuple[int, int, str] | None:
@@ -156,8 +173,8 @@ def _quick_view(view: DeviceView) -> tuple[int, int, str] | None:
     return (buf._ptr + view.offset, view.nbytes, view.dtype) if buf._open else None
 
 
-_args.register_pointer_type(DeviceBuffer, _read_buffer, _quick_buffer)
-_args.register_pointer_type(DeviceView, _read_view, _quick_view)
+_args.register_pointer_type(DeviceBuffer, _read_buffer, _quick_buffer, remembered=True)
+_args.register_pointer_type(DeviceView, _read_view, _quick_view, remembered=True)
 
 
 class PinnedBuffer(Owner):
