@@ -64,7 +64,7 @@ def check_rows(scores, pos, slots, k, ratio, max_tokens, tokens, counts, after) 
 SIZES = st.one_of(st.integers(1, 3000), st.sampled_from([8191, 8192, 8193, 16385, 20000]))
 
 
-@settings(max_examples=25)
+@settings(max_examples=2 * settings().max_examples)
 @given(n=SIZES, kind=st.sampled_from(KINDS), ratio=st.sampled_from([1, 2, 4]), rows=st.integers(1, 3),
        data=st.data())
 def test_topk_matches_reference_with_and_without_the_key_cache(topk, n, kind, ratio, rows, data):

@@ -120,7 +120,7 @@ def make_logits(rng: np.random.Generator, m: int, vocab: int, kind: str) -> np.n
     return x
 
 
-@settings(max_examples=60)
+@settings(max_examples=5 * settings().max_examples)
 @given(m=st.integers(1, 3), vocab=VOCABS, cap=st.sampled_from([0, 1, 5, 64]), rows=st.lists(ROW, min_size=3,
        max_size=3), kind=st.sampled_from(["normal", "normal", "ties", "wide", "specials"]),
        live=st.sampled_from([None, 0, 1, 2, 5]), advance=st.sampled_from([-1, -1, 0, 3]), extra=st.integers(0, 2),
@@ -183,7 +183,6 @@ def test_nan_and_inf_rules(sample_tokens, rng, stage):
         params, history = got_params, got_history
 
 
-@settings(max_examples=12)
 @given(m=st.integers(1, 3), vocab=st.sampled_from([100, 2048, 5003]), dim=st.sampled_from([8, 40, 577]),
        kind=st.sampled_from(["plain", "ties", "many"]), seed=st.integers(0, 2**32 - 1))
 def test_temperature_zero_is_model_argmax(sample_tokens, model_argmax, m, vocab, dim, kind, seed):
@@ -384,7 +383,6 @@ def shfl_source(op: str, lane: int, b: int, width: int) -> int:
     return j if seg <= j < seg + width or (op == "xor" and j < seg) else lane
 
 
-@settings(max_examples=15)
 @given(warps=st.integers(1, 32), src=st.integers(-40, 40), delta=st.integers(0, 40), lane_mask=st.integers(0, 40))
 def test_warp_calls_and_block_votes(harness, warps, src, delta, lane_mask):
     n = 32 * warps
