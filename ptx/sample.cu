@@ -22,7 +22,9 @@
 //      index of M): with neutral penalties (rp = 1, pp = 0) exactly model_argmax's token.
 //   3. Otherwise the order is descending z, ascending id. The candidates are its first k = top_k (top_k = 0:
 //      SAMPLE_CANDIDATES, and every other token is the tail) tokens, found by a radix select on the order-
-//      preserving u32 key of z (11, 11 and 10 bits a round, counts only) and ranked by a bitonic sort; e_i =
+//      preserving u32 key of z (11, 11 and 10 bits a round, counts only; with top_k > 0 the first round alone where
+//      the k-th key's bin and the bins above it hold at most SAMPLE_CANDIDATES keys: those are sorted and the
+//      first k kept) and ranked by a bitonic sort; e_i =
 //      expf((z_i - M) / T) (f32), mass w_i = floor(e_i 2^SAMPLE_MASS_BITS) (u64; the top token's is 2^40, a token
 //      under 2^-40 of it has none). top_p < 1: the shortest candidate prefix whose mass reaches ceil(W top_p) (f64,
 //      W = every candidate's and the tail's mass); if none does, every candidate and the tail stay. min_p: the
@@ -316,8 +318,11 @@ __device__ int greedy_token(const RowTokens& t, const RowParams& p, float top, c
 
 // ---- sampling ----------------------------------------------------------------------------------------------
 // Radix select of the k-th key in the order: after it, the candidates are key > thr, plus (ties >= 0) the `ties`
-// lowest ids with key == thr, or (ties < 0) every key >= thr.
-__device__ void select_kth(const RowTokens& t, const RowParams& p, int k, Shared& s, uint32_t& thr, int& ties) {
+// lowest ids with key == thr, or (ties < 0) every key >= thr. With `few`, when the first round's bin of the k-th
+// key and the bins above it hold at most SAMPLE_CANDIDATES keys, the select stops there (ties -1, thr the bin's
+// lowest key): every key >= thr is a candidate, and the first k of them in the order are the top k.
+__device__ void select_kth(const RowTokens& t, const RowParams& p, int k, bool few, Shared& s, uint32_t& thr,
+                           int& ties) {
     const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
     uint32_t prefix = 0;
     int want = k;
@@ -338,9 +343,15 @@ __device__ void select_kth(const RowTokens& t, const RowParams& p, int k, Shared
         else if (c1 && above + c0 < w && w <= above + c0 + c1) { s.bin = (uint32_t)b1; s.above = above + c0; }
         __syncthreads();
         const uint32_t bin = s.bin, cnt = s.u.hist[bin];
+        const bool stop = few && r == 0 && s.above + cnt <= SAMPLE_CANDIDATES;   // CTA-uniform
         want -= (int)s.above;
         prefix = (prefix << widths[r]) | bin;
         __syncthreads();   // hist is rewritten by the next round
+        if (stop) {
+            thr = prefix << sh;
+            ties = -1;
+            return;
+        }
         if ((uint32_t)want == cnt || r == 2) {
             thr = prefix << sh;
             ties = (uint32_t)want == cnt ? -1 : want;
@@ -368,7 +379,7 @@ __device__ int sample_token(const RowTokens& t, const RowParams& p, float top, S
     const int k = min(tail ? SAMPLE_CANDIDATES : p.top_k, t.vocab);
     uint32_t thr = 0;
     int ties = -1;
-    if (k < t.vocab) select_kth(t, p, k, s, thr, ties);
+    if (k < t.vocab) select_kth(t, p, k, !tail, s, thr, ties);
     // ranks of the ties (id order), then the candidates into cand and the tail's masses
     int rank = 0;
     if (ties >= 0) {
@@ -402,12 +413,13 @@ __device__ int sample_token(const RowTokens& t, const RowParams& p, float top, S
     unsigned long long tot_all, tot_minp;
     block_scan_excl<unsigned long long>(wt_all, s.scan64, tot_all);
     block_scan_excl<unsigned long long>(wt_minp, s.scan64, tot_minp);
-    const int n = s.n_cand;   // == k
+    const int n_all = s.n_cand;   // k, or (select_kth's `few`) every key >= thr, of which the first k are kept
     int np2 = 1;
-    while (np2 < n) np2 <<= 1;
-    for (int j = n + threadIdx.x; j < np2; j += blockDim.x) s.u.cand[j] = ~0ull;
+    while (np2 < n_all) np2 <<= 1;
+    for (int j = n_all + threadIdx.x; j < np2; j += blockDim.x) s.u.cand[j] = ~0ull;
     __syncthreads();
     bitonic_sort(s.u.cand, np2);
+    const int n = min(n_all, k);
     // masses in the order, their prefix, the top-p and min-p cuts
     const int j = threadIdx.x;
     float e = 0.f;

@@ -222,6 +222,28 @@ def test_model_sized_vocabularies(sample_tokens, rng, vocab):
     assert all(np.array_equal(a, b) for a, b in zip(outs[0], want))
 
 
+@pytest.mark.parametrize("crowd", [0, 20, 3000])
+def test_top_k_whether_or_not_the_first_round_settles_it(sample_tokens, rng, crowd):
+    """top_k 40 where the 40th key's first-round bin holds few keys (the candidates sorted from that round) or more
+    than SAMPLE_CANDIDATES with the bins above it (``crowd`` equal logits just under the 30 largest: the later
+    rounds and the ties' ranks): the reference's token, both stages alike."""
+    m, vocab, cap = 3, 5000, 8
+    logits = randn(rng, (m, vocab), 1.5)
+    for r in range(m):
+        top = rng.choice(vocab, 30 + crowd, replace=False)
+        logits[r, top[:30]] = (6.0 + rng.random(30)).astype(BF16)
+        logits[r, top[30:]] = BF16(5.5)
+    p = {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+         "presence_penalty": 0.0, "count": 0, "flags": 0}
+    params = np.stack([row_words(rng, {**p, "seed": 5 + r, "step": 3 * r}) for r in range(m)])
+    history = np.zeros((m, cap), np.int32)
+    state = np.full(m, -1, np.int32)
+    outs = [run_sample(sample_tokens, logits, params, history, state, stage) for stage in (0, 1)]
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    want = expected(logits, params, history, state, outs[0][2], m, m, -1)
+    assert all(np.array_equal(a, b) for a, b in zip(outs[0], want))
+
+
 def test_launch_contract_is_checked(sample_tokens):
     """The declaration holds harness launches to sample_geometry and its extents, as the emulator does."""
     logits = randn(np.random.default_rng(0), (1, 100), 1.0)
