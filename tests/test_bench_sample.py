@@ -10,10 +10,10 @@ def test_sample_smoke_runs_every_setting_and_states_the_target() -> None:
     assert args.no_torch and args.step_us is None
     rows = bench.run(args)
     assert not [r for r in rows if "CHECK FAILED" in r["note"] or "skipped:" in r["note"]]
-    want = [*bench.SETTINGS, *(f"{name}, staged" for name in bench.OTHER_STAGE)]   # 3,000 tokens fit
+    want = [*bench.SETTINGS, *(f"{name}, unstaged" for name in bench.OTHER_STAGE)]   # staged by default: 3,000 fit
     assert {(r["rows"], r["setting"]) for r in rows} == {(n, s) for n in (1, 3) for s in want}
     assert all(r["sample_us"] > 0 and r["argmax_us"] > 0 and "torch_us" not in r for r in rows)
-    assert all("torch skipped" in r["note"] or r["note"] == "stage=True" for r in rows)
+    assert all("torch skipped" in r["note"] or r["note"] == "stage=False" for r in rows)
     text = bench.table(rows)
     assert text.count("- target:") == 1 and "assumed" in text and "measured at V = 3,000 instead" in text
 

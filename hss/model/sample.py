@@ -92,8 +92,8 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 #: ``stage`` of the samplers that :class:`~hss.model.session.Session` and :class:`~hss.model.batch.BatchSession` make
-#: (see :class:`Sampler`): False until the staged launch is measured faster on the device
-SESSION_STAGE: bool | None = False
+#: (see :class:`Sampler`): None, staged where the keys fit (measured faster: docs/benchmarks/2026-12-08-h100-*.md)
+SESSION_STAGE: bool | None = None
 
 
 class Sampler(Closeable):
@@ -125,12 +125,13 @@ class Sampler(Closeable):
 
     ``stage``: whether the launch keeps the penalised keys in shared memory after its first pass over the logits
     (the same tokens, fewer instructions a pass): True (an HssError where they do not fit the device's opt-in shared
-    memory, :func:`hss.decls.sample.stage_fits`: vocabularies up to 49,152 on an H100 or H200), None (where they
-    fit) or False (default: every pass reads the logits and the history bitmap).
+    memory, :func:`hss.decls.sample.stage_fits`: vocabularies up to 49,152 on an H100 or H200), None (default:
+    where they fit; on an H100 a SmolLM2-sized row with a repetition penalty took 35.8 µs staged, 43.6 µs not) or
+    False (every pass reads the logits and the history bitmap).
     """
 
     def __init__(self, gpu: CudaBackend, rows: int, vocab: int, *, history: int = 64,
-                 stage: bool | None = False, ctx: cm.CudaCtx | None = None) -> None:
+                 stage: bool | None = None, ctx: cm.CudaCtx | None = None) -> None:
         self.rows = _args.as_int("rows", rows, 1, 65535, "the grid has one CTA per row")
         self.vocab = _args.as_int("vocab", vocab, 1, ks.MAX_VOCAB, "the history bitmap lives in shared memory")
         self.history_cap = _args.as_int("history", history, 0, 1 << 20)
