@@ -950,9 +950,9 @@ def test_a_context_made_or_destroyed_drops_the_remembered_tiles(ctx, stream, lau
         call()
         call()
         assert len(checked) == 1
-        generation = PrimaryContext.generation
+        generation = cm_args.RANGES.generation
         cm.CudaCtx(1).close()   # device 1's context made and destroyed
-        assert PrimaryContext.generation == generation + 2
+        assert cm_args.RANGES.generation >= generation + 2
         call()
         call()
         assert len(checked) == 2

@@ -34,9 +34,6 @@ class PrimaryContext:
 
     _live: dict[int, PrimaryContext] = {}
     _lock = threading.RLock()
-    # changes whenever a primary context is retained or released (and with it hss._args.RANGES.generation): a check
-    # remembered while one context lived (a stream's, a device's) is not trusted in another (docs/design.md §23)
-    generation = 0
 
     def __init__(self, ordinal: int) -> None:
         status = driver_status()
@@ -68,7 +65,8 @@ class PrimaryContext:
 
     @classmethod
     def _changed(cls) -> None:
-        cls.generation += 1
+        """A primary context was retained or released: a check remembered while another lived (a stream's, a
+        device's) is not trusted after it (hss._args.RANGES.generation changes; docs/design.md §23)."""
         _args.RANGES.bump()
 
     def hold(self) -> None:
