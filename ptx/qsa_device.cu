@@ -81,6 +81,18 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// Programmatic dependent launch (the sm_90 variant, ptx/qsa_device.sm_90.ptx; hss.qsa.device launches the step's
+// kernels with programmatic stream serialization where it is served). Every kernel's first act, on every path:
+// wait until the launches before it in the stream completed (their memory visible), then let the next launch
+// start; so the next kernel's launch overlaps this one's run, and a kernel that returns early still orders the
+// ones after it behind the ones before it. Without the launch attribute both are no-ops; the base build and the
+// CPU SIMT harness have neither.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define QSD_PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define QSD_PDL_ENTRY()
+#endif
+
 #define QSA_TOPK_THREADS 1024    // qsa_dev_topk: block
 #define QSA_TOPK_ITEMS 8         // qsa_dev_topk: consecutive blocks per thread in a tile
 #define QSA_TOPK_TILE (QSA_TOPK_THREADS * QSA_TOPK_ITEMS)
@@ -108,6 +120,7 @@ extern "C" __global__ void qsa_dev_prep(const __nv_bfloat16* __restrict__ qk, co
                                         float* __restrict__ q_post, u32 qkw, u32 n_heads, u32 hd, u32 ratio, u32 rot,
                                         float theta, float eps, u32 max_tokens) {
     extern __shared__ float smem[];   // [hd] normed row, then [32] warp sums
+    QSD_PDL_ENTRY();
     if (hd == 0 || (hd & 31) || blockDim.x != hd || blockDim.y != 1 || blockDim.z != 1 || rot > hd || (rot & 1) ||
         ratio == 0 || gridDim.y != n_heads + 2 || gridDim.z != 1 || (u64)(n_heads + 1) * hd > qkw ||
         qsa_dynamic_smem_bytes() < (hd + 32) * 4)
@@ -149,6 +162,7 @@ extern "C" __global__ void __launch_bounds__(QSA_SCORE_THREADS)
                   const int* __restrict__ slots, float* __restrict__ scores, u32 score_stride, u32 n_heads, u32 hd,
                   u32 ratio, u32 k_blocks) {
     extern __shared__ __align__(16) float qs[];   // [n_heads, hd]
+    QSD_PDL_ENTRY();
     if (hd == 0 || n_heads == 0 || ratio == 0 || (blockDim.x & 31) || blockDim.x > QSA_SCORE_THREADS ||
         blockDim.y != 1 || blockDim.z != 1 || gridDim.z != 1 ||
         (u64)qsa_dynamic_smem_bytes() < 4ull * n_heads * hd)
@@ -445,6 +459,7 @@ extern "C" __global__ void __launch_bounds__(QSA_TOPK_THREADS)
     qsa_dev_topk(const float* __restrict__ scores, int* pos, const int* __restrict__ slots, int* __restrict__ tokens,
                  int* __restrict__ counts, u32 score_stride, u32 k_blocks, u32 ratio, u32 sel_cap, u32 max_tokens) {
     extern __shared__ __align__(16) u32 key_cache[];   // [N] order keys (when the launch gave room for them)
+    QSD_PDL_ENTRY();
     if (blockDim.x != QSA_TOPK_THREADS || blockDim.y != 1 || blockDim.z != 1 || gridDim.y != 1 || gridDim.z != 1 ||
         ratio == 0 || max_tokens > 0x7fffffffu || (u64)score_stride < max_tokens / ratio ||
         (u64)sel_cap + 1 < ((u64)k_blocks + 1) * ratio)
@@ -690,6 +705,7 @@ extern "C" __global__ void __launch_bounds__(QSA_ATTN_THREADS) qsa_sparse_attn(
     float* __restrict__ part_ml, float* __restrict__ part_o, u32 max_pages, u32 sel_cap, u32 block_size, u32 nq,
     u32 nkv, u32 hd, float scale) {
     extern __shared__ __align__(16) unsigned char qsd_attn_smem[];
+    QSD_PDL_ENTRY();
     const u32 splits = (sel_cap + QSA_SPLIT - 1) / QSA_SPLIT;
     const uintptr_t any = reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k_pool) |
                           reinterpret_cast<uintptr_t>(v_pool);
@@ -723,6 +739,7 @@ extern "C" __global__ void __launch_bounds__(QSA_ATTN_THREADS) qsa_sparse_attn(
 extern "C" __global__ void qsa_sparse_merge(const float* __restrict__ part_ml, const float* __restrict__ part_o,
                                             const int* __restrict__ counts, __nv_bfloat16* __restrict__ out,
                                             u32 sel_cap, u32 nq, u32 hd) {
+    QSD_PDL_ENTRY();
     if (sel_cap == 0 || nq == 0 || hd == 0 || blockDim.y != 1 || blockDim.z != 1 || gridDim.y != nq ||
         gridDim.z != 1)
         return;

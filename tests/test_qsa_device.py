@@ -120,7 +120,7 @@ def selected(sel: QsaDeviceSelection, stream) -> list[np.ndarray]:
 def driver_work():
     """Count the stream work (launches, copies, memsets, graph launches) queued through the driver."""
     calls: list[str] = []
-    names = ("cuLaunchKernel", "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpy2DAsync",
+    names = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpy2DAsync",
              "cuMemsetD32Async", "cuMemsetD8Async", "cuGraphLaunch", "cuMemAlloc")
     real = {n: getattr(_driver.api, n) for n in names}
     for n in names:
@@ -385,6 +385,58 @@ def test_graph_replays_equal_eager_steps(gpu, stream, rng):
     s.close()
 
 
+def test_programmatic_and_plain_launches_give_the_same_bits(gpu, stream, rng, monkeypatch):
+    """Where module qsa_device's sm_90 variant is served (compute capability 9.0 on; the emulator's is 9.0) the
+    step's kernels go through programmatic stream serialization, each waiting for the launch before it: eager and
+    graph-replayed steps give the bits of plain launches. ``HSS_QSA_NO_PDL=1`` builds plain launches."""
+    n_layers, steps = 2, 6
+    layers = [make_layer(rng, stream) for _ in range(n_layers)]
+    cm.stream_sync(stream)
+    lengths = [BOUND - 2, BOUND + 9] if not ON_GPU else [BOUND - 2, 4000]
+    s = cm.CudaStream()
+    monkeypatch.setenv("HSS_QSA_NO_PDL", "1")
+    plain = World(gpu, layers, lengths, s, 5, nq_attn=D["nq"])
+    monkeypatch.delenv("HSS_QSA_NO_PDL")
+    pdl, graphed = (World(gpu, layers, lengths, s, 5, nq_attn=D["nq"]) for _ in range(2))
+    served = cm.compute_capability() >= (9, 0)
+    assert not any(idx._dev.pdl for idx in plain.idx)
+    assert all(idx._dev.pdl == served for w in (pdl, graphed) for idx in w.idx)
+    inputs = [step_inputs(rng, n_layers, len(lengths), s) for _ in range(steps)]
+    graphed.feed(*inputs[0])
+    cm.begin_capture(s)
+    sels = graphed.step()
+    graph = cm.end_capture(s)
+    for i in range(steps):
+        for w in (plain, pdl, graphed):
+            w.feed(*inputs[i])
+        want = plain.results(plain.step())
+        got_eager = pdl.results(pdl.step())
+        graph.launch(s)
+        got_graph = graphed.results(sels)
+        for name, got in (("eager", got_eager), ("graph", got_graph)):
+            for layer_i, ((wt, wo), (gt, go)) in enumerate(zip(want, got)):
+                assert all(np.array_equal(a, b) for a, b in zip(wt, gt)), f"{name} step {i} layer {layer_i}: tokens"
+                assert np.array_equal(wo, go), f"{name} step {i} layer {layer_i}: output bits differ from plain"
+    for states in graphed.states:
+        assert [st.sync(s) for st in states] == [n + steps for n in lengths]
+    # switched at run time: the same launches rebuilt
+    idx = pdl.idx[0]
+    idx._dev.use_pdl(False)
+    assert not idx._dev.pdl
+    idx._dev.use_pdl(True)
+    assert idx._dev.pdl == served
+    graph.close()
+    for w in (plain, pdl, graphed):
+        w.close()
+    for normed, q in inputs:
+        for b in (*normed, *q):
+            b.close()
+    for lay in layers:
+        for b in lay.bufs:
+            b.close()
+    s.close()
+
+
 def test_replay_stops_at_max_tokens(gpu, stream, rng, layer):
     """A captured step replayed past max_tokens: the device stops (count 0, zeros out), the mirror stays there."""
     mt = 64 if not ON_GPU else 4096
@@ -461,7 +513,8 @@ def test_first_capture_needs_partials_and_compositions_are_kept(gpu, stream, rng
         idx.decode_select_batch(pair, x, tables, BS, s, max_pages=mp)
         with driver_work() as calls:
             idx.decode_select_batch(pair, x, tables, BS, s, max_pages=mp)
-        assert sorted(calls) == ["cuLaunchKernel"] * 3 + ["cuMemcpyHtoDAsync"], calls
+        launch = "cuLaunchKernelEx" if idx._dev.pdl else "cuLaunchKernel"   # programmatic where sm_90 PTX is served
+        assert sorted(calls) == [launch] * 3 + ["cuMemcpyHtoDAsync"], calls
         graph.close()
         for st in states:
             idx.release_seq_state(st)

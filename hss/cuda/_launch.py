@@ -19,7 +19,10 @@ __all__ = ["CudaModule", "CudaFunction", "CudaGraph", "launch_kernel", "launcher
 
 
 class CudaModule(Owner):
-    """A loaded PTX module (JIT-compiled by the driver at load). ``name`` labels its errors."""
+    """A loaded PTX module (JIT-compiled by the driver at load). ``name`` labels its errors; ``variant`` is the
+    arch variant :func:`hss.cuda.ptx.load_module` served (e.g. ``"sm_90"``), None for the base PTX or other text."""
+
+    variant: str | None = None
 
     def __init__(self, handle: int, pctx: PrimaryContext, name: str) -> None:
         self.handle, self.name = handle, name

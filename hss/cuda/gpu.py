@@ -242,19 +242,20 @@ def _own_method(gpu: Any, name: str) -> bool:
 
 
 def launcher(gpu: GpuBackend, kernel: KernelHandle, block: Any, shared_bytes: int,
-             pack: ParamPack) -> Callable[..., None]:
+             pack: ParamPack, programmatic: bool = False) -> Callable[..., None]:
     """A prepared launch of ``kernel`` with ``pack`` (refilled in place by the caller, e.g. through
     ``pack.slot(name)``): ``run(stream, gx, gy=1, gz=1)``, ``stream`` a raw handle and the grid positive ints, both
     already checked by the caller.
 
     On a :class:`CudaBackend` it is :func:`hss.cuda._launch.launcher` (block, shared size and pack checked once, here;
-    no conversion per run); on any other backend each run calls its ``launch``."""
+    no conversion per run; ``programmatic``: with programmatic stream serialization, for kernels that wait for the
+    launch before them, see there); on any other backend each run calls its ``launch`` (in stream order)."""
     if not isinstance(kernel, KernelHandle) or not kernel:
         raise HssError("a launcher needs a present KernelHandle (try_kernel found none)")
     if type(pack) is not ParamPack:
         raise TypeError(f"pack must be a ParamPack (kernel.pack(...)), got {type(pack).__name__}")
     if _own_method(gpu, "launch"):
-        return _launch.launcher(kernel.func, block, shared_bytes, pack)
+        return _launch.launcher(kernel.func, block, shared_bytes, pack, programmatic)
     dims = _args.dims3("block", block)
     shared = _args.as_int("shared_bytes", shared_bytes, 0)
 

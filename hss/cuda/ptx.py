@@ -62,8 +62,9 @@ MODULES: dict[str, ModuleSpec] = {m.name: m for m in (
     ModuleSpec("attention_finalize", fast_math=True),
     # qsa: indexer kernels (docs/design.md §3: no --use_fast_math, as the original)
     ModuleSpec("qsa_indexer"),
-    # qsa: the device decode step (docs/design.md §17.2-§17.4), built like qsa_indexer
-    ModuleSpec("qsa_device"),
+    # qsa: the device decode step (docs/design.md §17.2-§17.4), built like qsa_indexer; its sm_90 variant adds
+    # programmatic dependent launch (griddepcontrol) between the step's kernels
+    ModuleSpec("qsa_device", variants=("sm_90",)),
     # model: the decoder forward's small kernels (hss.model; no --use_fast_math)
     ModuleSpec("model"),
     # swap: HostStore reads of scattered pages from mapped pinned memory (hss.swap.gather; no --use_fast_math)
@@ -201,4 +202,6 @@ def load_module(name: str, ctx: Any = None) -> Any:
     from hss.cuda_min import CudaModule, compute_capability
     variant, path = choose(name, compute_capability(ctx))
     label = f"{name} ({variant})" if variant else name
-    return CudaModule.from_ptx(path.read_text(), name=label, ctx=ctx)
+    module = CudaModule.from_ptx(path.read_text(), name=label, ctx=ctx)
+    module.variant = variant
+    return module

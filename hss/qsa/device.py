@@ -39,7 +39,7 @@ from hss.cuda import _launch
 from hss.cuda.gpu import DevicePtr, launcher
 from hss.decls import qsa_device as kd
 from hss.errors import CudaError, HssError
-from hss.qsa.settings import block_size_arg, f32_arg
+from hss.qsa.settings import block_size_arg, env_flag, f32_arg
 
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer
@@ -206,20 +206,34 @@ class DeviceState:
         self.attn_slots = tuple(a.slot(n) for n in ("q", "k_pool", "v_pool", "block_tables", "max_pages",
                                                     "block_size", "nq", "scale"))
         self.merge_out, self.merge_nq = m.slot("out"), m.slot("nq")
-        # geometry: the declarations' (the grids' R, and nq for the merge, are the only per-call parts)
-        g_prep = kd.prep_geometry(1, n_heads, hd)
-        g_score = kd.score_geometry(1, self.max_blocks, n_heads, hd)
-        g_topk = kd.topk_geometry(1, self.max_blocks)
-        self.score_gx = g_score.grid[0]
-        self.run_prep = launcher(gpu, prep, g_prep.block, g_prep.shared, self.prep_pack)
-        self.run_score = launcher(gpu, score, g_score.block, g_score.shared, self.score_pack)
-        self.run_topk = launcher(gpu, _opt_in(topk, g_topk.shared), g_topk.block, g_topk.shared, self.topk_pack)
+        self.kernels = handles
+        self.score_gx = kd.score_geometry(1, self.max_blocks, n_heads, hd).grid[0]
         self.attn_ok = kd.attn_hd_problem(idx.hd_attn) is None
+        # programmatic dependent launch where the module's sm_90 variant (griddepcontrol) was served
+        self.pdl_served = getattr(getattr(prep.func, "module", None), "variant", None) == "sm_90"
+        self.use_pdl(not env_flag("HSS_QSA_NO_PDL", None))
+
+    def use_pdl(self, on: bool) -> None:
+        """(Re)build the step's prepared launches: with ``on`` and the module's sm_90 variant served, each kernel
+        through programmatic stream serialization (its launch overlaps the kernel before it, which it waits for:
+        same bits), else plain. ``HSS_QSA_NO_PDL=1`` turns it off at construction."""
+        prep, score, topk, attn, merge = self.kernels
+        idx, gpu, pdl = self.idx, self.gpu, bool(on) and self.pdl_served
+        self.pdl = pdl
+        # geometry: the declarations' (the grids' R, and nq for the merge, are the only per-call parts)
+        g_prep = kd.prep_geometry(1, idx.n_heads, idx.hd)
+        g_score = kd.score_geometry(1, self.max_blocks, idx.n_heads, idx.hd)
+        g_topk = kd.topk_geometry(1, self.max_blocks)
+        self.run_prep = launcher(gpu, prep, g_prep.block, g_prep.shared, self.prep_pack, pdl)
+        self.run_score = launcher(gpu, score, g_score.block, g_score.shared, self.score_pack, pdl)
+        self.run_topk = launcher(gpu, _opt_in(topk, g_topk.shared), g_topk.block, g_topk.shared, self.topk_pack,
+                                 pdl)
         if self.attn_ok:
             g_attn = kd.attn_geometry(1, idx.nkv_attn, idx.sel_cap, idx.hd_attn)
             g_merge = kd.merge_geometry(1, 1, idx.hd_attn)
-            self.run_attn = launcher(gpu, _opt_in(attn, g_attn.shared), g_attn.block, g_attn.shared, self.attn_pack)
-            self.run_merge = launcher(gpu, merge, g_merge.block, g_merge.shared, self.merge_pack)
+            self.run_attn = launcher(gpu, _opt_in(attn, g_attn.shared), g_attn.block, g_attn.shared, self.attn_pack,
+                                     pdl)
+            self.run_merge = launcher(gpu, merge, g_merge.block, g_merge.shared, self.merge_pack, pdl)
 
     def require(self, what: str) -> None:
         """Raise unless the device-decode kernels were found."""
