@@ -12,6 +12,13 @@
 // Every kernel returns without touching memory when its launch contract is broken (checked uniformly per CTA,
 // before any memory access or barrier). Pointers marked "16 B" / "8 B" must be so aligned (allocations are).
 //
+// qsa_dev_qk(act bf16 [R, k], w bf16 [n, k], out bf16 [R, n], rows = R, n, k)
+//   grid (ceil(n / QSA_QK_COLS), 1, 1), block (QSA_QK_THREADS, 1, 1), no shared memory; 1 <= R <= QSA_QK_MAX_ROWS.
+//   The step's qk projection for small batches (in place of a cuBLAS m = R GEMM): out[m, j] = bf16(sum_i
+//   act[m, i] * w[j, i]), one warp per output column j for every row m: lane l sums the 8-element chunks l, l + 32,
+//   ... of the row in order (f32 fma, elements ascending within a chunk), then the lanes' sums are added by a fixed
+//   butterfly (xor 16, 8, 4, 2, 1). The bits of row m depend only on row m and w, never on R, the alignment (16-byte
+//   vector loads where it allows, else scalar ones in the same order) or the grid.
 // qsa_dev_prep(qk bf16 [R, qkw], q_norm_w bf16 [hd], k_norm_w bf16 [hd], desc, pos, slots, q_post f32
 //              [R, n_heads, hd], qkw, n_heads, hd, ratio, rot, theta f32, eps f32, max_tokens)
 //   grid (R, n_heads + 2, 1), block (hd, 1, 1) with hd a multiple of 32, dynamic smem (hd + 32) * 4 B.
@@ -100,6 +107,9 @@ typedef unsigned long long u64;
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
 #define QSA_ATTN_MAX_G 16        // qsa_sparse_attn: query heads per kv head (the 16 rows of an mma tile)
 #define QSA_ATTN_MAX_HD 256
+#define QSA_QK_THREADS 128       // qsa_dev_qk: 4 warps
+#define QSA_QK_COLS (QSA_QK_THREADS / 32)   // qsa_dev_qk: output columns per CTA (one per warp)
+#define QSA_QK_MAX_ROWS 8        // qsa_dev_qk: batch rows per launch at most
 
 // The slot of batch row r and its position p (false: the row is left alone). Plain loads: qsa_dev_topk writes pos.
 __device__ __forceinline__ bool qsd_row(const int* __restrict__ slots, const int* pos, u32 r, int& slot, u32& p) {
@@ -108,6 +118,77 @@ __device__ __forceinline__ bool qsd_row(const int* __restrict__ slots, const int
     const int v = pos[slot];
     p = (u32)v;
     return v >= 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// qsa_dev_qk
+// ------------------------------------------------------------------------------------------------
+// Eight bf16 from 16-byte-aligned memory, or (unaligned) one by one: the same values either way.
+__device__ __forceinline__ void qsd_qk_chunk(const __nv_bfloat16* __restrict__ p, bool vec, float (&f)[8]) {
+    if (vec) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            f[2 * j] = __uint_as_float(w[j] << 16);
+            f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(p[j]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(QSA_QK_THREADS)
+    qsa_dev_qk(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w,
+               __nv_bfloat16* __restrict__ out, u32 rows, u32 n, u32 k) {
+    QSD_PDL_ENTRY();
+    if (blockDim.x != QSA_QK_THREADS || blockDim.y != 1 || blockDim.z != 1 || gridDim.y != 1 || gridDim.z != 1 ||
+        rows == 0 || rows > QSA_QK_MAX_ROWS || n == 0 || k == 0 || (u64)gridDim.x * QSA_QK_COLS < n)
+        return;
+    const u32 lane = threadIdx.x & 31;
+    const u32 col = blockIdx.x * QSA_QK_COLS + (threadIdx.x >> 5);
+    if (col >= n) return;   // warp-uniform
+    const __nv_bfloat16* wr = w + (size_t)col * k;
+    const bool full = (k & 7) == 0;
+    const bool wvec = full && (reinterpret_cast<uintptr_t>(wr) & 15) == 0;
+    const bool avec = full && (reinterpret_cast<uintptr_t>(act) & 15) == 0;
+    float acc[QSA_QK_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) acc[m] = 0.f;
+    const u32 whole = k >> 3;   // chunks of 8 elements
+#pragma unroll 2
+    for (u32 c = lane; c < whole; c += 32) {
+        float wf[8];
+        qsd_qk_chunk(wr + 8 * (size_t)c, wvec, wf);
+#pragma unroll
+        for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
+            if ((u32)m < rows) {   // uniform
+                float af[8];
+                qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
+            }
+        }
+    }
+    if (k & 7) {   // the last, partial chunk: lane whole % 32's, as if it were whole
+        if (lane == (whole & 31)) {
+            const u32 i0 = whole * 8;
+            for (u32 i = i0; i < k; ++i) {
+                const float wv = __bfloat162float(wr[i]);
+#pragma unroll
+                for (int m = 0; m < QSA_QK_MAX_ROWS; ++m)
+                    if ((u32)m < rows) acc[m] = fmaf(__bfloat162float(act[(size_t)m * k + i]), wv, acc[m]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
+        float v = acc[m];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(HSS_FULL_MASK, v, off);
+        if ((u32)m < rows && lane == (u32)m) out[(size_t)m * n + col] = __float2bfloat16_rn(v);
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

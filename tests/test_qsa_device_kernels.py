@@ -3,6 +3,8 @@
 
 * ``qsa_dev_topk``: the token list equals the host ``select_tokens`` (docs/design.md §17.1, NaN lowest) and the float64
   reference exactly (sets, order, expansion, tail, counts); nothing past counts is written; pos advances by 1.
+* ``qsa_dev_qk``: the projection within the bf16 bound of the float64 reference (f32 accumulation of k products: far
+  inside it, as cuBLAS's); a row's bits do not depend on R, the act alignment or the grid; rows past R untouched.
 * ``qsa_dev_prep``: q_post within the f32 bound of qsa_qprep's reference (rsqrtf: 2 ulp, far inside 1e-4 max|ref|,
   see test_qsa_kernels), the raw key stored bit for bit, the block completed by this token within the bf16 bound of
   qsa_block_pool's reference; and bit for bit what the host path's qsa_qprep / qsa_block_pool compute.
@@ -35,7 +37,7 @@ from helpers import BF16, assert_bites, assert_close, download, poisoned, upload
 
 THETA, EPS = 1e7, 1e-6
 POISON = -1   # 0xFFFFFFFF as i32
-NAMES = ("qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
+NAMES = ("qsa_dev_qk", "qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
 
 
 @pytest.fixture(scope="module")
@@ -498,6 +500,73 @@ def test_score_any_grid_gives_the_same_bits(fns, stream, rng):
                    n_heads=n_heads, hd=hd, ratio=ratio, k_blocks=512)
             outs.append(download(out, (stride,), np.float32, stream).tobytes())
     assert len(set(outs)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# qsa_dev_qk
+# ---------------------------------------------------------------------------------------------
+def qk_run(fns, stream, act: np.ndarray, w_dev, n: int, k: int, offset: int = 0, grid: int | None = None,
+           rows: int | None = None) -> np.ndarray:
+    """qsa_dev_qk of ``act`` [R, k] (placed ``offset`` bytes into its buffer) with ``w_dev`` [n, k]: out [R, n]."""
+    R = act.shape[0]
+    with cm.DeviceBuffer(act.nbytes + offset + 16) as buf, poisoned((R + 1) * n * 2, stream) as out:
+        cm.copy_h_to_d_async(buf.ptr + offset, np.ascontiguousarray(act), act.nbytes, stream)
+        geom = kd.qk_geometry(n)
+        if grid is not None:
+            geom = kd.Geometry((grid, 1, 1), geom.block, geom.shared)
+        launch(fns, kd.QSA_DEV_QK, geom, stream, act=buf.ptr + offset, w=w_dev, out=out,
+               rows=R if rows is None else rows, n=n, k=k)
+        got = download(out, (R + 1, n), BF16, stream)
+    assert np.isnan(got[R].astype(np.float32)).all(), "wrote past row R"
+    return got[:R]
+
+
+@given(data=st.data())
+def test_qk_matches_the_float64_reference(fns, stream, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    R = data.draw(st.integers(1, kd.QK_MAX_ROWS), label="R")
+    n = data.draw(st.sampled_from([1, 3, 4, 5, 64, 131]), label="n")
+    k = data.draw(st.sampled_from([8, 13, 64, 256, 264, 300, 1000]), label="k")
+    std = data.draw(st.sampled_from([1.0, 0.05]), label="std")
+    act, w = normal(rng, (R, k), std), normal(rng, (n, k), 1 / math.sqrt(k))
+    with upload(w, stream) as w_dev:
+        got = qk_run(fns, stream, act, w_dev, n, k).astype(np.float64)
+    want = act.astype(np.float64) @ w.astype(np.float64).T
+    assert_close(got, want, "bf16", (1,), f"qsa_dev_qk R={R} n={n} k={k}")
+    j = int(np.argmax(np.abs(act.astype(np.float64) * w[0].astype(np.float64)).sum(axis=0)))   # heaviest term
+    dropped = np.delete(act, j, axis=1).astype(np.float64) @ np.delete(w, j, axis=1).astype(np.float64).T
+    assert_bites(got, dropped, "bf16", (1,), "qsa_dev_qk, one term dropped")
+
+
+def test_qk_bits_do_not_depend_on_the_batch_the_alignment_or_the_grid(fns, stream, rng):
+    n, k = 640, 2560   # Qwen3.8-Flash-Next's indexer: (4 + 1) x 128 columns of 2560
+    act, w = normal(rng, (kd.QK_MAX_ROWS, k), 0.5), normal(rng, (n, k), 1 / math.sqrt(k))
+    with upload(w, stream) as w_dev:
+        full = qk_run(fns, stream, act, w_dev, n, k)
+        assert_close(full.astype(np.float64), act.astype(np.float64) @ w.astype(np.float64).T, "bf16", (1,),
+                     "qsa_dev_qk at production shape")
+        for r in (0, 5):
+            one = qk_run(fns, stream, act[r:r + 1], w_dev, n, k)
+            assert one.tobytes() == full[r:r + 1].tobytes(), f"row {r} alone differs from row {r} of 8"
+        shifted = qk_run(fns, stream, act[:3], w_dev, n, k, offset=2)     # act 2 bytes off 16-byte alignment
+        assert shifted.tobytes() == full[:3].tobytes(), "scalar loads gave other bits than vector loads"
+        wide = qk_run(fns, stream, act[:3], w_dev, n, k, grid=kd.qk_geometry(n).grid[0] + 5)
+        assert wide.tobytes() == full[:3].tobytes(), "a larger grid gave other bits"
+
+
+def test_qk_broken_contracts_write_nothing(fns, stream, rng):
+    """The kernel returns untouched (the emulator refuses the launch, naming the contract)."""
+    from hss.emulator import EmulatorError
+    n, k = 12, 64
+    act, w = normal(rng, (2, k)), normal(rng, (n, k))
+    with upload(w, stream) as w_dev:
+        for bad in (dict(rows=0), dict(rows=kd.QK_MAX_ROWS + 1), dict(grid=kd.qk_geometry(n).grid[0] - 1)):
+            if ON_GPU:
+                got = qk_run(fns, stream, act, w_dev, n, k, **bad)
+                assert np.isnan(got.astype(np.float32)).all(), f"{bad}: wrote"
+            else:
+                with pytest.raises(EmulatorError, match="needs"):
+                    qk_run(fns, stream, act, w_dev, n, k, **bad)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
-"""``ptx/qsa_device.cu``'s ``qsa_dev_prep``, ``qsa_dev_score`` and ``qsa_sparse_merge`` compiled for the CPU and run
-through the SIMT harness (tests/simt) against their references, under the rules of test_qsa_device_kernels:
+"""``ptx/qsa_device.cu``'s ``qsa_dev_qk``, ``qsa_dev_prep``, ``qsa_dev_score`` and ``qsa_sparse_merge`` compiled for the
+CPU and run through the SIMT harness (tests/simt) against their references, under the rules of
+test_qsa_device_kernels:
+
+* ``qsa_dev_qk``: the projection within the bf16 bound of the float64 reference; a row's bits the same in any batch
+  and under any schedule; nothing past the R rows written;
 
 * ``qsa_dev_prep``: q_post within the f32 bound of qsa_qprep's reference, the raw key stored bit for bit, the block
   completed by this token within the bf16 bound of the pooled reference; and the bits of the host path's
@@ -346,6 +350,46 @@ def test_merge_clamps_counts_to_sel_cap(device, rng):
     assert case.run(kernel).view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
     for r in range(3):
         assert_close(want[r].astype(np.float32), case.want(r), "bf16", (1,), f"request {r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# qsa_dev_qk
+# ---------------------------------------------------------------------------------------------
+def qk_launch(kernel: simt.Kernel, act: np.ndarray, w: np.ndarray, rows: int | None = None, grid: int | None = None,
+              schedule: str | int = "ascending") -> np.ndarray:
+    R, k = act.shape
+    n = w.shape[0]
+    g = kd.qk_geometry(n)
+    out = nan_bf16((R + 1, n))
+    kernel(g.grid if grid is None else grid, g.block, g.shared, act=act, w=w, out=out, rows=R if rows is None else rows,
+           n=n, k=k, schedule=schedule)
+    return out
+
+
+@given(R=st.integers(1, kd.QK_MAX_ROWS), n=st.sampled_from([1, 4, 5, 9]), k=st.sampled_from([8, 13, 64, 300]),
+       data=st.data())
+def test_qk_matches_the_float64_reference(device, R, n, k, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    act, w = normal(rng, (R, k)), normal(rng, (n, k), k ** -0.5)
+    out = qk_launch(device.kernel("qsa_dev_qk", kd.QSA_DEV_QK), act, w)
+    assert np.isnan(out[R].astype(np.float32)).all(), "wrote past row R"
+    got = out[:R].astype(np.float64)
+    assert_close(got, act.astype(np.float64) @ w.astype(np.float64).T, "bf16", (1,), f"qsa_dev_qk R={R} n={n} k={k}")
+    j = int(np.argmax(np.abs(act[0].astype(np.float64) * w[0].astype(np.float64))))
+    dropped = np.delete(act, j, axis=1).astype(np.float64) @ np.delete(w, j, axis=1).astype(np.float64).T
+    assert_bites(got, dropped, "bf16", (1,), "qsa_dev_qk, one term dropped")
+    # a row's bits: the same alone, under another schedule
+    kernel = device.kernel("qsa_dev_qk")
+    alone = qk_launch(kernel, act[-1:], w, schedule=int(rng.integers(2**31)))
+    assert alone[0].view(np.uint16).tobytes() == out[R - 1].view(np.uint16).tobytes(), "row bits depend on R"
+
+
+def test_qk_broken_contracts_leave_memory_untouched(device, rng):
+    kernel = device.kernel("qsa_dev_qk")
+    act, w = normal(rng, (2, 64)), normal(rng, (12, 64))
+    for change in (dict(rows=0), dict(rows=kd.QK_MAX_ROWS + 1), dict(grid=kd.qk_geometry(12).grid[0] - 1)):
+        out = qk_launch(kernel, act, w, **change)
+        assert np.isnan(out.astype(np.float32)).all(), f"{change}: wrote"
 
 
 # ---------------------------------------------------------------------------------------------

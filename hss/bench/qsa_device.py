@@ -8,9 +8,11 @@ Dims are Qwen3.8-Flash-Next's: hidden 2560, indexer 4 heads x 128, ratio 4, budg
 attention 24 q / 2 kv heads x 256, page size 16. Every sequence of a batch holds the same prefilled context
 (restored from one snapshot into its own buffers; pages of its own in the pools). Per (context, batch):
 
-* GPU time of each stage (qk GEMM, ``qsa_dev_prep``, ``qsa_dev_score``, ``qsa_dev_topk``, ``qsa_sparse_attn``,
+* GPU time of each stage (the qk projection the step uses: ``qsa_dev_qk`` up to 8 rows, else the cuBLAS GEMM; the
+  cuBLAS GEMM beside it; ``qsa_dev_prep``, ``qsa_dev_score``, ``qsa_dev_topk``, ``qsa_sparse_attn``,
   ``qsa_sparse_merge``): CUDA timing events around back-to-back launches queued behind a large memset;
-* ``step``: GPU time of one layer's whole step (the slots' copy, the GEMM, five kernels), replayed from a graph;
+* ``step``: GPU time of one layer's whole step (the slots' copy, six kernels), replayed from a graph; ``step, plain
+  launches``: the same without programmatic dependent launch (where the sm_90 PTX serves it);
 * ``eager host``: host µs per eager step (the two calls, nothing synchronised); ``12-layer``: a graph of 12 layers'
   steps (12 indexers with their own states; the pools are shared): host µs per ``CudaGraph.launch`` and wall µs per
   token of back-to-back replays;
@@ -47,7 +49,7 @@ SMOKE_DIMS = dict(hidden=64, n_heads=2, hd=32, ratio=4, budget=16, rot=16, theta
 CONTEXTS, BATCHES, LAYERS, MARGIN = (8192, 32768, 131072, 524288), (1, 8, 32, 64), 12, 4096
 SMOKE = dict(contexts=(40, 72), batches=(1, 3), layers=2, margin=96)
 SLAB = 2048           # distinct hidden rows, reused cyclically by the prefill
-STAGES = ("gemm", "prep", "score", "topk", "attn", "merge")
+STAGES = ("qk", "prep", "score", "topk", "attn", "merge")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,7 +210,8 @@ def _stages(c: _Context, R: int, gpu_t: _Gpu) -> dict[str, float]:
     dev, s, d = idx._dev, c.s, c.d
     x = c.normed.ptr
     out = {
-        "gemm": gpu_t.us(lambda: idx._gemm(x, R, s)),
+        "qk": gpu_t.us(lambda: dev.qk(x, R, s)),
+        "cublas_qk": gpu_t.us(lambda: idx._gemm(x, R, s)),
         "prep": gpu_t.us(lambda: dev.run_prep(s, R, d["n_heads"] + 2)),
         "score": gpu_t.us(lambda: dev.run_score(s, dev.score_gx, R)),
         "topk": gpu_t.us(lambda: dev.run_topk(s, R)),
@@ -232,6 +235,22 @@ def _graph(c: _Context, R: int, layers: int) -> Any:
     finally:
         graph = cm.end_capture(s)
     return graph
+
+
+def _plain_step(c: _Context, R: int, gpu_t: _Gpu) -> float | None:
+    """GPU µs of one layer's graph-replayed step with plain launches (None where programmatic ones are not served)."""
+    dev = c.layers[0][0]._dev
+    if not dev.pdl:
+        return None
+    dev.use_pdl(False)
+    try:
+        g = _graph(c, R, 1)
+        try:
+            return gpu_t.us(lambda: g.launch(c.s))
+        finally:
+            g.close()
+    finally:
+        dev.use_pdl(True)
 
 
 def _host_path(c: _Context, R: int, steps: int) -> float:
@@ -271,6 +290,7 @@ def _row(c: _Context, R: int, layers: int, gpu_t: _Gpu, smoke: bool, torch_ok: b
     g1 = _graph(c, R, 1)
     row["step_us"] = gpu_t.us(lambda: g1.launch(s))
     g1.close()
+    row["step_plain_us"] = _plain_step(c, R, gpu_t)
     n_host = (2, 1) if smoke else (20, 5)
     row["eager_host_us"] = host_us({"eager": Case(c.step(R), lambda: cm.stream_sync(s))}, batch=n_host[0],
                                    batches=n_host[1], warmup=2)["eager"].us
@@ -466,13 +486,14 @@ def _verdict(ok: bool | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| visible | batch | GEMM | prep | score | top-k | attn | merge | step (graph) | eager host/step | "
-           "graph layers | graph host/replay | graph wall/token |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| visible | batch | qk | cuBLAS qk | prep | score | top-k | attn | merge | step (graph) | "
+           "step, plain launches | eager host/step | graph layers | graph host/replay | graph wall/token |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['visible']} | {r['batch']} | " + " | ".join(_f(r[f'{k}_us']) for k in STAGES) +
-                   f" | {_f(r['step_us'])} | {_f(r['eager_host_us'])} | {r['layers']} | {_f(r['graph_host_us'])} | "
-                   f"{_f(r['graph_wall_us'])} |")
+        out.append(f"| {r['visible']} | {r['batch']} | {_f(r['qk_us'])} | {_f(r.get('cublas_qk_us'))} | " +
+                   " | ".join(_f(r[f'{k}_us']) for k in STAGES[1:]) +
+                   f" | {_f(r['step_us'])} | {_f(r.get('step_plain_us'))} | {_f(r['eager_host_us'])} | "
+                   f"{r['layers']} | {_f(r['graph_host_us'])} | {_f(r['graph_wall_us'])} |")
     out += ["", "| visible | batch | hss device step | hss host path/step | torch eager/step | torch.topk | "
                 "device top-k | dense SDPA |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

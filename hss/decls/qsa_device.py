@@ -10,6 +10,7 @@ access is bounds-checked and an address outside the allocations is a :class:`~hs
 Geometry (``*_geometry`` below; the ``check`` functions hold emulated launches to it, the kernels return untouched
 on a broken contract):
 
+* ``qsa_dev_qk``: grid (``qk_geometry(n)``), block (``QK_THREADS``), no shared memory; R <= ``QK_MAX_ROWS``;
 * ``qsa_dev_prep``: grid (R, n_heads + 2), block (hd), dynamic smem ``prep_smem_bytes(hd)``;
 * ``qsa_dev_score``: grid (``score_grid(max_blocks, hd)``, R) (any grid.x >= 1 works), block (``SCORE_THREADS``),
   dynamic smem ``score_smem_bytes(n_heads, hd)``;
@@ -31,11 +32,12 @@ from hss.decls import qsa as kq
 from hss.decls._decl import Launch, declare, f32
 from hss.decls.qsa_prefill import Geometry
 from hss.errors import EmulatorError, MemoryFault
+from hss.reference import linear as lin
 from hss.reference import qsa as ref
 from hss.reference import qsa_device as dref
 from hss.reference.numerics import to_bf16, to_f32
 
-__all__ = ["MODULE", "SCORE_THREADS", "SCORE_STEPS", "SCORE_MAX_CTAS", "TOPK_THREADS", "TOPK_ITEMS", "TOPK_TILE",
+__all__ = ["MODULE", "QK_THREADS", "QK_COLS", "QK_MAX_ROWS", "qk_geometry", "SCORE_THREADS", "SCORE_STEPS", "SCORE_MAX_CTAS", "TOPK_THREADS", "TOPK_ITEMS", "TOPK_TILE",
            "TOPK_CACHE_MAX", "SPLIT", "ATTN_THREADS", "ATTN_MAX_GROUP", "ATTN_MAX_HD", "Geometry", "prep_smem_bytes",
            "prep_geometry", "score_smem_bytes", "score_grid", "score_geometry", "topk_smem_bytes", "topk_geometry",
            "splits", "attn_hd_problem", "attn_smem_bytes", "attn_geometry", "merge_threads", "merge_geometry",
@@ -53,12 +55,20 @@ SPLIT = 128                # QSA_SPLIT: tokens per split of qsa_sparse_attn (fix
 ATTN_THREADS = 256         # QSA_ATTN_THREADS
 ATTN_MAX_GROUP = 16        # QSA_ATTN_MAX_G: query heads per kv head
 ATTN_MAX_HD = 256          # QSA_ATTN_MAX_HD
+QK_THREADS = 128           # QSA_QK_THREADS
+QK_COLS = QK_THREADS // 32   # QSA_QK_COLS: output columns per CTA
+QK_MAX_ROWS = 8            # QSA_QK_MAX_ROWS: batch rows of one qsa_dev_qk launch at most
 
 
 # -- geometry -----------------------------------------------------------------------------------------------
 def prep_smem_bytes(hd: int) -> int:
     """Dynamic shared memory of ``qsa_dev_prep``: the normed row and 32 warp sums."""
     return (hd + 32) * 4
+
+
+def qk_geometry(n: int) -> Geometry:
+    """``qsa_dev_qk``: one warp per output column (any batch of at most ``QK_MAX_ROWS`` rows)."""
+    return Geometry((ceil_div(n, QK_COLS), 1, 1), (QK_THREADS, 1, 1), 0)
 
 
 def prep_geometry(rows: int, n_heads: int, hd: int) -> Geometry:
@@ -185,6 +195,33 @@ def _rows_of(view: np.ndarray, rows: int, width: int, stride: int) -> np.ndarray
     flat = _bf16(view)
     s = flat.strides[0]
     return np.lib.stride_tricks.as_strided(flat, shape=(rows, width), strides=(stride * s, s))
+
+
+# -- qsa_dev_qk ---------------------------------------------------------------------------------------------
+QK = "qsa_dev_qk"
+
+
+def _emulate_qk(a: SimpleNamespace, launch: Launch) -> None:
+    act = _bf16(a.act)[:a.rows * a.k].reshape(a.rows, a.k)
+    w = _bf16(a.w)[:a.n * a.k].reshape(a.n, a.k)
+    _bf16(a.out)[:a.rows * a.n].reshape(a.rows, a.n)[:] = to_bf16(lin.proj_dense(act, w))
+
+
+def _check_qk(a: SimpleNamespace, launch: Launch) -> str | None:
+    if not 1 <= a.rows <= QK_MAX_ROWS or a.n <= 0 or a.k <= 0:
+        return f"needs 1 <= rows <= {QK_MAX_ROWS}, n >= 1 and k >= 1"
+    want = qk_geometry(a.n)
+    if launch.grid[1:] != (1, 1) or launch.grid[0] < want.grid[0] or launch.block != want.block:
+        return f"needs grid (>= {want.grid[0]}, 1, 1) and block {want.block}"
+    return None
+
+
+QSA_DEV_QK = declare(
+    MODULE, QK,
+    "ptr act, ptr w, ptr out, u32 rows, u32 n, u32 k",
+    reads={"act": lambda a: 2 * a.rows * a.k, "w": lambda a: 2 * a.n * a.k},
+    writes={"out": lambda a: 2 * a.rows * a.n},
+    emulate=_emulate_qk, check=_check_qk)
 
 
 # -- qsa_dev_prep -------------------------------------------------------------------------------------------

@@ -177,15 +177,18 @@ class DeviceState:
     # -- kernels and prepared launches ----------------------------------------------------------------
     def _kernels(self, idx: QsaIndexer) -> None:
         gpu = self.gpu
-        names = ("qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
+        names = ("qsa_dev_qk", "qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
         handles = [gpu.try_kernel(kd.MODULE, n) for n in names]
         self.missing = [n for n, h in zip(names, handles) if not h]
         self.attn_ok = False
         self.ready = not self.missing
         if not self.ready:
             return
-        prep, score, topk, attn, merge = handles
+        qk, prep, score, topk, attn, merge = handles
         n_heads, hd, ratio = idx.n_heads, idx.hd, idx.ratio
+        self.qk_pack = qk.pack(act=0, w=idx.qk_proj_w, out=idx.qk_scratch, rows=1, n=idx.qk_width, k=idx.hidden)
+        self.qk_act, self.qk_rows = self.qk_pack.slot("act"), self.qk_pack.slot("rows")
+        self.qk_gx = kd.qk_geometry(idx.qk_width).grid[0]
         self.prep_pack = prep.pack(qk=idx.qk_scratch, q_norm_w=idx.q_norm_w, k_norm_w=idx.k_norm_w,
                                    desc=self.desc_dev, pos=self.pos_dev, slots=self.slots_dev, q_post=self.q_post_b,
                                    qkw=idx.qk_width, n_heads=n_heads, hd=hd, ratio=ratio, rot=idx.rot,
@@ -217,9 +220,11 @@ class DeviceState:
         """(Re)build the step's prepared launches: with ``on`` and the module's sm_90 variant served, each kernel
         through programmatic stream serialization (its launch overlaps the kernel before it, which it waits for:
         same bits), else plain. ``HSS_QSA_NO_PDL=1`` turns it off at construction."""
-        prep, score, topk, attn, merge = self.kernels
+        qk, prep, score, topk, attn, merge = self.kernels
         idx, gpu, pdl = self.idx, self.gpu, bool(on) and self.pdl_served
         self.pdl = pdl
+        g_qk = kd.qk_geometry(idx.qk_width)
+        self.run_qk = launcher(gpu, qk, g_qk.block, g_qk.shared, self.qk_pack, pdl)
         # geometry: the declarations' (the grids' R, and nq for the merge, are the only per-call parts)
         g_prep = kd.prep_geometry(1, idx.n_heads, idx.hd)
         g_score = kd.score_geometry(1, self.max_blocks, idx.n_heads, idx.hd)
@@ -234,6 +239,15 @@ class DeviceState:
             self.run_attn = launcher(gpu, _opt_in(attn, g_attn.shared), g_attn.block, g_attn.shared, self.attn_pack,
                                      pdl)
             self.run_merge = launcher(gpu, merge, g_merge.block, g_merge.shared, self.merge_pack, pdl)
+
+    def qk(self, x: int, R: int, s: int) -> None:
+        """The step's qk projection of R checked rows at ``x`` into the qk scratch: ``qsa_dev_qk`` for batches of at
+        most ``QK_MAX_ROWS`` (faster than cuBLAS's m = R GEMM there), else the indexer's GEMM."""
+        if R <= kd.QK_MAX_ROWS:
+            self.qk_act.value, self.qk_rows.value = x, R
+            self.run_qk(s, self.qk_gx)
+        else:
+            self.gemm(x, R, s)
 
     def require(self, what: str) -> None:
         """Raise unless the device-decode kernels were found."""
@@ -442,7 +456,7 @@ class DeviceState:
                 idx.pool_new_blocks(st, s)
         comp.stream = s
         cm.copy_h_to_d_async(self.slots_addr, comp.addr, comp.nbytes, s)
-        self.gemm(x, R, s)
+        self.qk(x, R, s)
         self.run_prep(s, R, idx.n_heads + 2)
         self.run_score(s, self.score_gx, R)
         self.run_topk(s, R)
