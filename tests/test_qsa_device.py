@@ -120,8 +120,8 @@ def selected(sel: QsaDeviceSelection, stream) -> list[np.ndarray]:
 def driver_work():
     """Count the stream work (launches, copies, memsets, graph launches) queued through the driver."""
     calls: list[str] = []
-    names = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpy2DAsync",
-             "cuMemsetD32Async", "cuMemsetD8Async", "cuGraphLaunch", "cuMemAlloc")
+    names = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync",
+             "cuMemcpy2DAsync", "cuMemsetD32Async", "cuMemsetD8Async", "cuGraphLaunch", "cuMemAlloc")
     real = {n: getattr(_driver.api, n) for n in names}
     for n in names:
         setattr(_driver.api, n, lambda *a, _n=n, **k: (calls.append(_n), real[_n](*a, **k))[1])

@@ -37,7 +37,8 @@ from hss.reference import qsa as ref
 from hss.reference import qsa_device as dref
 from hss.reference.numerics import to_bf16, to_f32
 
-__all__ = ["MODULE", "QK_THREADS", "QK_COLS", "QK_MAX_ROWS", "qk_geometry", "SCORE_THREADS", "SCORE_STEPS", "SCORE_MAX_CTAS", "TOPK_THREADS", "TOPK_ITEMS", "TOPK_TILE",
+__all__ = ["MODULE", "QK_THREADS", "QK_COLS", "QK_MAX_ROWS", "qk_geometry",
+           "SCORE_THREADS", "SCORE_STEPS", "SCORE_MAX_CTAS", "TOPK_THREADS", "TOPK_ITEMS", "TOPK_TILE",
            "TOPK_CACHE_MAX", "SPLIT", "ATTN_THREADS", "ATTN_MAX_GROUP", "ATTN_MAX_HD", "Geometry", "prep_smem_bytes",
            "prep_geometry", "score_smem_bytes", "score_grid", "score_geometry", "topk_smem_bytes", "topk_geometry",
            "splits", "attn_hd_problem", "attn_smem_bytes", "attn_geometry", "merge_threads", "merge_geometry",
