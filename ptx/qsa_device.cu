@@ -110,6 +110,7 @@ typedef unsigned long long u64;
 #define QSA_QK_THREADS 128       // qsa_dev_qk: 4 warps
 #define QSA_QK_COLS (QSA_QK_THREADS / 32)   // qsa_dev_qk: output columns per CTA (one per warp)
 #define QSA_QK_MAX_ROWS 8        // qsa_dev_qk: batch rows per launch at most
+#define QSA_QK_AHEAD 12          // qsa_dev_qk: weight chunks a lane loads before using them
 
 // The slot of batch row r and its position p (false: the row is left alone). Plain loads: qsa_dev_topk writes pos.
 __device__ __forceinline__ bool qsd_row(const int* __restrict__ slots, const int* pos, u32 r, int& slot, u32& p) {
@@ -157,17 +158,49 @@ extern "C" __global__ void __launch_bounds__(QSA_QK_THREADS)
 #pragma unroll
     for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) acc[m] = 0.f;
     const u32 whole = k >> 3;   // chunks of 8 elements
-#pragma unroll 2
-    for (u32 c = lane; c < whole; c += 32) {
-        float wf[8];
-        qsd_qk_chunk(wr + 8 * (size_t)c, wvec, wf);
+    if (wvec) {   // QSA_QK_AHEAD of the lane's weight chunks in flight at once (k <= 32 * 8 * QSA_QK_AHEAD: all)
+        const uint4* w4 = reinterpret_cast<const uint4*>(wr);
+        for (u32 c0 = lane; c0 < whole; c0 += 32 * QSA_QK_AHEAD) {
+            uint4 wv[QSA_QK_AHEAD];
 #pragma unroll
-        for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
-            if ((u32)m < rows) {   // uniform
-                float af[8];
-                qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
+            for (int b = 0; b < QSA_QK_AHEAD; ++b) {
+                const u32 c = c0 + 32 * b;
+                wv[b] = c < whole ? __ldg(w4 + c) : make_uint4(0u, 0u, 0u, 0u);
+            }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
+            for (int b = 0; b < QSA_QK_AHEAD; ++b) {
+                const u32 c = c0 + 32 * b;
+                if (c >= whole) break;
+                const u32 wb[4] = {wv[b].x, wv[b].y, wv[b].z, wv[b].w};
+                float wf[8];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    wf[2 * j] = __uint_as_float(wb[j] << 16);
+                    wf[2 * j + 1] = __uint_as_float(wb[j] & 0xffff0000u);
+                }
+#pragma unroll
+                for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
+                    if ((u32)m < rows) {   // uniform
+                        float af[8];
+                        qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
+                    }
+                }
+            }
+        }
+    } else {   // the same chunks in the same order, loaded one element at a time
+        for (u32 c = lane; c < whole; c += 32) {
+            float wf[8];
+            qsd_qk_chunk(wr + 8 * (size_t)c, false, wf);
+#pragma unroll
+            for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
+                if ((u32)m < rows) {   // uniform
+                    float af[8];
+                    qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
+                }
             }
         }
     }

@@ -526,7 +526,7 @@ def test_qk_matches_the_float64_reference(fns, stream, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     R = data.draw(st.integers(1, kd.QK_MAX_ROWS), label="R")
     n = data.draw(st.sampled_from([1, 3, 4, 5, 64, 131]), label="n")
-    k = data.draw(st.sampled_from([8, 13, 64, 256, 264, 300, 1000]), label="k")
+    k = data.draw(st.sampled_from([8, 13, 64, 256, 264, 300, 1000, 3080, 6408]), label="k")
     std = data.draw(st.sampled_from([1.0, 0.05]), label="std")
     act, w = normal(rng, (R, k), std), normal(rng, (n, k), 1 / math.sqrt(k))
     with upload(w, stream) as w_dev:
