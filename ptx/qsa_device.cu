@@ -107,6 +107,9 @@ typedef unsigned long long u64;
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
 #define QSA_ATTN_MAX_G 16        // qsa_sparse_attn: query heads per kv head (the 16 rows of an mma tile)
 #define QSA_ATTN_MAX_HD 256
+#define QSD_PARTS (QSA_SPLIT / 8)   // qsa_sparse_attn: softmax threads per head (8 tokens each)
+static_assert(QSA_SPLIT % 32 == 0 && QSA_SPLIT <= 128 && 16 * QSD_PARTS <= QSA_ATTN_THREADS,
+              "qsa_sparse_attn: a split is whole warps of tokens, at most 8 warps of 16, softmax in whole warps");
 #define QSA_QK_THREADS 128       // qsa_dev_qk: 4 warps
 #define QSA_QK_COLS (QSA_QK_THREADS / 32)   // qsa_dev_qk: output columns per CTA (one per warp)
 #define QSA_QK_MAX_ROWS 8        // qsa_dev_qk: batch rows per launch at most
@@ -698,8 +701,9 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
     hss_cp_wait<1>();   // this thread's K copies landed
     __syncthreads();    // everyone's
 
-    // 3. S = Q K^T for tokens 16w .. 16w + 15 (two n-tiles), scaled to log2 units, into shared S.
-    {
+    // 3. S = Q K^T for tokens 16w .. 16w + 15 (two n-tiles; warps past the split's tokens idle), scaled to log2
+    //    units, into shared S.
+    if (16 * warp < QSA_SPLIT) {   // warp-uniform
         const u32 arow = (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;        // A: Q rows, dims
         const u32 krow = 16 * warp + (lane & 7) + (lane >> 4) * 8, kcol = ((lane >> 3) & 1) * 8;   // B: K rows
         // [n-tile][k-step mod 4][fragment]: four short tensor-core chains per dot product (as qsa_prefill_attn_tc),
@@ -730,9 +734,9 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
     }
     __syncthreads();   // S complete; K no longer read (P takes its space)
 
-    // 4. Softmax per head over the split: 16 threads per head, 8 tokens each.
-    {
-        const u32 h = tid >> 4, part = tid & 15;
+    // 4. Softmax per head over the split: QSA_SPLIT / 8 threads per head, 8 tokens each (whole warps; the rest idle).
+    if (tid < 16 * QSD_PARTS) {
+        const u32 h = tid / QSD_PARTS, part = tid % QSD_PARTS;
         const float ninf = hss_neg_inf();
         const u32 live = valid[part >> 2] >> ((part & 3) * 8);   // tokens part*8 .. part*8 + 7
         const float4 s0 = *reinterpret_cast<const float4*>(ss + h * SS + part * 8);
@@ -746,7 +750,7 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
             m = fmaxf(m, x[j]);
         }
 #pragma unroll
-        for (int off = 8; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(HSS_FULL_MASK, m, off));
+        for (int off = QSD_PARTS / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(HSS_FULL_MASK, m, off));
         float pv[8];
         float l = 0.f;
 #pragma unroll
@@ -755,7 +759,7 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
             l += pv[j];
         }
 #pragma unroll
-        for (int off = 8; off > 0; off >>= 1) l += __shfl_xor_sync(HSS_FULL_MASK, l, off);
+        for (int off = QSD_PARTS / 2; off > 0; off >>= 1) l += __shfl_xor_sync(HSS_FULL_MASK, l, off);
         uint4 hi, lo;
         hss_bf16_split2(pv[0], pv[1], hi.x, lo.x);
         hss_bf16_split2(pv[2], pv[3], hi.y, lo.y);
