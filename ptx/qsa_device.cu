@@ -59,7 +59,7 @@
 //                 i32 [R, max_pages], tokens i32 [R, sel_cap], counts i32 [R], part_ml f32 [R, nq, S, 2],
 //                 part_o f32 [R, nq, S, hd] 8 B, max_pages, sel_cap, block_size, nq, nkv, hd, scale f32)
 //   S = ceil(sel_cap / QSA_SPLIT). grid (R, nkv, S), block (QSA_ATTN_THREADS, 1, 1), dynamic smem
-//   hss.decls.qsa_device.attn_smem_bytes(hd) (81,160 B at hd 256: needs the opt-in past 48 KiB).
+//   hss.decls.qsa_device.attn_smem_bytes(hd) (153,360 B at hd 256: needs the opt-in past 48 KiB).
 //   hd a multiple of 32, <= 256; G = nq / nkv an integer in 1..16. CTA (r, g, s): the tokens
 //   tokens[r, s*QSA_SPLIT ..) below n = min(counts[r], sel_cap) (a split past n returns), for the G query heads
 //   of kv head g. Token t's K/V row: page block_tables[r, t / block_size], slot t % block_size, kv head g
@@ -69,11 +69,10 @@
 //   docs/design.md §0) in f32: part_ml[r, h, s] = (m, l), part_o[r, h, s, :] = o (h = g*G + head). The bits depend only
 //   on (q, the split's token list, K/V), never on R, the grid or the other requests. A split without a valid token:
 //   (-inf, 0), o 0.
-//   CTA: Q (16 rows, rows >= G zero), the split's QSA_SPLIT K rows and V rows in shared memory by cp.async (missing
-//   tokens as zero rows); warp w < QSA_SPLIT / 16 computes S for tokens 16w .. 16w + 15 (ldmatrix + mma.m16n8k16),
-//   QSA_SPLIT / 8 threads per head take the softmax of the split's logits, then warp w computes O for the 8-column
-//   tiles w, w + 8, ... over all the split's tokens (ldmatrix.trans of V). 64 tokens a split: a batch-1 step's 2,052
-//   tokens give 33 CTAs per kv head, so the K/V reads spread over twice the SMs 128 would use.
+//   CTA: Q (16 rows, rows >= G zero), the split's 128 K rows and 128 V rows in shared memory by cp.async (missing
+//   tokens as zero rows); warp w computes S for tokens 16w .. 16w + 15 (ldmatrix + mma.m16n8k16), 16 threads per
+//   head take the softmax of the 128 logits, then warp w computes O for the 8-column tiles w, w + 8, ... over all
+//   128 tokens (ldmatrix.trans of V).
 // qsa_sparse_merge(part_ml, part_o (as above), counts i32 [R], out bf16 [R, nq, hd], sel_cap, nq, hd)
 //   grid (R, nq, 1), block (B, 1, 1) for any B (hss.decls.qsa_device.merge_threads: hd rounded up to 32, at
 //   most 256). Folds the ceil(n / QSA_SPLIT) partials of (r, h) in split order: M = max m_s, w_s =
@@ -104,7 +103,7 @@ typedef unsigned long long u64;
 #define QSA_TOPK_THREADS 1024    // qsa_dev_topk: block
 #define QSA_TOPK_ITEMS 8         // qsa_dev_topk: consecutive blocks per thread in a tile
 #define QSA_TOPK_TILE (QSA_TOPK_THREADS * QSA_TOPK_ITEMS)
-#define QSA_SPLIT 64             // qsa_sparse_attn: tokens per split (fixed: the bits depend on it)
+#define QSA_SPLIT 128            // qsa_sparse_attn: tokens per split (fixed: the bits depend on it)
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
 #define QSA_ATTN_MAX_G 16        // qsa_sparse_attn: query heads per kv head (the 16 rows of an mma tile)
 #define QSA_ATTN_MAX_HD 256
@@ -777,7 +776,7 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
     hss_cp_wait<0>();   // this thread's V copies landed
     __syncthreads();    // everyone's, and P complete
 
-    // 5. O = P V for the n-tiles j = w, w + 8, ... over the split's tokens (k-steps of 16), each k-step's
+    // 5. O = P V for the n-tiles j = w, w + 8, ... over the split's 128 tokens (8 k-steps of 16), each k-step's
     //    hi and lo products summed from zero then added to the f32 O (no long tensor-core accumulation chain).
     {
         const u32 arow = (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;   // A: P rows, tokens

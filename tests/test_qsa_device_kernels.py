@@ -746,22 +746,22 @@ def test_contracts_are_enforced(fns, stream, rng):
         with pytest.raises(EmulatorError, match="dynamic shared memory"):
             launch(fns, kd.QSA_SPARSE_ATTN, kd.Geometry((1, 2, 1), (256, 1, 1), 1024), stream, q=bufs[0],
                    k_pool=bufs[1], v_pool=bufs[1], block_tables=bufs[2], tokens=bufs[2], counts=bufs[2],
-                   part_ml=bufs[3], part_o=bufs[3], max_pages=1, sel_cap=kd.SPLIT, block_size=16, nq=8, nkv=2,
-                   hd=128, scale=1.0)
+                   part_ml=bufs[3], part_o=bufs[3], max_pages=1, sel_cap=128, block_size=16, nq=8, nkv=2, hd=128,
+                   scale=1.0)
         with pytest.raises(EmulatorError, match="block"):
             launch(fns, kd.QSA_SPARSE_MERGE, kd.Geometry((1, 8, 1), (64, 1, 1), 0), stream, part_ml=bufs[3],
                    part_o=bufs[3], counts=bufs[2], out=bufs[0], sel_cap=128, nq=8, hd=128)
 
 
 def test_geometry_helpers():
-    assert kd.splits(2052) == 33 and kd.splits(64) == 1 and kd.splits(65) == 2
-    assert kd.attn_smem_bytes(256) == 81_160 and kd.attn_smem_bytes(128) < 96 * 1024
+    assert kd.splits(2052) == 17 and kd.splits(128) == 1 and kd.splits(129) == 2
+    assert kd.attn_smem_bytes(256) == 153_360 and kd.attn_smem_bytes(128) < 96 * 1024
     assert kd.topk_smem_bytes(8192) == 0 and kd.topk_smem_bytes(8193) == 4 * 8193
     assert kd.topk_smem_bytes(kd.TOPK_CACHE_MAX // 4 + 1) == 0
     assert kd.score_grid(8192, 128) == 128 and kd.score_grid(1, 96) == 1 and kd.score_grid(10**6, 128) == 256
     assert kd.merge_threads(96) == 96 and kd.merge_threads(256) == 256 and kd.merge_threads(40) == 64
     assert kd.attn_hd_problem(256) is None and "multiples of 32" in kd.attn_hd_problem(48)
-    assert kd.attn_geometry(3, 2, 2052, 256) == kd.Geometry((3, 2, 33), (256, 1, 1), 81_160)
+    assert kd.attn_geometry(3, 2, 2052, 256) == kd.Geometry((3, 2, 17), (256, 1, 1), 153_360)
     assert kd.prep_geometry(5, 4, 128) == kd.Geometry((5, 6, 1), (128, 1, 1), 640)
     assert math.isclose(dref.LOG2E, 1 / math.log(2))
     if ON_GPU:
