@@ -69,10 +69,11 @@
 //   docs/design.md §0) in f32: part_ml[r, h, s] = (m, l), part_o[r, h, s, :] = o (h = g*G + head). The bits depend only
 //   on (q, the split's token list, K/V), never on R, the grid or the other requests. A split without a valid token:
 //   (-inf, 0), o 0.
-//   CTA: Q (16 rows, rows >= G zero), the split's 128 K rows and 128 V rows in shared memory by cp.async (missing
-//   tokens as zero rows); warp w computes S for tokens 16w .. 16w + 15 (ldmatrix + mma.m16n8k16), 16 threads per
-//   head take the softmax of the 128 logits, then warp w computes O for the 8-column tiles w, w + 8, ... over all
-//   128 tokens (ldmatrix.trans of V).
+//   CTA: Q (16 rows, rows >= G zero), the split's QSA_SPLIT K rows and V rows in shared memory by cp.async (missing
+//   tokens as zero rows); warp w < QSA_SPLIT / 16 computes S for tokens 16w .. 16w + 15 (ldmatrix + mma.m16n8k16),
+//   QSA_SPLIT / 8 threads per head take the softmax of the split's logits, then warp w computes O for the 8-column
+//   tiles w, w + 8, ... over all the split's tokens (ldmatrix.trans of V). The code serves any QSA_SPLIT of whole
+//   warps up to 128.
 // qsa_sparse_merge(part_ml, part_o (as above), counts i32 [R], out bf16 [R, nq, hd], sel_cap, nq, hd)
 //   grid (R, nq, 1), block (B, 1, 1) for any B (hss.decls.qsa_device.merge_threads: hd rounded up to 32, at
 //   most 256). Folds the ceil(n / QSA_SPLIT) partials of (r, h) in split order: M = max m_s, w_s =
@@ -776,7 +777,7 @@ __device__ __forceinline__ void qsd_sparse_attn_body(
     hss_cp_wait<0>();   // this thread's V copies landed
     __syncthreads();    // everyone's, and P complete
 
-    // 5. O = P V for the n-tiles j = w, w + 8, ... over the split's 128 tokens (8 k-steps of 16), each k-step's
+    // 5. O = P V for the n-tiles j = w, w + 8, ... over the split's tokens (k-steps of 16), each k-step's
     //    hi and lo products summed from zero then added to the f32 O (no long tensor-core accumulation chain).
     {
         const u32 arow = (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;   // A: P rows, tokens

@@ -386,21 +386,22 @@ def test_graph_replays_equal_eager_steps(gpu, stream, rng):
 
 
 def test_programmatic_and_plain_launches_give_the_same_bits(gpu, stream, rng, monkeypatch):
-    """Where module qsa_device's sm_90 variant is served (compute capability 9.0 on; the emulator's is 9.0) the
-    step's kernels go through programmatic stream serialization, each waiting for the launch before it: eager and
-    graph-replayed steps give the bits of plain launches. ``HSS_QSA_NO_PDL=1`` builds plain launches."""
+    """With ``HSS_QSA_PDL=1``, where module qsa_device's sm_90 variant is served (compute capability 9.0 on; the
+    emulator's is 9.0), the step's kernels go through programmatic stream serialization, each waiting for the launch
+    before it: eager and graph-replayed steps give the bits of plain launches. Both sides project with
+    ``qsa_dev_qk`` (``HSS_QSA_QK_KERNEL=1``): one warp a column, the same bits in any batch."""
     n_layers, steps = 2, 6
     layers = [make_layer(rng, stream) for _ in range(n_layers)]
     cm.stream_sync(stream)
     lengths = [BOUND - 2, BOUND + 9] if not ON_GPU else [BOUND - 2, 4000]
     s = cm.CudaStream()
-    monkeypatch.setenv("HSS_QSA_NO_PDL", "1")
+    monkeypatch.setenv("HSS_QSA_QK_KERNEL", "1")
     plain = World(gpu, layers, lengths, s, 5, nq_attn=D["nq"])
-    monkeypatch.delenv("HSS_QSA_NO_PDL")
+    monkeypatch.setenv("HSS_QSA_PDL", "1")
     pdl, graphed = (World(gpu, layers, lengths, s, 5, nq_attn=D["nq"]) for _ in range(2))
     served = cm.compute_capability() >= (9, 0)
     assert not any(idx._dev.pdl for idx in plain.idx)
-    assert all(idx._dev.pdl == served for w in (pdl, graphed) for idx in w.idx)
+    assert all(idx._dev.pdl == served and idx._dev.qk_max_rows == 8 for w in (pdl, graphed) for idx in w.idx)
     inputs = [step_inputs(rng, n_layers, len(lengths), s) for _ in range(steps)]
     graphed.feed(*inputs[0])
     cm.begin_capture(s)
@@ -419,6 +420,10 @@ def test_programmatic_and_plain_launches_give_the_same_bits(gpu, stream, rng, mo
                 assert np.array_equal(wo, go), f"{name} step {i} layer {layer_i}: output bits differ from plain"
     for states in graphed.states:
         assert [st.sync(s) for st in states] == [n + steps for n in lengths]
+    with driver_work() as calls:   # the four kernels of a selection, programmatic where served
+        pdl.idx[0].decode_select_batch(pdl.states[0], pdl.normed[0], pdl.tables, BS, s)
+    launch = "cuLaunchKernelEx" if served else "cuLaunchKernel"
+    assert sorted(calls) == [launch] * 4 + ["cuMemcpyHtoDAsync"], calls
     # switched at run time: the same launches rebuilt
     idx = pdl.idx[0]
     idx._dev.use_pdl(False)
@@ -509,13 +514,11 @@ def test_first_capture_needs_partials_and_compositions_are_kept(gpu, stream, rng
         graph.launch(s)
         assert [st.ingested for st in pair] == [n + 1 for n in before]
         assert [st.sync(s) for st in pair] == [n + 1 for n in before], "the replay used the captured batch's slots"
-        # a steady batch: one slots copy and four launches per step (the qk projection is qsa_dev_qk for a
-        # batch of at most QK_MAX_ROWS), nothing re-validated
+        # a steady batch: one slots copy, three launches and the GEMM per step, nothing re-validated
         idx.decode_select_batch(pair, x, tables, BS, s, max_pages=mp)
         with driver_work() as calls:
             idx.decode_select_batch(pair, x, tables, BS, s, max_pages=mp)
-        launch = "cuLaunchKernelEx" if idx._dev.pdl else "cuLaunchKernel"   # programmatic where sm_90 PTX is served
-        assert sorted(calls) == [launch] * 4 + ["cuMemcpyHtoDAsync"], calls
+        assert sorted(calls) == ["cuLaunchKernel"] * 3 + ["cuMemcpyHtoDAsync"], calls
         graph.close()
         for st in states:
             idx.release_seq_state(st)

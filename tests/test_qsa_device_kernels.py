@@ -746,8 +746,8 @@ def test_contracts_are_enforced(fns, stream, rng):
         with pytest.raises(EmulatorError, match="dynamic shared memory"):
             launch(fns, kd.QSA_SPARSE_ATTN, kd.Geometry((1, 2, 1), (256, 1, 1), 1024), stream, q=bufs[0],
                    k_pool=bufs[1], v_pool=bufs[1], block_tables=bufs[2], tokens=bufs[2], counts=bufs[2],
-                   part_ml=bufs[3], part_o=bufs[3], max_pages=1, sel_cap=128, block_size=16, nq=8, nkv=2, hd=128,
-                   scale=1.0)
+                   part_ml=bufs[3], part_o=bufs[3], max_pages=1, sel_cap=kd.SPLIT, block_size=16, nq=8, nkv=2,
+                   hd=128, scale=1.0)
         with pytest.raises(EmulatorError, match="block"):
             launch(fns, kd.QSA_SPARSE_MERGE, kd.Geometry((1, 8, 1), (64, 1, 1), 0), stream, part_ml=bufs[3],
                    part_o=bufs[3], counts=bufs[2], out=bufs[0], sel_cap=128, nq=8, hd=128)

@@ -384,6 +384,12 @@ def test_constructor_pointer_and_env_errors(gpu, layer, monkeypatch):
     monkeypatch.setenv("HSS_QSA_MAX_TOKENS", "lots")
     with pytest.raises(HssError, match="HSS_QSA_MAX_TOKENS='lots' is not an integer"):
         QsaIndexer(*layer.bufs, **args)
+    monkeypatch.delenv("HSS_QSA_MAX_TOKENS")
+    for flag in ("HSS_QSA_PDL", "HSS_QSA_QK_KERNEL"):   # the device step's opt-ins: "1" or "0" / unset
+        monkeypatch.setenv(flag, "yes")
+        with pytest.raises(HssError, match=f"{flag}='yes' is not a flag; set it to 1"):
+            QsaIndexer(*layer.bufs, **args)
+        monkeypatch.delenv(flag)
     assert rec.calls == []
 
 

@@ -366,8 +366,8 @@ def qk_launch(kernel: simt.Kernel, act: np.ndarray, w: np.ndarray, rows: int | N
     return out
 
 
-@given(R=st.integers(1, kd.QK_MAX_ROWS), n=st.sampled_from([1, 4, 5, 9]), k=st.sampled_from([8, 13, 64, 300, 2560, 6408]),
-       data=st.data())
+@given(R=st.integers(1, kd.QK_MAX_ROWS), n=st.sampled_from([1, 4, 5, 9]),
+       k=st.sampled_from([8, 13, 64, 300, 2560, 6408]), data=st.data())
 def test_qk_matches_the_float64_reference(device, R, n, k, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     act, w = normal(rng, (R, k)), normal(rng, (n, k), k ** -0.5)

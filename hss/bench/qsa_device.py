@@ -8,11 +8,12 @@ Dims are Qwen3.8-Flash-Next's: hidden 2560, indexer 4 heads x 128, ratio 4, budg
 attention 24 q / 2 kv heads x 256, page size 16. Every sequence of a batch holds the same prefilled context
 (restored from one snapshot into its own buffers; pages of its own in the pools). Per (context, batch):
 
-* GPU time of each stage (the qk projection the step uses: ``qsa_dev_qk`` up to 8 rows, else the cuBLAS GEMM; the
-  cuBLAS GEMM beside it; ``qsa_dev_prep``, ``qsa_dev_score``, ``qsa_dev_topk``, ``qsa_sparse_attn``,
-  ``qsa_sparse_merge``): CUDA timing events around back-to-back launches queued behind a large memset;
-* ``step``: GPU time of one layer's whole step (the slots' copy, six kernels), replayed from a graph; ``step, plain
-  launches``: the same without programmatic dependent launch (where the sm_90 PTX serves it);
+* GPU time of each stage (the qk GEMM (cuBLAS), and ``qsa_dev_qk`` beside it for up to 8 rows; ``qsa_dev_prep``,
+  ``qsa_dev_score``, ``qsa_dev_topk``, ``qsa_sparse_attn``, ``qsa_sparse_merge``): CUDA timing events around
+  back-to-back launches queued behind a large memset;
+* ``step``: GPU time of one layer's whole step with the defaults (the slots' copy, the GEMM, five kernels),
+  replayed from a graph; ``step, opt-ins``: the same with ``qsa_dev_qk`` (up to 8 rows) and programmatic dependent
+  launch (where the sm_90 PTX serves it), the two settings ``HSS_QSA_QK_KERNEL=1`` and ``HSS_QSA_PDL=1`` turn on;
 * ``eager host``: host µs per eager step (the two calls, nothing synchronised); ``12-layer``: a graph of 12 layers'
   steps (12 indexers with their own states; the pools are shared): host µs per ``CudaGraph.launch`` and wall µs per
   token of back-to-back replays;
@@ -210,8 +211,8 @@ def _stages(c: _Context, R: int, gpu_t: _Gpu) -> dict[str, float]:
     dev, s, d = idx._dev, c.s, c.d
     x = c.normed.ptr
     out = {
-        "qk": gpu_t.us(lambda: dev.qk(x, R, s)),
-        "cublas_qk": gpu_t.us(lambda: idx._gemm(x, R, s)),
+        "qk": gpu_t.us(lambda: idx._gemm(x, R, s)),
+        "qk_kernel": _qk_kernel_us(dev, x, R, gpu_t),
         "prep": gpu_t.us(lambda: dev.run_prep(s, R, d["n_heads"] + 2)),
         "score": gpu_t.us(lambda: dev.run_score(s, dev.score_gx, R)),
         "topk": gpu_t.us(lambda: dev.run_topk(s, R)),
@@ -237,12 +238,23 @@ def _graph(c: _Context, R: int, layers: int) -> Any:
     return graph
 
 
-def _plain_step(c: _Context, R: int, gpu_t: _Gpu) -> float | None:
-    """GPU µs of one layer's graph-replayed step with plain launches (None where programmatic ones are not served)."""
-    dev = c.layers[0][0]._dev
-    if not dev.pdl:
+def _qk_kernel_us(dev: Any, x: int, R: int, gpu_t: _Gpu) -> float | None:
+    """GPU µs of ``qsa_dev_qk`` for the batch (None past its QK_MAX_ROWS rows)."""
+    from hss.decls import qsa_device as kd
+    if R > kd.QK_MAX_ROWS:
         return None
-    dev.use_pdl(False)
+    dev.qk_act.value, dev.qk_rows.value = x, R
+    return gpu_t.us(lambda: dev.run_qk(gpu_t.s, dev.qk_gx))
+
+
+def _opt_in_step(c: _Context, R: int, gpu_t: _Gpu) -> float | None:
+    """GPU µs of one layer's graph-replayed step with the opt-ins on: ``qsa_dev_qk`` for up to QK_MAX_ROWS rows
+    (``HSS_QSA_QK_KERNEL=1``) and programmatic launches where the sm_90 PTX is served (``HSS_QSA_PDL=1``)."""
+    from hss.decls import qsa_device as kd
+    dev = c.layers[0][0]._dev
+    rows, pdl = dev.qk_max_rows, dev.pdl
+    dev.qk_max_rows = kd.QK_MAX_ROWS
+    dev.use_pdl(True)
     try:
         g = _graph(c, R, 1)
         try:
@@ -250,7 +262,8 @@ def _plain_step(c: _Context, R: int, gpu_t: _Gpu) -> float | None:
         finally:
             g.close()
     finally:
-        dev.use_pdl(True)
+        dev.qk_max_rows = rows
+        dev.use_pdl(pdl)
 
 
 def _host_path(c: _Context, R: int, steps: int) -> float:
@@ -290,7 +303,7 @@ def _row(c: _Context, R: int, layers: int, gpu_t: _Gpu, smoke: bool, torch_ok: b
     g1 = _graph(c, R, 1)
     row["step_us"] = gpu_t.us(lambda: g1.launch(s))
     g1.close()
-    row["step_plain_us"] = _plain_step(c, R, gpu_t)
+    row["step_opt_us"] = _opt_in_step(c, R, gpu_t)
     n_host = (2, 1) if smoke else (20, 5)
     row["eager_host_us"] = host_us({"eager": Case(c.step(R), lambda: cm.stream_sync(s))}, batch=n_host[0],
                                    batches=n_host[1], warmup=2)["eager"].us
@@ -486,13 +499,13 @@ def _verdict(ok: bool | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| visible | batch | qk | cuBLAS qk | prep | score | top-k | attn | merge | step (graph) | "
-           "step, plain launches | eager host/step | graph layers | graph host/replay | graph wall/token |",
+    out = ["| visible | batch | qk GEMM | qsa_dev_qk | prep | score | top-k | attn | merge | step (graph) | "
+           "step, opt-ins | eager host/step | graph layers | graph host/replay | graph wall/token |",
            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['visible']} | {r['batch']} | {_f(r['qk_us'])} | {_f(r.get('cublas_qk_us'))} | " +
+        out.append(f"| {r['visible']} | {r['batch']} | {_f(r['qk_us'])} | {_f(r.get('qk_kernel_us'))} | " +
                    " | ".join(_f(r[f'{k}_us']) for k in STAGES[1:]) +
-                   f" | {_f(r['step_us'])} | {_f(r.get('step_plain_us'))} | {_f(r['eager_host_us'])} | "
+                   f" | {_f(r['step_us'])} | {_f(r.get('step_opt_us'))} | {_f(r['eager_host_us'])} | "
                    f"{r['layers']} | {_f(r['graph_host_us'])} | {_f(r['graph_wall_us'])} |")
     out += ["", "| visible | batch | hss device step | hss host path/step | torch eager/step | torch.topk | "
                 "device top-k | dense SDPA |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -39,7 +39,7 @@ from hss.cuda import _launch
 from hss.cuda.gpu import DevicePtr, launcher
 from hss.decls import qsa_device as kd
 from hss.errors import CudaError, HssError
-from hss.qsa.settings import block_size_arg, env_flag, f32_arg
+from hss.qsa.settings import block_size_arg, f32_arg
 
 if TYPE_CHECKING:
     from hss.qsa.indexer import QsaIndexer
@@ -110,7 +110,7 @@ class DeviceState:
     indexer's qk projection (m rows of attention inputs into its qk scratch)."""
 
     def __init__(self, idx: QsaIndexer, resources: IndexerResources, gemm: Any, max_seqs: int,
-                 nq_attn: int | None) -> None:
+                 nq_attn: int | None, pdl: bool = False, qk_kernel: bool = False) -> None:
         self.idx = weakref.proxy(idx)
         self.idx_ref = weakref.ref(idx)   # what a selection names as its owner
         self.resources = resources
@@ -151,12 +151,12 @@ class DeviceState:
         self.init_stream: cm.CudaStream | None = None
         try:
             self.init_stream = cm.CudaStream(getattr(gpu, "ctx", None))
-            self._prepare(idx, nq_attn)
+            self._prepare(idx, nq_attn, pdl, qk_kernel)
         except BaseException:
             self.close()
             raise
 
-    def _prepare(self, idx: QsaIndexer, nq_attn: int | None) -> None:
+    def _prepare(self, idx: QsaIndexer, nq_attn: int | None, pdl: bool, qk_kernel: bool) -> None:
         ptr_arg = self.resources.pointer_arg   # refuses other devices' memory
         self.normed_arg = ptr_arg("normed", None, 2, "bf16",
                                   what=f"the batch's attention inputs [R, hidden] = [R, {idx.hidden}] bf16")
@@ -170,12 +170,12 @@ class DeviceState:
         pool = "a paged cache [pages, block_size, nkv_attn, hd_attn] bf16, 16-byte aligned: at least one page"
         self.k_pool_arg = ptr_arg("k_pool", None, 16, "bf16", what=pool)
         self.v_pool_arg = ptr_arg("v_pool", None, 16, "bf16", what=pool)
-        self._kernels(idx)
+        self._kernels(idx, pdl, qk_kernel)
         if nq_attn is not None:
             self.ensure_partials(nq_attn, None)
 
     # -- kernels and prepared launches ----------------------------------------------------------------
-    def _kernels(self, idx: QsaIndexer) -> None:
+    def _kernels(self, idx: QsaIndexer, pdl: bool, qk_kernel: bool) -> None:
         gpu = self.gpu
         names = ("qsa_dev_qk", "qsa_dev_prep", "qsa_dev_score", "qsa_dev_topk", "qsa_sparse_attn", "qsa_sparse_merge")
         handles = [gpu.try_kernel(kd.MODULE, n) for n in names]
@@ -212,14 +212,16 @@ class DeviceState:
         self.kernels = handles
         self.score_gx = kd.score_geometry(1, self.max_blocks, n_heads, hd).grid[0]
         self.attn_ok = kd.attn_hd_problem(idx.hd_attn) is None
-        # programmatic dependent launch where the module's sm_90 variant (griddepcontrol) was served
+        # programmatic dependent launch where the module's sm_90 variant (griddepcontrol) was served, and the
+        # qsa_dev_qk projection for small batches: both opt-in until a device run has measured them
         self.pdl_served = getattr(getattr(prep.func, "module", None), "variant", None) == "sm_90"
-        self.use_pdl(not env_flag("HSS_QSA_NO_PDL", None))
+        self.qk_max_rows = kd.QK_MAX_ROWS if qk_kernel else 0
+        self.use_pdl(pdl)
 
     def use_pdl(self, on: bool) -> None:
         """(Re)build the step's prepared launches: with ``on`` and the module's sm_90 variant served, each kernel
         through programmatic stream serialization (its launch overlaps the kernel before it, which it waits for:
-        same bits), else plain. ``HSS_QSA_NO_PDL=1`` turns it off at construction."""
+        same bits), else plain (``HSS_QSA_PDL=1`` turns it on at the indexer's construction)."""
         qk, prep, score, topk, attn, merge = self.kernels
         idx, gpu, pdl = self.idx, self.gpu, bool(on) and self.pdl_served
         self.pdl = pdl
@@ -242,8 +244,9 @@ class DeviceState:
 
     def qk(self, x: int, R: int, s: int) -> None:
         """The step's qk projection of R checked rows at ``x`` into the qk scratch: ``qsa_dev_qk`` for batches of at
-        most ``QK_MAX_ROWS`` (faster than cuBLAS's m = R GEMM there), else the indexer's GEMM."""
-        if R <= kd.QK_MAX_ROWS:
+        most ``qk_max_rows`` (0 unless ``HSS_QSA_QK_KERNEL=1``: then ``QK_MAX_ROWS``), else the indexer's cuBLAS
+        GEMM."""
+        if R <= self.qk_max_rows:
             self.qk_act.value, self.qk_rows.value = x, R
             self.run_qk(s, self.qk_gx)
         else:

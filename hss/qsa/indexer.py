@@ -128,6 +128,8 @@ class QsaIndexer(Closeable):
                 raise HssError(f"QsaIndexer: nq_attn ({nq_attn}) must be a multiple of nkv_attn ({self.nkv_attn})")
         score_scalar = env_flag("HSS_QSA_SCORE_SCALAR", score_scalar)
         self.prefill_select_enabled = not env_flag("HSS_QSA_NO_PREFILL_SELECT", no_prefill_select)
+        # the device step's opt-ins (docs/design.md §17.2): programmatic launches, qsa_dev_qk for small batches
+        step_options = (env_flag("HSS_QSA_PDL", None), env_flag("HSS_QSA_QK_KERNEL", None))
         hd, qkw = self.hd, self.qk_width
         self.qk_proj_w = DevicePtr(_args.pointer(qk_proj_w, "qk_proj_w", qkw * self.hidden * 2, 2, "bf16",
                                                  what=f"[(n_heads + 1) * hd, hidden] = [{qkw}, {self.hidden}] bf16"))
@@ -150,7 +152,7 @@ class QsaIndexer(Closeable):
         self._finalizer = weakref.finalize(self, _free_all, res, self._states)
         try:
             self._prepare(score_scalar)
-            self._dev = device.DeviceState(self, res, self._gemm, self.max_seqs, nq_attn)
+            self._dev = device.DeviceState(self, res, self._gemm, self.max_seqs, nq_attn, *step_options)
             self._keys = KeyWriter(self, res, self._gemm, self._k_pool, self._dev)
         except BaseException:
             self.close()
