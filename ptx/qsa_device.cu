@@ -367,20 +367,48 @@ __device__ __forceinline__ void qsd_topk_keys(const float* __restrict__ row, u32
     }
 }
 
-// hist[digit] += 1 for each active lane (every lane of the warp calls it). Where the warp's active lanes share one
-// digit (equal scores, a narrow range of them) its first active lane adds their count with one atomic, else each
-// active lane adds 1 (on an H100 the sampler's radix counts ran faster so than aggregating equal digits with
-// __match_any_sync first; same-address atomics of a whole warp serialise, hence the uniform case).
+// hist[digit] += 1 for each active lane (every lane of the warp calls it); QSA_TOPK_HIST picks how a warp adds its
+// counted keys (the same counts in every case, so the same selection):
+//   0: where the warp's active lanes share one digit (equal scores, a narrow range of them) its first active lane
+//      adds their count with one atomic, else each active lane adds 1 (on an H100 the sampler's radix counts ran
+//      faster so than aggregating equal digits with __match_any_sync first; same-address atomics of a whole warp
+//      serialise, hence the uniform case);
+//   1: one atomic per distinct digit among the active lanes (__match_any_sync);
+//   2: up to QSA_TOPK_ROUNDS rounds of one atomic per distinct digit found by ballot (a pass over a few binades has
+//      few), then one atomic per lane for what is left.
+// 0 is the measured default; 1 and 2 are there to be timed against it (build with -DQSA_TOPK_HIST=1 or 2).
+#ifndef QSA_TOPK_HIST
+#define QSA_TOPK_HIST 0
+#endif
+#define QSA_TOPK_ROUNDS 4
 __device__ __forceinline__ void qsd_hist_add(u32* hist, u32 digit, bool active) {
     const u32 act = __ballot_sync(HSS_FULL_MASK, active);
     if (act == 0u) return;   // warp-uniform
+    const u32 lane = threadIdx.x & 31;
+#if QSA_TOPK_HIST == 1
+    const u32 peers = __match_any_sync(HSS_FULL_MASK, active ? digit : 0xffffffffu) & act;   // digits are < 256
+    if (active && lane == (u32)__ffs(peers) - 1) atomicAdd(hist + digit, (u32)__popc(peers));
+#elif QSA_TOPK_HIST == 2
+    u32 left = act;
+#pragma unroll
+    for (int round = 0; round < QSA_TOPK_ROUNDS; ++round) {
+        if (left == 0u) return;   // warp-uniform
+        const u32 lead = __ffs(left) - 1;
+        const u32 d0 = __shfl_sync(HSS_FULL_MASK, digit, lead);
+        const u32 same = __ballot_sync(HSS_FULL_MASK, digit == d0) & left;
+        if (lane == lead) atomicAdd(hist + d0, (u32)__popc(same));
+        left &= ~same;
+    }
+    if ((left >> lane) & 1u) atomicAdd(hist + digit, 1u);
+#else
     const u32 lead = __ffs(act) - 1;
     const u32 d0 = __shfl_sync(HSS_FULL_MASK, digit, lead);
     if (__all_sync(HSS_FULL_MASK, !active || digit == d0)) {
-        if ((threadIdx.x & 31) == lead) atomicAdd(hist + d0, (u32)__popc(act));
+        if (lane == lead) atomicAdd(hist + d0, (u32)__popc(act));
     } else if (active) {
         atomicAdd(hist + digit, 1u);
     }
+#endif
 }
 
 // Warp 0: the digit holding rank `krem` counted from the top of the 256-bin histogram `hist`:
