@@ -104,7 +104,9 @@ typedef unsigned long long u64;
 #define QSA_TOPK_THREADS 1024    // qsa_dev_topk: block
 #define QSA_TOPK_ITEMS 8         // qsa_dev_topk: consecutive blocks per thread in a tile
 #define QSA_TOPK_TILE (QSA_TOPK_THREADS * QSA_TOPK_ITEMS)
-#define QSA_SPLIT 128            // qsa_sparse_attn: tokens per split (fixed: the bits depend on it)
+#ifndef QSA_SPLIT                // qsa_sparse_attn: tokens per split (fixed: the bits depend on it; 128 or 64)
+#define QSA_SPLIT 128
+#endif
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
 #define QSA_ATTN_MAX_G 16        // qsa_sparse_attn: query heads per kv head (the 16 rows of an mma tile)
 #define QSA_ATTN_MAX_HD 256

@@ -13,8 +13,8 @@ test_qsa_device_kernels:
   attention under the bf16 rule, whatever the block; no token gives zeros.
 Every bound is shown to bite. Outputs start as 0xFF (NaN); the per-slot buffers ``desc`` points at sit between
 0xFF margins that must stay so. Rows left alone (a negative slot or position, a position at max_tokens, a row past
-score_stride) touch nothing, and a broken launch contract leaves all memory untouched. ``qsa_sparse_attn`` is not
-here: its tensor-core PTX (ldmatrix, mma, cp.async) does not run on the harness.
+score_stride) touch nothing, and a broken launch contract leaves all memory untouched. ``qsa_sparse_attn`` runs on
+the harness in test_simt_qsa_attn.
 """
 from __future__ import annotations
 

@@ -516,9 +516,11 @@ def test_writes_to_read_only_arrays_are_reported(harness):
 def test_rewrite_keeps_lines():
     src = ('extern __shared__ __align__(16) unsigned char buf[];\n// asm("not code");\n'
            'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n"\n :: "r"(s), "l"(g) : "memory");\nx;\n'
-           'asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));\n')
+           'asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));\n'
+           'asm volatile("red.global.add.u32 [%0], 1;" ::"l"(p));\n')
     out = simt.rewrite(src)
     assert out.count("\n") == src.count("\n")
     assert "unsigned char* const buf = static_cast<unsigned char*>(::simt::dynamic_shared());" in out
-    assert '// asm("not code");' in out and "cp.async" in out.splitlines()[2] and "::simt::unsupported" in out
+    assert '// asm("not code");' in out and out.splitlines()[2] == "::simt::cp_async16((uint32_t)(s), (g))"
     assert out.splitlines()[4] == "x;" and out.splitlines()[5] == "(void)0;"
+    assert out.splitlines()[6].startswith('::simt::unsupported("inline PTX `red.global.add.u32 [%0], 1`"')

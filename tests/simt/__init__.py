@@ -11,7 +11,9 @@ extents, and a write to a pointer the declaration only reads (or past a declared
 
 The source goes through one mechanical rewrite first (:func:`rewrite`): ``extern __shared__ T name[];`` becomes a
 pointer into the launch's dynamic shared memory, and inline PTX (``asm(...)``) a harness call: hints (prefetch)
-do nothing, ``%dynamic_smem_size`` reads the launch's size, any other statement fails when a thread reaches it.
+do nothing, ``%dynamic_smem_size`` reads the launch's size, hss's ``ldmatrix``, ``mma.sync`` (bf16 -> f32) and
+``cp.async`` statements (``ptx/hss_mma.cuh``, ``ptx/hss_async.cuh``) become warp calls and copies of the runtime,
+any other statement fails when a thread reaches it.
 What the runtime models and what not (races show only through :meth:`Kernel.__call__`'s ``schedule``; libm is
 glibc's, not CUDA's): ``simt.h``'s header comment.
 """
@@ -118,16 +120,46 @@ def _split_top(text: str, sep: str) -> list[str]:
     return [*parts, text[start:]]
 
 
+_LDMATRIX = re.compile(r"ldmatrix\.sync\.aligned\.m8n8\.x([124])(\.trans)?\.shared\.b16 \{[%0-9, ]+\}, \[%\d+\];")
+_MMA = re.compile(r"mma\.sync\.aligned\.m16n8k(16|8)\.row\.col\.f32\.bf16\.bf16\.f32 ")
+
+
+def _operands(sections: list[str], at: int) -> list[str]:
+    """The C expressions of the asm operands in section ``at`` (1: outputs, 2: inputs)."""
+    if len(sections) <= at or not sections[at].strip():
+        return []
+    return [re.sub(r'^\s*"[^"]*"\s*\((.*)\)\s*$', r"\1", o, flags=re.S) for o in _split_top(sections[at], ",")]
+
+
 def _asm_replacement(inner: str) -> str:
     sections = _split_top(inner, ":")
     template = "".join(re.findall(r'"((?:\\.|[^"\\])*)"', sections[0]))
-    outputs = [re.sub(r'^\s*"[^"]*"\s*\((.*)\)\s*$', r"\1", o, flags=re.S) for o in
-               (_split_top(sections[1], ",") if len(sections) > 1 and sections[1].strip() else [])]
-    t = " ".join(template.split())
+    outputs, inputs = _operands(sections, 1), _operands(sections, 2)
+    t = " ".join(template.replace("\\n", " ").replace("\\t", " ").split())
+    site = "::simt::Site{__FILE__, __LINE__}"
     if t.startswith("prefetch."):   # a cache hint
         return "(void)0"
     if t == "mov.u32 %0, %%dynamic_smem_size;":
         return f"(({outputs[0]}) = ::simt::dynamic_smem_size())"
+    m = _LDMATRIX.fullmatch(t)
+    if m:   # ldmatrix: the warp's row addresses, then each lane's registers
+        n = int(m[1])
+        stores = " ".join(f"({o}) = simt_r[{i}];" for i, o in enumerate(outputs))
+        return (f"do {{ uint32_t simt_r[4]; ::simt::ldmatrix(simt_r, (uint32_t)({inputs[0]}), {n}, "
+                f"{'true' if m[2] else 'false'}, {site}); {stores} }} while (0)")
+    m = _MMA.match(t)
+    if m:   # mma.sync: "+f" accumulators (outputs), then the A and B registers (inputs)
+        k = int(m[1])
+        na = 4 if k == 16 else 2
+        a, b = inputs[:na], inputs[na:]
+        stores = " ".join(f"({o}) = simt_d[{i}];" for i, o in enumerate(outputs))
+        return (f"do {{ float simt_d[4] = {{{', '.join(outputs)}}}; const uint32_t simt_a[{na}] = {{{', '.join(a)}}}; "
+                f"const uint32_t simt_b[{len(b)}] = {{{', '.join(b)}}}; ::simt::mma_bf16(simt_d, simt_a, {na}, "
+                f"simt_b, {len(b)}, {k}, {site}); {stores} }} while (0)")
+    if t == "cp.async.cg.shared.global [%0], [%1], 16;":
+        return f"::simt::cp_async16((uint32_t)({inputs[0]}), ({inputs[1]}))"
+    if t == "cp.async.commit_group;" or re.fullmatch(r"cp\.async\.wait_group %0;", t):
+        return "(void)0"
     what = t.split(";")[0].replace("\\", "\\\\").replace('"', '\\"')[:60]
     return f'::simt::unsupported("inline PTX `{what}`", __FILE__, __LINE__)'
 

@@ -22,7 +22,9 @@
 // sqrtf fmaf match the GPU's exactly; expf / exp2f / logf / sinf / rsqrtf and the other libm functions are
 // glibc's (within 1 ulp), not CUDA's (expf within 2 ulp, rsqrtf within 2 ulp, __expf and the other fast
 // intrinsics far coarser), so results at their rounding may differ from a GPU's. Inline PTX is rewritten by the
-// Python side: known hints become no-ops, %dynamic_smem_size a call here, anything else an error when reached.
+// Python side: known hints become no-ops, %dynamic_smem_size a call here, hss's ldmatrix (.x1/.x2/.x4, .trans),
+// mma.sync m16n8k16 / m16n8k8 bf16 -> f32 and cp.async (done at once; commit and wait no-ops) warp calls and copies
+// here (the mma sums in double and rounds once: not a GPU's bits), anything else an error when reached.
 // Not modelled: masks other than the full warp, clusters, cooperative groups, textures, printf ordering.
 #pragma once
 
@@ -983,6 +985,91 @@ inline unsigned atomicDec(unsigned* p, unsigned v) {
 }
 
 namespace simt {
+// ---- the tensor-core and async-copy PTX of ptx/hss_mma.cuh and ptx/hss_async.cuh (the Python side rewrites those
+// asm statements into these calls) -------------------------------------------------------------------------------
+// A shared-space address is the low 32 bits of a generic one (hss's headers truncate __cvta_generic_to_shared):
+// the static section or the dynamic buffer holding it gives back the whole pointer.
+inline char* shared_ptr(uint32_t s, size_t bytes) {
+    char* const regions[2][2] = {{__start_simt_shared, __stop_simt_shared}, {rt.dyn, rt.dyn + rt.dyn_bytes}};
+    for (auto& r : regions) {
+        if (!r[0] || r[1] <= r[0]) continue;
+        const uint64_t base = reinterpret_cast<uint64_t>(r[0]);
+        uint64_t cand = (base & ~0xffffffffull) | s;
+        if (cand < base) cand += 1ull << 32;
+        char* p = reinterpret_cast<char*>(cand);
+        if (p >= r[0] && p + bytes <= r[1]) return p;
+    }
+    fail("shared-space address 0x%08x (%zu bytes) is in neither static nor dynamic shared memory", s, bytes);
+}
+
+// One warp's fragments in flight: every lane posts its words, the warp meets, each lane reads what it needs, the warp
+// meets again before the slots can be reused.
+struct TensorSlots {
+    uint64_t word[32][10];
+};
+inline TensorSlots& tensor_slots() {
+    static TensorSlots slots[1024 / 32];
+    return slots[rt.cur->warp];
+}
+
+inline float bf16_lo(uint32_t w) { return simt_bits<float>(w << 16); }
+inline float bf16_hi(uint32_t w) { return simt_bits<float>(w & 0xffff0000u); }
+
+// ldmatrix .m8n8 .b16, `count` matrices (1, 2 or 4): lanes 8i .. 8i + 7 give matrix i's row addresses; register i
+// of lane l gets matrix i's row l / 4, elements 2(l % 4) .. +1 (trans: its column l / 4, rows 2(l % 4) .. +1).
+inline void ldmatrix(uint32_t* r, uint32_t s, int count, bool trans, Site site) {
+    TensorSlots& t = tensor_slots();
+    const int lane = rt.cur->lane;
+    t.word[lane][0] = s;
+    warp_call(SYNCWARP, 0xffffffffu, 0, 0, 32, site);
+    for (int i = 0; i < count; ++i) {
+        if (!trans) {
+            const char* row = shared_ptr((uint32_t)t.word[8 * i + lane / 4][0], 16);
+            memcpy(&r[i], row + 4 * (lane % 4), 4);
+        } else {
+            uint16_t lo, hi;
+            memcpy(&lo, shared_ptr((uint32_t)t.word[8 * i + 2 * (lane % 4)][0], 16) + 2 * (lane / 4), 2);
+            memcpy(&hi, shared_ptr((uint32_t)t.word[8 * i + 2 * (lane % 4) + 1][0], 16) + 2 * (lane / 4), 2);
+            r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+    }
+    warp_call(SYNCWARP, 0xffffffffu, 0, 0, 32, site);
+}
+
+// mma.sync .m16n8k16 / .m16n8k8 .row.col .f32.bf16.bf16.f32, D = A B + C in place (fragments as hss_mma.cuh says):
+// the products are exact, their sum with C is taken in double and rounded once to f32 (a GPU's tensor cores add in
+// an order and with a truncation of their own, so bits may differ from a GPU's: compare with bounds).
+inline void mma_bf16(float* d, const uint32_t* a, int na, const uint32_t* b, int nb, int k, Site site) {
+    TensorSlots& t = tensor_slots();
+    const int lane = rt.cur->lane, g = lane / 4, c = lane % 4;
+    for (int i = 0; i < na; ++i) t.word[lane][i] = a[i];
+    for (int i = 0; i < nb; ++i) t.word[lane][4 + i] = b[i];
+    warp_call(SYNCWARP, 0xffffffffu, 0, 0, 32, site);
+    // A[row][kk] and B[kk][col] from the lanes holding them
+    auto A = [&](int row, int kk) -> double {
+        const int reg = (row >= 8 ? 1 : 0) + (kk >= 8 ? 2 : 0), holder = 4 * (row % 8) + (kk % 8) / 2;
+        const uint32_t w = (uint32_t)t.word[holder][reg];
+        return (kk & 1) ? bf16_hi(w) : bf16_lo(w);
+    };
+    auto B = [&](int kk, int col) -> double {
+        const int reg = kk >= 8 ? 1 : 0, holder = 4 * col + (kk % 8) / 2;
+        const uint32_t w = (uint32_t)t.word[holder][4 + reg];
+        return (kk & 1) ? bf16_hi(w) : bf16_lo(w);
+    };
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + (e >= 2 ? 8 : 0), col = 2 * c + (e & 1);
+        double acc = d[e];
+        for (int kk = 0; kk < k; ++kk) acc += A(row, kk) * B(kk, col);
+        out[e] = (float)acc;
+    }
+    warp_call(SYNCWARP, 0xffffffffu, 0, 0, 32, site);
+    for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+// cp.async of 16 bytes: done at once (the wait is then a no-op; a missing wait or barrier shows only on a GPU).
+inline void cp_async16(uint32_t s, const void* g) { memcpy(shared_ptr(s, 16), g, 16); }
+
 inline void* dynamic_shared() { return rt.dyn; }
 inline unsigned dynamic_smem_size() { return (unsigned)rt.dyn_bytes; }
 [[noreturn]] inline void unsupported(const char* what, const char* file, int line) {
