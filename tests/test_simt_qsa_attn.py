@@ -5,7 +5,7 @@ rules of test_qsa_device_kernels: the float64 attention over the same token list
 zeros, invalid tokens (a negative page, a token past the table, a negative token) contribute nothing, and a request's
 bits depend neither on the batch nor on the thread schedule. The harness's mma sums in double and rounds once, so
 its bits are not a GPU's: the bounds, not the bits, are compared with the references. Every case also runs with
-64-token splits (``-DQSA_SPLIT=64``), the other split the kernel serves.
+64- and 32-token splits (``-DQSA_SPLIT=64``, ``32``), the other splits the kernel serves.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hss.reference import qsa_device as dref
 
 from helpers import BF16, assert_close
 
-SPLITS = (kd.SPLIT, 64)
+SPLITS = (kd.SPLIT, 64, 32)
 
 
 @pytest.fixture(scope="module", params=SPLITS, ids=lambda v: f"split{v}")
