@@ -146,6 +146,20 @@ __device__ __forceinline__ void qsd_qk_chunk(const __nv_bfloat16* __restrict__ p
     }
 }
 
+// acc[m] += chunk c of act row m . wf (elements ascending, f32 fma) for the rows m < rows.
+__device__ __forceinline__ void qsd_qk_rows(float (&acc)[QSA_QK_MAX_ROWS], const __nv_bfloat16* __restrict__ act,
+                                            u32 k, u32 c, u32 rows, bool avec, const float (&wf)[8]) {
+#pragma unroll
+    for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
+        if ((u32)m < rows) {   // uniform
+            float af[8];
+            qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(QSA_QK_THREADS)
     qsa_dev_qk(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w,
                __nv_bfloat16* __restrict__ out, u32 rows, u32 n, u32 k) {
@@ -184,30 +198,14 @@ extern "C" __global__ void __launch_bounds__(QSA_QK_THREADS)
                     wf[2 * j] = __uint_as_float(wb[j] << 16);
                     wf[2 * j + 1] = __uint_as_float(wb[j] & 0xffff0000u);
                 }
-#pragma unroll
-                for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
-                    if ((u32)m < rows) {   // uniform
-                        float af[8];
-                        qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
-                    }
-                }
+                qsd_qk_rows(acc, act, k, c, rows, avec, wf);
             }
         }
     } else {   // the same chunks in the same order, loaded one element at a time
         for (u32 c = lane; c < whole; c += 32) {
             float wf[8];
             qsd_qk_chunk(wr + 8 * (size_t)c, false, wf);
-#pragma unroll
-            for (int m = 0; m < QSA_QK_MAX_ROWS; ++m) {
-                if ((u32)m < rows) {   // uniform
-                    float af[8];
-                    qsd_qk_chunk(act + (size_t)m * k + 8 * (size_t)c, avec, af);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[m] = fmaf(af[j], wf[j], acc[m]);
-                }
-            }
+            qsd_qk_rows(acc, act, k, c, rows, avec, wf);
         }
     }
     if (k & 7) {   // the last, partial chunk: lane whole % 32's, as if it were whole

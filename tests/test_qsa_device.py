@@ -373,8 +373,13 @@ def test_graph_replays_equal_eager_steps(gpu, stream, rng):
     assert any(n <= BOUND < n + steps for n in lengths), "the run crosses the inert bound"
     for states in graphed.states:
         assert [st.sync(s) for st in states] == [n + steps for n in lengths], "device positions = mirrors"
+    close_all(graph, (eager, graphed), inputs, layers, s)
+
+
+def close_all(graph, worlds, inputs, layers, s) -> None:
+    """A graph test's teardown: the graph, the worlds, the step inputs, the layers' weights, the stream."""
     graph.close()
-    for w in (eager, graphed):
+    for w in worlds:
         w.close()
     for normed, q in inputs:
         for b in (*normed, *q):
@@ -430,16 +435,7 @@ def test_programmatic_and_plain_launches_give_the_same_bits(gpu, stream, rng, mo
     assert not idx._dev.pdl
     idx._dev.use_pdl(True)
     assert idx._dev.pdl == served
-    graph.close()
-    for w in (plain, pdl, graphed):
-        w.close()
-    for normed, q in inputs:
-        for b in (*normed, *q):
-            b.close()
-    for lay in layers:
-        for b in lay.bufs:
-            b.close()
-    s.close()
+    close_all(graph, (plain, pdl, graphed), inputs, layers, s)
 
 
 def test_replay_stops_at_max_tokens(gpu, stream, rng, layer):
