@@ -236,8 +236,10 @@ def _compile(main: str, files: dict[str, str], defines: dict[str, Any]) -> Progr
     cxx = compiler()
     if cxx is None:
         raise SimtError(skip_reason())
-    code = _CODE_SKIP.sub(lambda m: " " * len(m[0]), files[main])   # no kernel found in a comment
-    kernels = [(m[1], tuple(_param_name(p) for p in m[2].split(",") if p.strip())) for m in _KERNEL.finditer(code)]
+    kernels = []   # the main file's, then those of the headers it includes (qsa_indexer.cu's prefill kernels)
+    for name in (main, *sorted(set(files) - {main})):
+        code = _CODE_SKIP.sub(lambda m: " " * len(m[0]), files[name])   # no kernel found in a comment
+        kernels += [(m[1], tuple(_param_name(p) for p in m[2].split(",") if p.strip())) for m in _KERNEL.finditer(code)]
     if not kernels:
         raise SimtError(f"{main}: no __global__ function")
     launcher = "".join([f'#include "{main}"\n', *(f"SIMT_EXPORT({k})\n" for k, _ in kernels)])
