@@ -364,10 +364,16 @@ class Kernel:
 
     def __init__(self, program: Program, name: str, decl: Any = None) -> None:
         self.program, self.name, self.decl = program, name, decl
-        self.names = program.kernels[name]
         kinds_of = getattr(program.lib, f"simt_kinds_{name}")
         kinds_of.restype = ctypes.c_char_p
-        self.kinds = tuple(kinds_of().decode().split(",")) if self.names else ()
+        text = kinds_of().decode()
+        self.kinds = tuple(text.split(",")) if text else ()
+        self.names = program.kernels[name]
+        if len(self.names) != len(self.kinds):   # a parameter list spelled through a macro: the declaration names it
+            if decl is None:
+                raise SimtError(f"{name}: its parameters are written through a macro; pass its declaration "
+                                "(program.kernel(name, decl)) for their names")
+            self.names = tuple(decl.names)
         self._launch = getattr(program.lib, f"simt_launch_{name}")
         self._launch.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p]
         unknown = [f"{n} ({k})" for n, k in zip(self.names, self.kinds) if k not in ParamPack.KINDS]
