@@ -171,7 +171,13 @@ def test_score_rows_tc_matches_reference(mod, stream, rng, scale):
     full = _run_scores(mod, stream, q, keys, first_pos, ratio, n_blocks, stride, tc=True)
     again = _run_scores(mod, stream, q, keys, first_pos, ratio, n_blocks, stride, tc=True, chunk_groups=1)
     assert np.array_equal(full.view(np.uint32), again.view(np.uint32)), "qsa_score_rows_tc is not deterministic"
-    got, valid = _check_score_layout(full, rows, n_blocks, first_pos, ratio, "qsa_score_rows_tc")
+    check_score_tc(full, q, keys, first_pos, ratio, n_blocks)
+
+
+def check_score_tc(full, q, keys, first_pos, ratio, n_blocks) -> None:
+    """qsa_score_rows_tc's output [rows + 1, stride] against the staged reference under the derived split-q bound
+    (its layout checked), and the bound shown to bite (one head dropped)."""
+    got, valid = _check_score_layout(full, q.shape[0], n_blocks, first_pos, ratio, "qsa_score_rows_tc")
     want = ref.score_rows(q, keys, first_pos, ratio, n_blocks)
     tol = tc_bound(q, keys, want)
     assert_close(got, want, "f32", (1,), "qsa_score_rows_tc (derived split-q bound)", valid=valid, tol=tol)
@@ -179,17 +185,24 @@ def test_score_rows_tc_matches_reference(mod, stream, rng, scale):
                       "qsa_score_rows_tc, one head dropped")
 
 
-@given(data=st.data())
-def test_score_rows_tc_shapes(mod, stream, data):
-    rows = data.draw(st.integers(1, 100 if ON_GPU else 40), label="rows")
+def draw_score_tc_case(data, max_rows: int, max_first_pos: int) -> tuple:
+    """A random tensor-core scorer case: (q, keys, first_pos, ratio, n_blocks, stride, grid.y)."""
+    rows = data.draw(st.integers(1, max_rows), label="rows")
     ratio = data.draw(st.integers(1, 5), label="ratio")
-    first_pos = data.draw(st.integers(0, 900), label="first_pos")
+    first_pos = data.draw(st.integers(0, max_first_pos), label="first_pos")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     q, keys, n_max, _ = _score_case(rng, rows, first_pos, ratio, kq.TC_HEADS, kq.TC_HD,
                                     _std(data.draw(st.sampled_from(SCALES)), kq.TC_HD))
     n_blocks = data.draw(st.integers(1, max(n_max, 1)), label="n_blocks")
     stride = n_blocks + data.draw(st.integers(0, 6), label="stride extra")
     groups = data.draw(st.integers(1, ceil_div(n_blocks, kq.TC_BLOCKS)), label="grid.y")
+    return q, keys, first_pos, ratio, n_blocks, stride, groups
+
+
+@given(data=st.data())
+def test_score_rows_tc_shapes(mod, stream, data):
+    q, keys, first_pos, ratio, n_blocks, stride, groups = draw_score_tc_case(data, 100 if ON_GPU else 40, 900)
+    rows = q.shape[0]
     full = _run_scores(mod, stream, q, keys, first_pos, ratio, n_blocks, stride, tc=True, chunk_groups=groups)
     got, valid = _check_score_layout(full, rows, n_blocks, first_pos, ratio, "qsa_score_rows_tc")
     want = ref.score_rows(q, keys, first_pos, ratio, n_blocks)
@@ -303,10 +316,10 @@ def _lcg_bf16(n: int, state: int) -> tuple[np.ndarray, int]:
     return (vals.view(np.uint32) >> 16).astype(np.uint16).view(BF16), s
 
 
-@pytest.mark.parametrize("kernel", ATTN_KERNELS)
-def test_prefill_attn_original_small_case(mod, stream, kernel):
-    """The upstream attention test (docs/design.md §14): rows 3, nq 24, nkv 2, hd 256, ratio 4, topk 8, bs 16, first_pos
-    41, list_r[i] = (5i + r) mod 10 (duplicates included), identity table, LCG data (seed 1; q, then K, then V)."""
+def original_small_case() -> tuple[tuple, int, int, float]:
+    """The upstream attention test's inputs (docs/design.md §14): rows 3, nq 24, nkv 2, hd 256, ratio 4, topk 8,
+    bs 16, first_pos 41, list_r[i] = (5i + r) mod 10 (duplicates included), identity table, LCG data (seed 1; q,
+    then K, then V). Returns ((q, k_cache, v_cache, table, lists), first_pos, ratio, 1/sqrt(hd) as f32)."""
     rows, nq, nkv, hd, ratio, topk, bs, first_pos = 3, 24, 2, 256, 4, 8, 16, 41
     pages = ceil_div(first_pos + rows, bs)
     s = 1
@@ -316,7 +329,13 @@ def test_prefill_attn_original_small_case(mod, stream, kernel):
     case = (q.reshape(rows, nq, hd), k.reshape(pages, bs, nkv, hd), v.reshape(pages, bs, nkv, hd),
             np.arange(pages, dtype=np.int32),
             np.array([[(5 * i + r) % 10 for i in range(topk)] for r in range(rows)], dtype=np.int32))
-    inv = float(np.float32(hd ** -0.5))
+    return case, first_pos, ratio, float(np.float32(hd ** -0.5))
+
+
+@pytest.mark.parametrize("kernel", ATTN_KERNELS)
+def test_prefill_attn_original_small_case(mod, stream, kernel):
+    """The upstream attention test (docs/design.md §14, :func:`original_small_case`)."""
+    case, first_pos, ratio, inv = original_small_case()
     got = _run_attn(mod, stream, kernel, *case, first_pos, ratio, inv)
     want = ref.prefill_attn(*case, first_pos, ratio, inv)
     assert_close(got, want, "bf16", (2,), f"qsa_prefill_attn ({kernel}), docs/design.md §14 case")
@@ -326,25 +345,31 @@ def test_prefill_attn_original_small_case(mod, stream, kernel):
                  f"qsa_prefill_attn ({kernel}) docs/design.md §14 case, heaviest token dropped")
 
 
-@given(data=st.data())
-@pytest.mark.parametrize("kernel", ATTN_KERNELS)
-def test_prefill_attn_shapes(mod, stream, kernel, data):
+def draw_attn_case(data, kernel: str, max_nkv: int, block_sizes: list, max_topk: int, max_rows: int,
+                   extra_pos: int) -> tuple:
+    """A random prefill attention case for ``kernel``: ((q, k_cache, v_cache, table, lists), first_pos, ratio, inv)."""
     if kernel == "tc":
         hd = data.draw(st.sampled_from(kq.ATTN_TC_HD), label="hd")
         group = data.draw(st.integers(1, kq.ATTN_TC_MAX_GROUP), label="group")
     else:
         hd = data.draw(st.sampled_from([32, 64, 96, 128, 160, 224, 256]), label="hd")
         group = data.draw(st.integers(1, 13), label="group")
-    nkv = data.draw(st.integers(1, 3), label="nkv")
+    nkv = data.draw(st.integers(1, max_nkv), label="nkv")
     ratio = data.draw(st.integers(1, 5), label="ratio")
-    bs = data.draw(st.sampled_from([1, 3, 8, 16, 32]), label="block_size")
-    topk = data.draw(st.integers(0, 40 if ON_GPU else 12), label="topk")
-    rows = data.draw(st.integers(1, 4), label="rows")
-    first_pos = data.draw(st.integers(max(topk * ratio - 1, 0), topk * ratio + 60), label="first_pos")
+    bs = data.draw(st.sampled_from(block_sizes), label="block_size")
+    topk = data.draw(st.integers(0, max_topk), label="topk")
+    rows = data.draw(st.integers(1, max_rows), label="rows")
+    first_pos = data.draw(st.integers(max(topk * ratio - 1, 0), topk * ratio + extra_pos), label="first_pos")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     case = _attn_case(rng, rows, group * nkv, nkv, hd, topk, ratio, bs, first_pos,
                       _std(data.draw(st.sampled_from(SCALES), label="scale"), hd))
-    inv = float(np.float32(hd ** -0.5))
+    return case, first_pos, ratio, float(np.float32(hd ** -0.5))
+
+
+@given(data=st.data())
+@pytest.mark.parametrize("kernel", ATTN_KERNELS)
+def test_prefill_attn_shapes(mod, stream, kernel, data):
+    case, first_pos, ratio, inv = draw_attn_case(data, kernel, 3, [1, 3, 8, 16, 32], 40 if ON_GPU else 12, 4, 60)
     got = _run_attn(mod, stream, kernel, *case, first_pos, ratio, inv)
     assert_close(got, ref.prefill_attn(*case, first_pos, ratio, inv), "bf16", (2,), f"qsa_prefill_attn ({kernel})")
 

@@ -14,16 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_qsa_prefill_kernels import (
     SCALES,
-    _assert_bites_tol,
     _attn_case,
     _check_score_layout,
     _drop_heaviest_token,
-    _lcg_bf16,
     _score_case,
     _std,
+    check_score_tc,
+    draw_attn_case,
+    draw_score_tc_case,
+    original_small_case,
 )
 
-from hss._util import ceil_div
 from hss.decls import qsa_prefill as kq
 from hss.reference import qsa_prefill as ref
 
@@ -67,26 +68,14 @@ def test_score_rows_tc_matches_the_reference(program, rng, scale):
     full = scores_tc(program, q, keys, first_pos, ratio, n_blocks, stride)
     again = scores_tc(program, q, keys, first_pos, ratio, n_blocks, stride, groups=1, schedule=int(rng.integers(99)))
     assert np.array_equal(full.view(np.uint32), again.view(np.uint32)), "the bits depend on grid.y or the schedule"
-    got, valid = _check_score_layout(full, rows, n_blocks, first_pos, ratio, "qsa_score_rows_tc")
-    want = ref.score_rows(q, keys, first_pos, ratio, n_blocks)
-    tol = tc_bound(q, keys, want)
-    assert_close(got, want, "f32", (1,), "qsa_score_rows_tc", valid=valid, tol=tol)
-    _assert_bites_tol(got, ref.score_rows(q[:, 1:], keys, first_pos, ratio, n_blocks), tol, valid,
-                      "qsa_score_rows_tc, one head dropped")
+    check_score_tc(full, q, keys, first_pos, ratio, n_blocks)
 
 
 @settings(max_examples=max(4, settings().max_examples // 4))
 @given(data=st.data())
 def test_score_rows_tc_shapes(program, data):
-    rows = data.draw(st.integers(1, 24), label="rows")
-    ratio = data.draw(st.integers(1, 5), label="ratio")
-    first_pos = data.draw(st.integers(0, 300), label="first_pos")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
-    q, keys, n_max, _ = _score_case(rng, rows, first_pos, ratio, kq.TC_HEADS, kq.TC_HD,
-                                    _std(data.draw(st.sampled_from(SCALES)), kq.TC_HD))
-    n_blocks = data.draw(st.integers(1, max(n_max, 1)), label="n_blocks")
-    stride = n_blocks + data.draw(st.integers(0, 6), label="stride extra")
-    groups = data.draw(st.integers(1, ceil_div(n_blocks, kq.TC_BLOCKS)), label="grid.y")
+    q, keys, first_pos, ratio, n_blocks, stride, groups = draw_score_tc_case(data, 24, 300)
+    rows = q.shape[0]
     full = scores_tc(program, q, keys, first_pos, ratio, n_blocks, stride, groups)
     got, valid = _check_score_layout(full, rows, n_blocks, first_pos, ratio, "qsa_score_rows_tc")
     want = ref.score_rows(q, keys, first_pos, ratio, n_blocks)
@@ -108,16 +97,7 @@ def test_prefill_attn_tc_gqa_12_to_1(program, rng, scale):
 
 def test_prefill_attn_tc_original_small_case(program):
     """The upstream attention test (docs/design.md §14; test_qsa_prefill_kernels has it on the device)."""
-    rows, nq, nkv, hd, ratio, topk, bs, first_pos = 3, 24, 2, 256, 4, 8, 16, 41
-    pages = ceil_div(first_pos + rows, bs)
-    s = 1
-    q, s = _lcg_bf16(rows * nq * hd, s)
-    k, s = _lcg_bf16(pages * bs * nkv * hd, s)
-    v, s = _lcg_bf16(pages * bs * nkv * hd, s)
-    case = (q.reshape(rows, nq, hd), k.reshape(pages, bs, nkv, hd), v.reshape(pages, bs, nkv, hd),
-            np.arange(pages, dtype=np.int32),
-            np.array([[(5 * i + r) % 10 for i in range(topk)] for r in range(rows)], dtype=np.int32))
-    inv = float(np.float32(hd ** -0.5))
+    case, first_pos, ratio, inv = original_small_case()
     got = attn_tc(program, *case, first_pos, ratio, inv)
     want = ref.prefill_attn(*case, first_pos, ratio, inv)
     assert_close(got, want, "bf16", (2,), "qsa_prefill_attn_tc, docs/design.md §14 case")
@@ -128,17 +108,6 @@ def test_prefill_attn_tc_original_small_case(program):
 @settings(max_examples=max(4, settings().max_examples // 4))
 @given(data=st.data())
 def test_prefill_attn_tc_shapes(program, data):
-    hd = data.draw(st.sampled_from(kq.ATTN_TC_HD), label="hd")
-    group = data.draw(st.integers(1, kq.ATTN_TC_MAX_GROUP), label="group")
-    nkv = data.draw(st.integers(1, 2), label="nkv")
-    ratio = data.draw(st.integers(1, 5), label="ratio")
-    bs = data.draw(st.sampled_from([1, 3, 8, 16]), label="block_size")
-    topk = data.draw(st.integers(0, 8), label="topk")
-    rows = data.draw(st.integers(1, 3), label="rows")
-    first_pos = data.draw(st.integers(max(topk * ratio - 1, 0), topk * ratio + 40), label="first_pos")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
-    case = _attn_case(rng, rows, group * nkv, nkv, hd, topk, ratio, bs, first_pos,
-                      _std(data.draw(st.sampled_from(SCALES), label="scale"), hd))
-    inv = float(np.float32(hd ** -0.5))
+    case, first_pos, ratio, inv = draw_attn_case(data, "tc", 2, [1, 3, 8, 16], 8, 3, 40)
     got = attn_tc(program, *case, first_pos, ratio, inv)
     assert_close(got, ref.prefill_attn(*case, first_pos, ratio, inv), "bf16", (2,), "qsa_prefill_attn_tc")
