@@ -386,7 +386,7 @@ extern "C" __global__ void write_past_dynamic(int n) {
 extern "C" __global__ void divide(int* out, int n) { out[threadIdx.x] = 100 / n; }
 extern "C" __global__ void inline_ptx(float* out) {
     float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(out[0]));
+    asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(out[0]));
     out[0] = r;
 }
 """
@@ -496,7 +496,7 @@ def test_indices_of_a_3d_launch(harness):
     ("write_past_dynamic", (10,), 10, r"a write past the 10 bytes of dynamic shared memory"),
     ("write_past_dynamic", (4096,), 4096, r"past the 4096 bytes of dynamic shared memory"),
     ("divide", (np.zeros(64, np.int32), 0), 0, r"integer division by zero"),
-    ("inline_ptx", (np.zeros(1, np.float32),), 0, r"inline PTX `ex2.approx.ftz.f32 %0, %1` \(harness.cu:\d+\)"),
+    ("inline_ptx", (np.zeros(1, np.float32),), 0, r"inline PTX `lg2.approx.f32 %0, %1` \(harness.cu:\d+\)"),
 ])
 def test_kernel_bugs_are_reported(harness, name, args, shared, message):
     with pytest.raises(simt.SimtError, match=message):

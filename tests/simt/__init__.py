@@ -13,7 +13,8 @@ The source goes through one mechanical rewrite first (:func:`rewrite`): ``extern
 pointer into the launch's dynamic shared memory, and inline PTX (``asm(...)``) a harness call: hints (prefetch)
 do nothing, ``%dynamic_smem_size`` reads the launch's size, hss's ``ldmatrix``, ``mma.sync`` (bf16 -> f32) and
 ``cp.async`` statements (``ptx/hss_mma.cuh``, ``ptx/hss_async.cuh``) become warp calls and copies of the runtime,
-any other statement fails when a thread reaches it.
+``hss_headscore.cuh``'s .ftz arithmetic its flush-to-zero functions, any other statement fails when a thread reaches
+it.
 What the runtime models and what not (races show only through :meth:`Kernel.__call__`'s ``schedule``; libm is
 glibc's, not CUDA's): ``simt.h``'s header comment.
 """
@@ -156,6 +157,11 @@ def _asm_replacement(inner: str) -> str:
         return (f"do {{ float simt_d[4] = {{{', '.join(outputs)}}}; const uint32_t simt_a[{na}] = {{{', '.join(a)}}}; "
                 f"const uint32_t simt_b[{len(b)}] = {{{', '.join(b)}}}; ::simt::mma_bf16(simt_d, simt_a, {na}, "
                 f"simt_b, {len(b)}, {k}, {site}); {stores} }} while (0)")
+    m = re.fullmatch(r"(sub|mul|add)\.ftz\.f32 %0, %1, %2;", t)
+    if m:   # hss_headscore.cuh's flush-to-zero arithmetic
+        return f"(({outputs[0]}) = ::simt::{m[1]}_ftz(({inputs[0]}), ({inputs[1]})))"
+    if t == "ex2.approx.ftz.f32 %0, %1;":
+        return f"(({outputs[0]}) = ::simt::ex2_ftz({inputs[0]}))"
     if t == "cp.async.cg.shared.global [%0], [%1], 16;":
         return f"::simt::cp_async16((uint32_t)({inputs[0]}), ({inputs[1]}))"
     if t == "cp.async.commit_group;" or re.fullmatch(r"cp\.async\.wait_group %0;", t):

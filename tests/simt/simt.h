@@ -24,7 +24,8 @@
 // intrinsics far coarser), so results at their rounding may differ from a GPU's. Inline PTX is rewritten by the
 // Python side: known hints become no-ops, %dynamic_smem_size a call here, hss's ldmatrix (.x1/.x2/.x4, .trans),
 // mma.sync m16n8k16 / m16n8k8 bf16 -> f32 and cp.async (done at once; commit and wait no-ops) warp calls and copies
-// here (the mma sums in double and rounds once: not a GPU's bits), anything else an error when reached.
+// here (the mma sums in double and rounds once: not a GPU's bits), the .ftz f32 add / sub / mul / ex2.approx of
+// hss_headscore.cuh calls here, anything else an error when reached.
 // Not modelled: masks other than the full warp, clusters, cooperative groups, textures, printf ordering.
 #pragma once
 
@@ -1066,6 +1067,14 @@ inline void mma_bf16(float* d, const uint32_t* a, int na, const uint32_t* b, int
     warp_call(SYNCWARP, 0xffffffffu, 0, 0, 32, site);
     for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
+
+// .ftz f32 arithmetic (hss_headscore.cuh): subnormal inputs and results flushed to a zero of their sign; ex2.approx
+// is glibc's exp2f (a GPU's is within 2 ulp of it: compare with bounds).
+inline float ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
+inline float sub_ftz(float a, float b) { return ftz(ftz(a) - ftz(b)); }
+inline float mul_ftz(float a, float b) { return ftz(ftz(a) * ftz(b)); }
+inline float add_ftz(float a, float b) { return ftz(ftz(a) + ftz(b)); }
+inline float ex2_ftz(float x) { return ftz(exp2f(ftz(x))); }
 
 // cp.async of 16 bytes: done at once (the wait is then a no-op; a missing wait or barrier shows only on a GPU).
 inline void cp_async16(uint32_t s, const void* g) { memcpy(shared_ptr(s, 16), g, 16); }
