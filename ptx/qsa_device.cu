@@ -104,7 +104,7 @@ typedef unsigned long long u64;
 #define QSA_TOPK_THREADS 1024    // qsa_dev_topk: block
 #define QSA_TOPK_ITEMS 8         // qsa_dev_topk: consecutive blocks per thread in a tile
 #define QSA_TOPK_TILE (QSA_TOPK_THREADS * QSA_TOPK_ITEMS)
-#ifndef QSA_SPLIT                // qsa_sparse_attn: tokens per split (fixed: the bits depend on it; 128 or 64)
+#ifndef QSA_SPLIT                // qsa_sparse_attn: tokens per split (fixed: the bits depend on it; 128, 64 or 32)
 #define QSA_SPLIT 128
 #endif
 #define QSA_ATTN_THREADS 256     // qsa_sparse_attn: 8 warps
@@ -130,16 +130,20 @@ __device__ __forceinline__ bool qsd_row(const int* __restrict__ slots, const int
 // ------------------------------------------------------------------------------------------------
 // qsa_dev_qk
 // ------------------------------------------------------------------------------------------------
+// The eight bf16 of a 16-byte word as f32 (element 0 in the low half of the first word).
+__device__ __forceinline__ void qsd_bf16x8(const uint4 v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = __uint_as_float(w[j] << 16);
+        f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
 // Eight bf16 from 16-byte-aligned memory, or (unaligned) one by one: the same values either way.
 __device__ __forceinline__ void qsd_qk_chunk(const __nv_bfloat16* __restrict__ p, bool vec, float (&f)[8]) {
     if (vec) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            f[2 * j] = __uint_as_float(w[j] << 16);
-            f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-        }
+        qsd_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), f);
     } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(p[j]);
@@ -191,13 +195,8 @@ extern "C" __global__ void __launch_bounds__(QSA_QK_THREADS)
             for (int b = 0; b < QSA_QK_AHEAD; ++b) {
                 const u32 c = c0 + 32 * b;
                 if (c >= whole) break;
-                const u32 wb[4] = {wv[b].x, wv[b].y, wv[b].z, wv[b].w};
                 float wf[8];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    wf[2 * j] = __uint_as_float(wb[j] << 16);
-                    wf[2 * j + 1] = __uint_as_float(wb[j] & 0xffff0000u);
-                }
+                qsd_bf16x8(wv[b], wf);
                 qsd_qk_rows(acc, act, k, c, rows, avec, wf);
             }
         }

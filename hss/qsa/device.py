@@ -210,7 +210,6 @@ class DeviceState:
                                                     "block_size", "nq", "scale"))
         self.merge_out, self.merge_nq = m.slot("out"), m.slot("nq")
         self.kernels = handles
-        self.score_gx = kd.score_geometry(1, self.max_blocks, n_heads, hd).grid[0]
         self.attn_ok = kd.attn_hd_problem(idx.hd_attn) is None
         # programmatic dependent launch where the module's sm_90 variant (griddepcontrol) was served, and the
         # qsa_dev_qk projection for small batches: both opt-in until a device run has measured them
@@ -230,6 +229,7 @@ class DeviceState:
         # geometry: the declarations' (the grids' R, and nq for the merge, are the only per-call parts)
         g_prep = kd.prep_geometry(1, idx.n_heads, idx.hd)
         g_score = kd.score_geometry(1, self.max_blocks, idx.n_heads, idx.hd)
+        self.score_gx = g_score.grid[0]
         g_topk = kd.topk_geometry(1, self.max_blocks)
         self.run_prep = launcher(gpu, prep, g_prep.block, g_prep.shared, self.prep_pack, pdl)
         self.run_score = launcher(gpu, score, g_score.block, g_score.shared, self.score_pack, pdl)
